@@ -1,0 +1,34 @@
+"""Layer 2: the MoK functional API, its config and workspace, and the backends behind them."""
+
+from .api import backward, build_schedule, check_errors, forward, recompute_forward_context
+from .autograd import moe
+from .config import MoKConfig
+from .schedule import MoKSchedule
+from .types import ExpertWeights, MoKGradients
+from .workspace import (
+    MoKCapacityError,
+    MoKWorkspace,
+    clear_workspace_cache,
+    create_workspace,
+    get_workspace,
+    workspace_bytes,
+)
+
+__all__ = [
+    "MoKConfig",
+    "MoKWorkspace",
+    "MoKSchedule",
+    "MoKGradients",
+    "MoKCapacityError",
+    "ExpertWeights",
+    "create_workspace",
+    "get_workspace",
+    "clear_workspace_cache",
+    "workspace_bytes",
+    "build_schedule",
+    "forward",
+    "backward",
+    "recompute_forward_context",
+    "check_errors",
+    "moe",
+]

@@ -1,0 +1,229 @@
+"""The functional API every backend meets (DESIGN.md, "The functional API").
+
+``build_schedule`` → ``forward`` → ``backward`` (or ``recompute_forward_context`` first, for
+activation checkpointing). Each call is a collective over the workspace's expert-parallel group.
+This module checks every input and hands the call to ``ws.backend``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import MoKConfig
+from .schedule import MoKSchedule
+from .types import ExpertWeights, MoKGradients
+from .workspace import MoKWorkspace
+
+__all__ = ["build_schedule", "forward", "backward", "recompute_forward_context", "check_errors"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def build_schedule(
+    ws: MoKWorkspace,
+    config: MoKConfig,
+    topk_experts: torch.Tensor,
+    num_local_experts: int | None = None,
+) -> MoKSchedule:
+    """Gather every rank's routing and plan this rank's rows; no host sync.
+
+    topk_experts: [T, K], int64 global expert ids, -1 = empty slot; T <= ws.num_local_tokens.
+    An expert id out of range, or routing over the schedule's capacity, raises at the next
+    host-visible point (at once on CPU).
+    """
+    _check_config(ws, config)
+    if num_local_experts is not None and num_local_experts != ws.num_local_experts:
+        raise ValueError(
+            f"num_local_experts={num_local_experts} but the workspace has "
+            f"{ws.num_experts} experts over {ws.num_ranks} ranks = {ws.num_local_experts} each"
+        )
+    _check_tensor("topk_experts", topk_experts, ws, dtypes=(torch.int64,), ndim=2)
+    _check_tokens("topk_experts", topk_experts, ws)
+    if topk_experts.shape[1] != ws.topk:
+        raise ValueError(
+            f"topk_experts has {topk_experts.shape[1]} slots per token but the workspace was made "
+            f"for topk={ws.topk}"
+        )
+    ws.monitor.poll()
+    sched = ws.backend.build_schedule(ws, topk_experts)
+    ws.monitor.submit(sched.error_flags, "mok build_schedule")
+    return sched
+
+
+def forward(
+    config: MoKConfig,
+    ws: MoKWorkspace,
+    sched: MoKSchedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: Any,
+    w_shared_up: Any,
+    w_shared_down: Any,
+    w_routed_gate: Any,
+    w_routed_up: Any,
+    w_routed_down: Any,
+) -> tuple[torch.Tensor, Any]:
+    """out[t] = Σ_k router_weights[t, k] · FFN_{e(t, k)}(x[t]) + FFN_shared(x[t]).
+
+    x: [T, H]; router_weights: [T, K], float32; routed weights [E_l, I, H], [E_l, I, H],
+    [E_l, H, I] (tensors or MXFP8 tuples from ``ops.mxfp8_quantize``); shared weights [I_s, H],
+    [I_s, H], [H, I_s] or all None. Returns ``out: [T, H]`` in x's dtype and the backend's context.
+    """
+    shared, routed = _check_call(config, ws, sched, x, router_weights,
+                                 (w_shared_gate, w_shared_up, w_shared_down),
+                                 (w_routed_gate, w_routed_up, w_routed_down))  # fmt: skip
+    return ws.backend.forward(ws, sched, x, router_weights, shared, routed)
+
+
+def recompute_forward_context(config, ws, sched, x, router_weights, *weights) -> Any:
+    """Rebuild the context ``forward`` would have returned (activation checkpointing).
+
+    Takes the same arguments as ``forward``; the output is recomputed and dropped.
+    """
+    return forward(config, ws, sched, x, router_weights, *weights)[1]
+
+
+def backward(
+    config: MoKConfig,
+    ws: MoKWorkspace,
+    sched: MoKSchedule,
+    ctx: Any,
+    d_out: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: Any,
+    w_shared_up: Any,
+    w_shared_down: Any,
+    w_routed_gate: Any,
+    w_routed_up: Any,
+    w_routed_down: Any,
+) -> MoKGradients:
+    """All eight gradients of ``forward`` (``MoKGradients``, unpacks in the documented order).
+
+    d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for MXFP8).
+    """
+    shared_in = (w_shared_gate, w_shared_up, w_shared_down)
+    routed_in = (w_routed_gate, w_routed_up, w_routed_down)
+    shared, routed = _check_call(config, ws, sched, x, router_weights, shared_in, routed_in)
+    _check_tensor("d_out", d_out, ws, dtypes=(x.dtype,), ndim=2)
+    if d_out.shape != x.shape:
+        raise ValueError(f"d_out has shape {tuple(d_out.shape)}, expected x's {tuple(x.shape)}")
+    grads = ws.backend.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed)
+    return _cast_weight_grads(grads, shared_in, routed_in, x.dtype)
+
+
+def check_errors(ws: MoKWorkspace) -> None:
+    """Wait for the device-side error flags of earlier calls and raise if any is set."""
+    ws.check_errors()
+
+
+# ------------------------------------------------------------------------------ validation
+def _check_call(config, ws, sched, x, router_weights, shared_in, routed_in):
+    _check_config(ws, config)
+    _check_tensor("x", x, ws, dtypes=_FLOAT_DTYPES, ndim=2)
+    _check_tokens("x", x, ws)
+    if x.shape[0] != sched.num_tokens:
+        raise ValueError(
+            f"x has {x.shape[0]} tokens but the schedule was built for {sched.num_tokens}"
+        )
+    if x.shape[1] != ws.hidden_size:
+        raise ValueError(f"x has hidden size {x.shape[1]}, the workspace {ws.hidden_size}")
+    rw_dtypes = (torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.float32,)
+    _check_tensor("router_weights", router_weights, ws, dtypes=rw_dtypes, ndim=2)
+    if router_weights.shape != (x.shape[0], ws.topk):
+        raise ValueError(
+            f"router_weights has shape {tuple(router_weights.shape)}; it must match "
+            f"topk_experts' [T, K] = [{x.shape[0]}, {ws.topk}]"
+        )
+    e_l, h, i = ws.num_local_experts, ws.hidden_size, ws.intermediate_size
+    routed = _expert_weights("w_routed", routed_in, ws, x.dtype, [(e_l, i, h)] * 2 + [(e_l, h, i)])
+    shared = None
+    if any(w is not None for w in shared_in):
+        if any(w is None for w in shared_in):
+            raise ValueError("pass all three shared-expert weights or none of them")
+        i_s = _dense_shape(shared_in[0])[0]
+        shared = _expert_weights("w_shared", shared_in, ws, x.dtype, [(i_s, h)] * 2 + [(h, i_s)])
+    return shared, routed
+
+
+def _expert_weights(prefix, weights, ws, dtype, shapes) -> ExpertWeights:
+    dense = []
+    for role, w, shape in zip(("gate", "up", "down"), weights, shapes):
+        name = f"{prefix}_{role}"
+        w = _dequantize_if_mxfp8(w, dtype)
+        _check_tensor(name, w, ws, dtypes=(dtype,), ndim=len(shape))
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
+        dense.append(w)
+    return ExpertWeights(*dense)
+
+
+def _dense_shape(w) -> tuple[int, ...]:
+    return tuple(_mxfp8_parts(w).data.shape if _is_mxfp8(w) else w.shape)
+
+
+def _is_mxfp8(w) -> bool:
+    return isinstance(w, tuple) and not isinstance(w, torch.Tensor)
+
+
+def _mxfp8_parts(w):
+    """The quantized tensor to use from an MXFP8 weight: rowwise when present."""
+    from mok_megatron.ops import MXFP8Tensor
+
+    if isinstance(w, MXFP8Tensor):
+        return w
+    rowwise, colwise = w
+    return rowwise if rowwise is not None else colwise
+
+
+def _dequantize_if_mxfp8(w, dtype: torch.dtype):
+    if not _is_mxfp8(w):
+        return w
+    from mok_megatron.ops import mxfp8_dequantize
+
+    return mxfp8_dequantize(_mxfp8_parts(w), dtype=dtype).contiguous()
+
+
+def _check_config(ws: MoKWorkspace, config: MoKConfig) -> None:
+    if config != ws.config:
+        raise ValueError(
+            f"config {config} differs from the one the workspace was made with ({ws.config}); "
+            "make a workspace per config"
+        )
+
+
+def _check_tensor(name: str, t, ws: MoKWorkspace, *, dtypes, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {list(dtypes)}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} has {t.dim()} dims (shape {tuple(t.shape)}); expected {ndim}")
+    if t.device != ws.device:
+        raise ValueError(f"{name} is on {t.device} but the workspace is on {ws.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
+
+
+def _check_tokens(name: str, t: torch.Tensor, ws: MoKWorkspace) -> None:
+    if t.shape[0] > ws.num_local_tokens:
+        raise ValueError(
+            f"{name} has {t.shape[0]} tokens but the workspace holds at most "
+            f"num_local_tokens={ws.num_local_tokens}; make the workspace for the largest batch"
+        )
+
+
+def _cast_weight_grads(grads: MoKGradients, shared_in, routed_in, x_dtype) -> MoKGradients:
+    def cast(g, w):
+        if g is None:
+            return None
+        return g.to(x_dtype if _is_mxfp8(w) else w.dtype)
+
+    return MoKGradients(
+        grads.d_x,
+        grads.d_router_weights,
+        *(cast(g, w) for g, w in zip(grads[2:5], routed_in)),
+        *(cast(g, w) for g, w in zip(grads[5:8], shared_in)),
+    )

@@ -1,0 +1,154 @@
+"""``MoKConfig``: the five knobs of the MoK layer, and how they are validated and stored.
+
+Every field carries its documentation in ``metadata["help"]``: Megatron's ``--mok-*`` flags and the
+YAML loader are generated from it, so the dataclass is the one source of truth. The C++ side mirrors
+the same rules in ``csrc/include/mok/layout/config.cuh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MoKConfig", "BWD_SCHEDULES", "MOK_ROW_ALIGN"]
+
+#: Row tile height of the expert GEMMs: minibatches and macrobatches are multiples of it.
+MOK_ROW_ALIGN = 128
+BWD_SCHEDULES = ("macrobatch", "minibatch")
+
+
+def _knob(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """The knobs of one MoK layer; all ranks of an expert-parallel group must hold equal configs."""
+
+    fwd_num_comm_sms: int = _knob(
+        20, "SMs that move tokens (dispatch, combine) in the forward; the other SMs run GEMMs."
+    )
+    bwd_num_comm_sms: int = _knob(
+        20, "SMs that move tokens in the backward; tuned separately from the forward."
+    )
+    minibatch_size: int = _knob(
+        256, "Overlap granularity: routed rows whose arrival releases GEMM work (multiple of 128)."
+    )
+    macrobatch_size: int = _knob(
+        16384,
+        "Ring capacity in routed rows; more rows run in further rounds. Bounds buffer memory "
+        "(multiple of minibatch_size).",
+    )
+    schedule_capacity_multiplier: float = _knob(
+        2.0,
+        "Capacity of the routed schedule relative to a perfectly balanced load (>= 1). Raise it "
+        "for skewed routing; a value >= the EP size can never overflow.",
+    )
+    bwd_schedule: str = _knob(
+        "macrobatch",
+        "Backward schedule: 'macrobatch' (deterministic, default) or 'minibatch' (finer overlap, "
+        "weight-gradient order not fixed).",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MoKConfig.{name}={value!r} must be an int")
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            if not 1 <= getattr(self, name) <= 128:
+                raise ValueError(
+                    f"MoKConfig.{name}={getattr(self, name)} must be in [1, 128] (SMs given to "
+                    "communication); try 20"
+                )
+        _check_multiple("minibatch_size", self.minibatch_size, MOK_ROW_ALIGN, "the GEMM tile height")
+        _check_multiple(
+            "macrobatch_size", self.macrobatch_size, self.minibatch_size, "minibatch_size"
+        )
+        cap = self.schedule_capacity_multiplier
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1.0:
+            raise ValueError(
+                f"MoKConfig.schedule_capacity_multiplier={cap!r} must be a number >= 1.0 (the "
+                "schedule holds at least a balanced load); try 2.0"
+            )
+        object.__setattr__(self, "schedule_capacity_multiplier", float(cap))
+        if self.bwd_schedule not in BWD_SCHEDULES:
+            raise ValueError(
+                f"MoKConfig.bwd_schedule={self.bwd_schedule!r} must be one of {BWD_SCHEDULES}; "
+                "'macrobatch' is the deterministic default"
+            )
+
+    # ----------------------------------------------------------------------------- dict / YAML
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MoKConfig:
+        """Build from a mapping; unknown keys raise an error that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown MoKConfig key(s) {unknown}; the knobs are {sorted(known)}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> MoKConfig:
+        """Read the ``mok:`` section of a YAML file (a file holding only the knobs also works)."""
+        import yaml
+
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: expected a mapping with a 'mok:' section, got {type(doc)}")
+        section = doc.get("mok", doc)
+        if not isinstance(section, dict):
+            raise ValueError(f"{path}: the 'mok:' section must be a mapping of MoKConfig knobs")
+        return cls.from_dict(section)
+
+    def to_yaml(self, path: str | Path) -> None:
+        """Write the knobs as a ``mok:`` section."""
+        import yaml
+
+        with open(path, "w") as f:
+            yaml.safe_dump({"mok": self.to_dict()}, f, sort_keys=False)
+
+    # ------------------------------------------------------------------------- cross-rank check
+    def fingerprint(self) -> int:
+        """A 63-bit hash of the knobs, equal on every rank that holds an equal config."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
+
+    def check_same_across_ranks(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        """Raise on every rank if any rank of ``group`` holds a different config.
+
+        A collective: call it on all ranks (the workspace does, when it is made).
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            return
+        mine = torch.tensor([self.fingerprint()], dtype=torch.int64, device=device)
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        if int(lo.item()) != int(hi.item()):  # host-visible point: workspace creation only
+            raise ValueError(
+                f"MoKConfig differs across the ranks of the expert-parallel group (this rank: "
+                f"{self.to_dict()}); every rank must use the same config (same YAML / flags)"
+            )
+
+
+def _check_multiple(name: str, value: int, multiple: int, what: str) -> None:
+    if value <= 0 or value % multiple:
+        fix = max(multiple, (value + multiple - 1) // multiple * multiple)
+        raise ValueError(
+            f"MoKConfig.{name}={value} must be a positive multiple of {multiple} ({what}); "
+            f"try {fix}"
+        )

@@ -1,0 +1,232 @@
+"""The reference backend: pure PyTorch, deterministic, expert-parallel over any process group.
+
+It runs the same plan as the kernels, in the same shape: the schedule's fixed-capacity rows, a
+pull of each token once per destination rank, per-expert GEMMs, an expert-side sum over each
+token's local slots in slot order, one row per (token, rank) pushed back, and a fixed-order sum
+over ranks at the source. All shapes are fixed by the workspace, so it never syncs the host.
+Collectives (all-gather, all-to-all) stand in for symmetric-memory loads and stores, so it runs
+on gloo (CPU) and NCCL alike. Low-precision inputs are computed in float32 and rounded at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .schedule import MoKSchedule, build_schedule_from_global
+from .types import ExpertWeights, MoKGradients
+
+if TYPE_CHECKING:
+    from .workspace import MoKWorkspace
+
+__all__ = ["ReferenceBackend", "ReferenceContext"]
+
+
+@dataclass
+class ReferenceContext:
+    """What the reference forward keeps for its backward (rows in schedule order).
+
+    x_rows: [C, H], g_rows / u_rows: [C, I], y_rows: [C, H] (unweighted expert outputs),
+    w_rows: [C] router weight of each row; shared_g / shared_u: [T, I_s] or None.
+    """
+
+    x_rows: torch.Tensor
+    g_rows: torch.Tensor
+    u_rows: torch.Tensor
+    y_rows: torch.Tensor
+    w_rows: torch.Tensor
+    shared_g: torch.Tensor | None
+    shared_u: torch.Tensor | None
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    @staticmethod
+    def workspace_bytes(**shape) -> int:
+        return 0
+
+    def allocate(self, ws: MoKWorkspace) -> None:
+        return None
+
+    def build_schedule(self, ws: MoKWorkspace, topk_experts: torch.Tensor) -> MoKSchedule:
+        padded = _pad_rows(topk_experts, ws.num_local_tokens, -1)
+        return build_schedule_from_global(
+            _all_gather(padded, ws),
+            rank=ws.rank,
+            num_tokens=topk_experts.shape[0],
+            num_experts=ws.num_experts,
+            num_local_experts=ws.num_local_experts,
+            row_capacity=ws.row_capacity,
+            token_capacity=ws.token_capacity,
+        )
+
+    def forward(self, ws, sched, x, router_weights, shared, routed):
+        cdt = compute_dtype(x.dtype)
+        x_rows = _pull_rows(x.to(cdt), sched, ws)
+        w_rows = _row_values(_all_gather(_pad_rows(router_weights, sched.max_tokens, 0), ws), sched)
+        w_rows = w_rows.to(cdt)
+        wg, wu, wd = (w.to(cdt) for w in routed)
+        g = _grouped_linear(x_rows, wg, sched.row_expert)
+        u = _grouped_linear(x_rows, wu, sched.row_expert)
+        y = _grouped_linear(F.silu(g) * u, wd, sched.row_expert)
+        out = _push_and_sum(y * w_rows[:, None], sched, ws)[: sched.num_tokens]
+        shared_g = shared_u = None
+        if shared is not None:
+            sg, su, sd = (w.to(cdt) for w in shared)
+            shared_g, shared_u = x.to(cdt) @ sg.T, x.to(cdt) @ su.T
+            out = out + (F.silu(shared_g) * shared_u) @ sd.T
+        ctx = ReferenceContext(x_rows, g, u, y, w_rows, shared_g, shared_u)
+        return out.to(x.dtype), ctx
+
+    def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed):
+        cdt = compute_dtype(x.dtype)
+        wg, wu, wd = (w.to(cdt) for w in routed)
+        d_rows = _pull_rows(d_out.to(cdt), sched, ws)
+        d_w_rows = (d_rows * ctx.y_rows).sum(-1)
+        dy = d_rows * ctx.w_rows[:, None]
+        silu_g = F.silu(ctx.g_rows)
+        a = silu_g * ctx.u_rows
+        da = _grouped_linear(dy, wd.transpose(1, 2), sched.row_expert)
+        d_wd = _grouped_wgrad(dy, a, sched.row_expert, ws.num_local_experts)
+        dg, du = _swiglu_backward(da, ctx.g_rows, ctx.u_rows)
+        dx_rows = _grouped_linear(dg, wg.transpose(1, 2), sched.row_expert)
+        dx_rows = dx_rows + _grouped_linear(du, wu.transpose(1, 2), sched.row_expert)
+        d_wg = _grouped_wgrad(dg, ctx.x_rows, sched.row_expert, ws.num_local_experts)
+        d_wu = _grouped_wgrad(du, ctx.x_rows, sched.row_expert, ws.num_local_experts)
+        d_x = _push_and_sum(dx_rows, sched, ws)[: sched.num_tokens]
+        d_rw = _push_slot_values(d_w_rows, sched, ws)[: sched.num_tokens]
+        d_shared = (None, None, None)
+        if shared is not None:
+            d_x, d_shared = _shared_backward(d_out.to(cdt), x.to(cdt), ctx, shared, d_x, cdt)
+        return MoKGradients(
+            d_x=d_x.to(x.dtype),
+            d_router_weights=d_rw.to(router_weights.dtype),
+            d_w_routed_gate=d_wg,
+            d_w_routed_up=d_wu,
+            d_w_routed_down=d_wd,
+            d_w_shared_gate=d_shared[0],
+            d_w_shared_up=d_shared[1],
+            d_w_shared_down=d_shared[2],
+        )
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------- math
+def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, row_expert: torch.Tensor):
+    """rows: [C, in], weight: [E_l, out, in] → [C, out]; row i uses weight[row_expert[i]].
+
+    Unused rows (row_expert == E_l) give zeros. A dense product per expert keeps shapes fixed.
+    """
+    out = rows.new_zeros(rows.shape[0], weight.shape[1])
+    for e in range(weight.shape[0]):
+        out = torch.where((row_expert == e)[:, None], rows @ weight[e].T, out)
+    return out
+
+
+def _grouped_wgrad(d_rows: torch.Tensor, in_rows: torch.Tensor, row_expert, num_experts: int):
+    """Σ over each expert's rows of d_rowᵀ · in_row → [E_l, out, in], rows in schedule order."""
+    grads = []
+    for e in range(num_experts):
+        mask = (row_expert == e)[:, None]
+        grads.append(torch.where(mask, d_rows, 0).T @ torch.where(mask, in_rows, 0))
+    return torch.stack(grads)
+
+
+def _swiglu_backward(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
+    """d/dg and d/du of silu(g) * u, given d/da."""
+    sig = torch.sigmoid(g)
+    dg = da * u * sig * (1 + g * (1 - sig))
+    du = da * g * sig
+    return dg, du
+
+
+def _shared_backward(d_out, x, ctx: ReferenceContext, shared: ExpertWeights, d_x, cdt):
+    sg, su, sd = (w.to(cdt) for w in shared)
+    a = F.silu(ctx.shared_g) * ctx.shared_u
+    da = d_out @ sd
+    dg, du = _swiglu_backward(da, ctx.shared_g, ctx.shared_u)
+    d_x = d_x + dg @ sg + du @ su
+    return d_x, (dg.T @ x, du.T @ x, d_out.T @ a)
+
+
+# ---------------------------------------------------------------------------- data movement
+def _pull_rows(values: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace) -> torch.Tensor:
+    """values: [T, H] local → [C, H] in schedule row order (each token pulled once per rank)."""
+    every = _all_gather(_pad_rows(values, sched.max_tokens, 0), ws).flatten(0, 1)
+    tokens = every[sched.recv_token_src.clamp(min=0)]
+    return tokens[sched.row_token_idx.clamp(min=0)]
+
+
+def _row_values(per_slot: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
+    """per_slot: [W, T_max, K] → [C], the value of each row's (s, t, k); 0 for unused rows."""
+    flat = (sched.row_src_rank * sched.max_tokens + sched.row_src_token) * sched.topk
+    flat = (flat + sched.row_src_slot).clamp(min=0)
+    return torch.where(sched.row_expert < sched.num_local_experts, per_slot.flatten()[flat], 0)
+
+
+def _push_and_sum(rows: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace) -> torch.Tensor:
+    """rows: [C, H] → [T_max, H] at the sources: Σ_k on the expert side, then Σ over ranks."""
+    per_token = rows.new_zeros(sched.token_capacity, rows.shape[1])
+    for k in range(sched.topk):
+        idx = sched.token_rows[:, k]
+        per_token = per_token + torch.where((idx >= 0)[:, None], rows[idx.clamp(min=0)], 0)
+    pos = sched.recv_token_pos
+    parts = torch.where((pos >= 0)[:, None], per_token[pos.clamp(min=0)], 0)
+    received = _exchange(parts.view(sched.num_ranks, sched.max_tokens, -1), ws)
+    out = rows.new_zeros(sched.max_tokens, rows.shape[1])
+    for d in range(sched.num_ranks):
+        out = out + torch.where(sched.send_to[:, d, None], received[d], 0)
+    return out
+
+
+def _push_slot_values(row_values: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace):
+    """row_values: [C] → [T_max, K] at the sources (each slot lives on exactly one rank)."""
+    pos = sched.recv_token_pos
+    slot_rows = sched.token_rows[pos.clamp(min=0)]
+    here = (pos >= 0)[:, None] & (slot_rows >= 0)
+    parts = torch.where(here, row_values[slot_rows.clamp(min=0)], 0)
+    received = _exchange(parts.view(sched.num_ranks, sched.max_tokens, -1), ws)
+    out = row_values.new_zeros(sched.max_tokens, sched.topk)
+    for d in range(sched.num_ranks):
+        out = out + received[d]
+    return out
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t.contiguous()
+    pad = t.new_full((rows - t.shape[0], *t.shape[1:]), value)
+    return torch.cat([t, pad])
+
+
+def _all_gather(t: torch.Tensor, ws: MoKWorkspace) -> torch.Tensor:
+    """[n, ...] → [W, n, ...] from every rank of the workspace's group."""
+    if ws.num_ranks == 1:
+        return t.unsqueeze(0)
+    comm = t.to(_comm_device(ws))
+    out = comm.new_empty((ws.num_ranks * t.shape[0], *t.shape[1:]))
+    dist.all_gather_into_tensor(out, comm.contiguous(), group=ws.group)
+    return out.view(ws.num_ranks, *t.shape).to(t.device)
+
+
+def _exchange(t: torch.Tensor, ws: MoKWorkspace) -> torch.Tensor:
+    """[W, ...] with block d meant for rank d → [W, ...] with block s received from rank s."""
+    if ws.num_ranks == 1:
+        return t
+    comm = t.to(_comm_device(ws)).contiguous()
+    out = torch.empty_like(comm)
+    dist.all_to_all_single(out, comm, group=ws.group)
+    return out.to(t.device)
+
+
+def _comm_device(ws: MoKWorkspace) -> torch.device:
+    return ws.device if dist.get_backend(ws.group) == "nccl" else torch.device("cpu")

@@ -1,0 +1,69 @@
+"""MoKConfig: defaults, validation messages, YAML round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mok_megatron.functional import MoKConfig, workspace_bytes
+from mok_megatron.functional.workspace import row_capacity
+
+
+def test_every_knob_is_documented_and_defaults_validate():
+    config = MoKConfig()
+    names = [f.name for f in dataclasses.fields(MoKConfig)]
+    assert names == ["fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
+                     "schedule_capacity_multiplier", "bwd_schedule"]  # fmt: skip
+    for f in dataclasses.fields(MoKConfig):
+        assert len(f.metadata["help"]) > 20, f.name
+    assert config.bwd_schedule == "macrobatch"
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"minibatch_size": 1000}, ["minibatch_size=1000", "multiple of 128", "try 1024"]),
+        ({"macrobatch_size": 300}, ["macrobatch_size=300", "minibatch_size", "try 512"]),
+        ({"fwd_num_comm_sms": 0}, ["fwd_num_comm_sms=0", "[1, 128]"]),
+        ({"schedule_capacity_multiplier": 0.5}, ["schedule_capacity_multiplier=0.5", ">= 1.0"]),
+        ({"bwd_schedule": "fast"}, ["bwd_schedule='fast'", "macrobatch"]),
+    ],
+)
+def test_invalid_knobs_name_rule_value_and_fix(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        MoKConfig(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_non_integer_knob_is_a_type_error():
+    with pytest.raises(TypeError, match="minibatch_size"):
+        MoKConfig(minibatch_size=256.0)
+
+
+def test_yaml_round_trip_and_unknown_keys(tmp_path):
+    config = MoKConfig(fwd_num_comm_sms=24, minibatch_size=512, macrobatch_size=4096,
+                       schedule_capacity_multiplier=3, bwd_schedule="minibatch")  # fmt: skip
+    path = tmp_path / "mok.yaml"
+    config.to_yaml(path)
+    assert "mok:" in path.read_text()
+    assert MoKConfig.from_yaml(path) == config
+    path.write_text("mok:\n  minibatch_sise: 256\n")
+    with pytest.raises(ValueError, match="unknown MoKConfig key.*minibatch_sise"):
+        MoKConfig.from_yaml(path)
+
+
+def test_fingerprint_tracks_every_knob():
+    base = MoKConfig()
+    assert base.fingerprint() == MoKConfig().fingerprint()
+    assert base.fingerprint() != MoKConfig(bwd_num_comm_sms=21).fingerprint()
+
+
+def test_capacity_is_tile_aligned_and_capped_at_every_row():
+    config = MoKConfig(schedule_capacity_multiplier=1.5)
+    assert row_capacity(config, num_ranks=2, num_local_tokens=1000, topk=8) == 12032  # 1.5*8000
+    assert row_capacity(MoKConfig(schedule_capacity_multiplier=16), 2, 100, 2) == 512  # 2*100*2
+    shape = dict(num_ranks=2, num_local_tokens=64, hidden_size=8, topk=2, num_experts=4,
+                 intermediate_size=8)  # fmt: skip
+    assert workspace_bytes(config, **shape, backend="reference") == 0

@@ -1,0 +1,93 @@
+"""The functional API on the reference backend against an independent dense float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron import functional as F
+from mok_megatron.testing import dense_moe, random_moe_problem, relative_error
+from mok_megatron.testing.runs import GRAD_NAMES, run_local, run_oracle
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("shared_inter", [0, 24])
+@pytest.mark.parametrize("topk,empty", [(1, 0.0), (2, 0.25), (4, 0.1)])
+def test_forward_and_all_gradients_match_dense_oracle(dtype, tol, shared_inter, topk, empty):
+    problem = random_moe_problem([53], 32, 48, 8, topk, shared_inter=shared_inter,
+                                 empty_slot_fraction=empty, dtype=dtype)  # fmt: skip
+    got = run_local(problem, rank=0, dtype=dtype)
+    want = run_oracle(problem, got["d_out"])
+    assert relative_error(got["out"], want["out"]) < tol
+    for name in GRAD_NAMES:
+        if want[name] is None:
+            assert got[name] is None, name
+            continue
+        # router-weight gradients come back in router_weights' float32
+        bound = 1e-6 if name == "d_router_weights" and dtype == torch.float64 else tol
+        assert relative_error(got[name], want[name]) < bound, name
+
+
+def test_bf16_error_within_twice_pytorch_bf16():
+    problem = random_moe_problem([96], 64, 96, 8, 2, shared_inter=32, dtype=torch.float64)
+    got = run_local(problem, rank=0, dtype=torch.bfloat16)
+    exact = run_oracle(problem, got["d_out"].double())
+    torch_bf16 = dense_moe(problem.x.bfloat16(), problem.topk_experts,
+                           problem.router_weights.bfloat16(), problem.w_gate.bfloat16(),
+                           problem.w_up.bfloat16(), problem.w_down.bfloat16(),
+                           shared=tuple(w.bfloat16() for w in problem.shared))  # fmt: skip
+    err = relative_error(got["out"], exact["out"])
+    assert err < 1e-2
+    assert err <= 2 * relative_error(torch_bf16, exact["out"]) + 1e-3
+
+
+def test_repeated_runs_are_bitwise_identical():
+    problem = random_moe_problem([61], 32, 40, 8, 3, shared_inter=16, dtype=torch.float32)
+    first = run_local(problem, rank=0, dtype=torch.float32, seed=7)
+    second = run_local(problem, rank=0, dtype=torch.float32, seed=7)
+    for name in ("out", *GRAD_NAMES):
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_recompute_forward_context_gives_the_same_backward():
+    problem = random_moe_problem([45], 16, 24, 4, 2, dtype=torch.float32)
+    cfg = F.MoKConfig()
+    x, topk, rw, routed, shared = problem.local(0)
+    ws = _workspace(cfg, problem, torch.float32)
+    sched = F.build_schedule(ws, cfg, topk, ws.num_local_experts)
+    weights = (None, None, None, *routed)
+    _, ctx = F.forward(cfg, ws, sched, x, rw, *weights)
+    d_out = torch.randn_like(x)
+    first = F.backward(cfg, ws, sched, ctx, d_out, x, rw, *weights)
+    ctx2 = F.recompute_forward_context(cfg, ws, sched, x, rw, *weights)
+    second = F.backward(cfg, ws, sched, ctx2, d_out, x, rw, *weights)
+    for a, b in zip(first, second):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_moe_autograd_matches_functional_backward():
+    problem = random_moe_problem([33], 16, 24, 4, 2, shared_inter=8, dtype=torch.float64)
+    got = run_local(problem, rank=0, dtype=torch.float64)
+    x, topk, rw, routed, shared = problem.local(0)
+    leaves = [t.clone().requires_grad_() for t in (x, rw.double(), *routed, *shared)]
+    out = F.moe(leaves[0], topk, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]),
+                config=F.MoKConfig())  # fmt: skip
+    out.backward(got["d_out"])
+    assert torch.equal(out.detach(), got["out"])
+    for leaf, name in zip(leaves, GRAD_NAMES):
+        assert relative_error(leaf.grad, got[name]) < 1e-6, name
+
+
+def test_no_tokens_and_experts_without_tokens():
+    problem = random_moe_problem([0], 16, 24, 4, 2, dtype=torch.float64)
+    got = run_local(problem, rank=0, dtype=torch.float64, num_local_tokens=8)
+    assert got["out"].shape == (0, 16)
+    assert torch.equal(got["d_w_routed_gate"], torch.zeros_like(got["d_w_routed_gate"]))
+
+
+def _workspace(cfg, problem, dtype, num_local_tokens=None):
+    return F.create_workspace(
+        cfg, None, device="cpu", num_local_tokens=num_local_tokens or max(problem.tokens_per_rank),
+        hidden_size=problem.x.shape[1], topk=problem.topk_experts.shape[1],
+        num_experts=problem.w_gate.shape[0], intermediate_size=problem.w_gate.shape[1],
+        dtype=dtype, backend="reference",
+    )  # fmt: skip
