@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Benchmark the MoK MoE layer against what Megatron users run today, in one process.
+
+Baseline: Megatron-Core's ``MoELayer`` with the alltoall dispatcher and grouped-GEMM experts on
+``torch._grouped_mm`` (``mok_megatron.testing.baselines.TorchGroupedMLP``). MoK: the same layer
+built from ``get_mok_moe_module_spec`` (``MoKTokenDispatcher`` + ``MoKExperts``), its backend
+picked by ``--backend`` (default auto: the CUDA kernels where they serve the shape). Both get the
+same weights (copied), the same inputs and the same routing (the router is bypassed for both,
+so only dispatch + experts + combine are timed). Reports forward and forward + backward medians
+with their spread, effective expert TFLOP/s, NVLink GB/s, speedup, fraction of the hardware floor
+(DESIGN.md, "Performance") and peak memory, plus the relative difference of the two outputs.
+
+  torchrun --standalone --nproc-per-node 2 scripts/bench_moe.py --out docs/results/bench.json
+  python scripts/bench_moe.py --tiny --device cpu          # CPU sanity run (reference backend)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mok_megatron.testing.timing import moe_pass_cost, time_fn  # noqa: E402
+
+SHAPES = {  # hidden, intermediate, experts, top-k
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+}
+TINY_SHAPES = {"tiny": (64, 32, 8, 2)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of shape names")
+    p.add_argument("--tokens", default="4096,8192,16384", help="tokens per rank, comma list")
+    p.add_argument("--routing", default="uniform,skewed", help="uniform and/or skewed")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rotate", type=int, default=3, help="input sets cycled through")
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "cuda"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU sanity run)")
+    p.add_argument("--no-backward", action="store_true")
+    p.add_argument("--out", default=None, help="JSON file to write (rank 0)")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------- set-up
+def init_distributed(device: str) -> tuple[int, int]:
+    if "RANK" not in os.environ:
+        from mok_megatron.testing.spawn import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))  # fmt: skip
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        from mok_megatron.megatron import cpu_shim
+
+        cpu_shim.install()
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    return dist.get_rank(), dist.get_world_size()
+
+
+def transformer_config(shape, device: str):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    hidden, inter, experts, topk = shape
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=inter,
+        moe_ffn_hidden_size=inter, num_moe_experts=experts, moe_router_topk=topk,
+        moe_token_dispatcher_type="alltoall", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        pipeline_dtype=dtype, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=dist.get_world_size(), use_cpu_initialization=device == "cpu",
+        moe_permute_fusion=False, init_method_std=0.02,
+    )  # fmt: skip
+
+
+def build_layers(config, backend: str, max_tokens: int):
+    """(baseline MoELayer, MoK layer), the MoK layer holding the baseline's weights."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from mok_megatron.megatron import get_mok_moe_module_spec
+    from mok_megatron.testing.baselines import TorchGroupedMLP
+
+    pg = get_default_pg_collection()
+    stock = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts)
+    submodules = dataclasses.replace(stock.keywords["submodules"], experts=TorchGroupedMLP)
+    baseline = functools.partial(stock.func, *stock.args, **{**stock.keywords,
+                                                             "submodules": submodules})
+    base = baseline(config=config, pg_collection=pg)
+    mok = get_mok_moe_module_spec(use_te=False, backend=backend, max_local_tokens=max_tokens)
+    layer = mok(config=dataclasses.replace(config, moe_token_dispatcher_type="mok"),
+                pg_collection=pg)
+    inter = config.moe_ffn_hidden_size
+    with torch.no_grad():
+        layer.experts.weight_gate.copy_(base.experts.weight_fc1[:, :inter])
+        layer.experts.weight_up.copy_(base.experts.weight_fc1[:, inter:])
+        layer.experts.weight_down.copy_(base.experts.weight_fc2)
+    return base, layer
+
+
+def make_inputs(n_sets, tokens, shape, routing, device, dtype, seed, rank):
+    """Per set: hidden [T, 1, H] (requires grad), probs [T, E] (requires grad), routing_map."""
+    hidden, _, experts, topk = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * rank)
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(tokens, 1, hidden, generator=gen).to(device, dtype).requires_grad_()
+        scores = torch.rand(tokens, experts, generator=gen)
+        if routing == "skewed":  # Zipf-like preference for low expert ids
+            pref = 1.0 / torch.arange(1, experts + 1, dtype=torch.float32) ** 1.2
+            scores = pref.log()[None] - (-scores.clamp_min(1e-9).log()).log()
+        idx = scores.topk(topk, dim=-1).indices
+        weights = torch.rand(tokens, topk, generator=gen) + 0.1
+        weights = weights / weights.sum(-1, keepdim=True)
+        probs = torch.zeros(tokens, experts).scatter(1, idx, weights).to(device).requires_grad_()
+        routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, idx, True)
+        grad = torch.randn(tokens, 1, hidden, generator=gen).to(device, dtype)
+        sets.append({"x": x, "probs": probs, "routing_map": routing_map.to(device), "grad": grad,
+                     "idx": idx})  # fmt: skip
+    return sets
+
+
+def route_with(layer, inputs):
+    """Bypass the router: the layer routes as ``inputs`` says (same for baseline and MoK)."""
+    layer.route = lambda hidden_states, padding_mask=None: (inputs["probs"], inputs["routing_map"])
+
+
+def run_layer(layer, inputs, backward: bool):
+    route_with(layer, inputs)
+    out, _ = layer(inputs["x"])
+    if backward:
+        out.backward(inputs["grad"])
+    return out
+
+
+# -------------------------------------------------------------------------------- measuring
+def traffic(sets, shape, rank, world):
+    """Rows this rank's experts compute and (token, remote rank) pairs, from the real routing."""
+    _, _, experts, _ = shape
+    e_l = experts // world
+    idx = sets[0]["idx"].to(torch.int64)
+    mine = torch.zeros(world, dtype=torch.int64)
+    dest = idx // e_l
+    for d in range(world):
+        mine[d] = (dest == d).sum()
+    rows = mine.clone()
+    if world > 1:
+        rows = rows.to("cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(rows)
+        rows = rows.cpu()
+    visits = torch.zeros(idx.shape[0], world, dtype=torch.bool).scatter(1, dest, True)
+    remote = int(visits.sum() - visits[:, rank].sum())
+    return int(rows[rank]), remote
+
+
+def measure(layer, sets, args, backward: bool) -> dict:
+    device = args.device
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+    timing = time_fn(lambda i: run_layer(layer, sets[i % len(sets)], backward),
+                     warmup=args.warmup, iters=args.iters, device=device)  # fmt: skip
+    peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else 0
+    # the slowest rank sets the step time
+    worst = torch.tensor([timing.median_ms], device=device if device == "cuda" else "cpu")
+    if dist.get_world_size() > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {**timing.as_dict(), "median_ms_all_ranks_max": float(worst.item()),
+            "peak_mem_bytes": int(peak)}  # fmt: skip
+
+
+def compare_outputs(base, layer, inputs) -> float:
+    from mok_megatron.testing import relative_error
+
+    with torch.no_grad():
+        a = run_layer(base, inputs, backward=False)
+        b = run_layer(layer, inputs, backward=False)
+    return relative_error(b.float().cpu(), a.float().cpu())
+
+
+def _backend_name(layer) -> str:
+    """The backend the MoK layer's workspace resolved to (after its first call)."""
+    return layer.experts._layer_runtime.last_workspace.backend.name
+
+
+def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
+    config = transformer_config(shape, args.device)
+    base, layer = build_layers(config, args.backend, tokens)
+    dtype = config.params_dtype
+    sets = make_inputs(args.rotate, tokens, shape, routing, args.device, dtype, args.seed, rank)
+    rows, remote = traffic(sets, shape, rank, world)
+    hidden, inter, experts, _ = shape
+    case = {"shape": name, "hidden": hidden, "intermediate": inter, "experts": experts,
+            "topk": shape[3], "tokens_per_rank": tokens, "routing": routing, "ep": world,
+            "routed_rows_rank": rows, "remote_pairs_rank": remote,
+            "output_rel_diff": compare_outputs(base, layer, sets[0]),
+            "mok_backend": _backend_name(layer)}  # fmt: skip
+    passes = [("fwd", False)] + ([] if args.no_backward else [("fwd_bwd", True)])
+    for label, backward in passes:
+        cost = moe_pass_cost(routed_rows=rows, remote_pairs=remote, hidden=hidden, inter=inter,
+                             local_experts=experts // world, backward=backward)  # fmt: skip
+        result = {"cost": cost}
+        for who, module in (("baseline", base), ("mok", layer)):
+            t = measure(module, sets, args, backward)
+            ms = t["median_ms_all_ranks_max"]
+            t["tflops"] = cost["flops"] / (ms * 1e-3) / 1e12
+            t["nvlink_gbps"] = cost["link_bytes"] / (ms * 1e-3) / 1e9
+            t["fraction_of_floor"] = cost["floor_ms"] / ms
+            result[who] = t
+        result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
+                             / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        case[label] = result
+    del base, layer
+    return case
+
+
+def environment(args) -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": args.device,
+            "world_size": dist.get_world_size(), "python": sys.version.split()[0],
+            "commit": os.environ.get("MOK_COMMIT") or _git_commit(),
+            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["driver"] = _driver_version()
+    return info
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _driver_version() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.check_output(["nvidia-smi", "--query-gpu=driver_version",
+                                       "--format=csv,noheader"], text=True)  # fmt: skip
+        return out.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    rank, world = init_distributed(args.device)
+    shapes = TINY_SHAPES if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
+    tokens = [64] if args.tiny else [int(t) for t in args.tokens.split(",")]
+    routings = args.routing.split(",")
+    cases = [(n, s, t, r) for n, s in shapes.items() for t in tokens for r in routings]
+    from tqdm import tqdm
+
+    results = []
+    for name, shape, t, routing in tqdm(cases, disable=rank != 0, desc="bench_moe"):
+        results.append(bench_case(name, shape, t, routing, args, rank, world))
+        if rank == 0:
+            fb = results[-1].get("fwd_bwd", results[-1]["fwd"])
+            tqdm.write(f"{name} T={t} {routing}: fwd speedup {results[-1]['fwd']['speedup']:.2f}x,"
+                       f" fwd+bwd speedup {fb['speedup']:.2f}x")  # fmt: skip
+    record = {"benchmark": "bench_moe", "environment": environment(args), "args": vars(args),
+              "cases": results}  # fmt: skip
+    if rank == 0 and args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return record
+
+
+if __name__ == "__main__":
+    main()
