@@ -37,6 +37,7 @@ def _assemble(results: list[dict]) -> dict:
         (2, [31, 0], "skewed", 0.2, 0, 4),  # a rank with no tokens
         (4, [17, 30, 0, 9], "skewed", 0.1, 8, 2),
         (4, [12, 12, 12, 12], "one_expert", 0.0, 0, 1),  # all tokens to expert 0
+        (8, [9, 0, 14, 5, 11, 3, 8, 6], "skewed", 0.1, 8, 2),  # EP 8, as on an 8-GPU node
     ],
 )
 def test_expert_parallel_equals_single_rank(world_size, tokens, routing, empty, shared_inter, topk):
