@@ -91,3 +91,24 @@ def _workspace(cfg, problem, dtype, num_local_tokens=None):
         num_experts=problem.w_gate.shape[0], intermediate_size=problem.w_gate.shape[1],
         dtype=dtype, backend="reference",
     )  # fmt: skip
+
+
+def test_mxfp8_weights_are_served_by_dequantizing():
+    from mok_megatron.ops import mxfp8_dequantize, mxfp8_quantize
+
+    problem = random_moe_problem([40], 64, 64, 4, 2, dtype=torch.float32)
+    cfg = F.MoKConfig()
+    x, topk, rw, routed, _ = problem.local(0)
+    ws = _workspace(cfg, problem, torch.float32)
+    sched = F.build_schedule(ws, cfg, topk, ws.num_local_experts)
+    quantized = [mxfp8_quantize(w, rowwise=True, colwise=True) for w in routed]
+    dense = [mxfp8_dequantize(q.rowwise, dtype=torch.float32) for q in quantized]
+    assert all(relative_error(d, w) < 0.05 for d, w in zip(dense, routed))  # e4m3: 3-bit mantissa
+    out_q, ctx_q = F.forward(cfg, ws, sched, x, rw, None, None, None, *quantized)
+    out_d, ctx_d = F.forward(cfg, ws, sched, x, rw, None, None, None, *dense)
+    assert torch.equal(out_q, out_d)
+    d_out = torch.randn_like(x)
+    grads_q = F.backward(cfg, ws, sched, ctx_q, d_out, x, rw, None, None, None, *quantized)
+    grads_d = F.backward(cfg, ws, sched, ctx_d, d_out, x, rw, None, None, None, *dense)
+    for a, b in zip(grads_q, grads_d):
+        assert (a is None and b is None) or torch.equal(a, b)
