@@ -1,0 +1,44 @@
+// Thin wrappers over the PTX instructions the kernels use: streaming global loads and stores and
+// the float32 -> fp8 conversion. Torch-free; device only.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "mok/common/macros.cuh"
+
+namespace mok::ptx {
+
+// 16-byte read-only global load that does not allocate in L1 (data read exactly once).
+MOK_DEVICE uint4 ld_global_nc_v4(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+MOK_DEVICE void st_global_v2(void* ptr, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(ptr), "r"(v.x), "r"(v.y) : "memory");
+}
+
+MOK_DEVICE void st_global_u32(void* ptr, uint32_t v) {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// Two floats -> two float8_e4m3fn bytes (lo in bits 0..7), round-to-nearest-even, saturating to
+// +-448. NOTE: callers clamp to [-448, 448] and handle NaN themselves, so saturation never
+// changes a result; the sign of zero is kept.
+MOK_DEVICE uint16_t cvt_e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t out;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(out) : "f"(lo), "f"(hi));
+  return out;
+#else
+  return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE,
+                                                        __NV_E4M3));
+#endif
+}
+
+}  // namespace mok::ptx

@@ -1,0 +1,27 @@
+"""Layer 1: thin ``torch.library`` ops over ``mok_megatron._C`` (with fake implementations) and
+their pure-PyTorch references.
+
+Each op runs its CUDA kernel for CUDA tensors when the extension provides it and falls back to
+the reference otherwise; :func:`extension_available`, :func:`has_op` and
+:func:`extension_error` say what the extension offers.
+"""
+
+from mok_megatron.ops._extension import extension_available, extension_error, has_op
+from mok_megatron.ops.mxfp8 import (
+    MXFP8Tensor,
+    MXFP8Weight,
+    mxfp8_dequantize,
+    mxfp8_quantize,
+    mxfp8_quantize_reference,
+)
+
+__all__ = [
+    "MXFP8Tensor",
+    "MXFP8Weight",
+    "extension_available",
+    "extension_error",
+    "has_op",
+    "mxfp8_dequantize",
+    "mxfp8_quantize",
+    "mxfp8_quantize_reference",
+]
