@@ -193,6 +193,8 @@ def create_workspace(
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} must be one of {BACKEND_CHOICES}")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     rank, num_ranks = _group_info(group)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
     config.check_same_across_ranks(group, _collective_device(group, device))
