@@ -37,6 +37,12 @@ def env_line(path, record) -> str:
 
 def rows(record):
     for case in record["cases"]:
+        if "skipped" in case:
+            yield (
+                f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} | "
+                f"{case['routing']} | - | {case['mok_backend']} | skipped: {case['skipped']} |"
+            )
+            continue
         for label in ("fwd", "fwd_bwd"):
             if label not in case:
                 continue
@@ -71,6 +77,8 @@ def plot(records, png_path) -> None:
     labels, speedups, fractions = [], [], []
     for _, record in records:
         for case in record["cases"]:
+            if "skipped" in case:
+                continue
             r = case.get("fwd_bwd", case["fwd"])
             labels.append(f"{case['shape']}\nEP{case['ep']} T{case['tokens_per_rank']} "
                           f"{case['routing'][:4]}")  # fmt: skip

@@ -68,7 +68,9 @@ class MoKConfig:
                     f"MoKConfig.{name}={getattr(self, name)} must be in [1, 128] (SMs given to "
                     "communication); try 20"
                 )
-        _check_multiple("minibatch_size", self.minibatch_size, MOK_ROW_ALIGN, "the GEMM tile height")
+        _check_multiple(
+            "minibatch_size", self.minibatch_size, MOK_ROW_ALIGN, "the GEMM tile height"
+        )
         _check_multiple(
             "macrobatch_size", self.macrobatch_size, self.minibatch_size, "minibatch_size"
         )
@@ -95,9 +97,7 @@ class MoKConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(
-                f"unknown MoKConfig key(s) {unknown}; the knobs are {sorted(known)}"
-            )
+            raise ValueError(f"unknown MoKConfig key(s) {unknown}; the knobs are {sorted(known)}")
         return cls(**values)
 
     @classmethod
@@ -127,7 +127,9 @@ class MoKConfig:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
 
-    def check_same_across_ranks(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def check_same_across_ranks(
+        self, group: dist.ProcessGroup | None, device: torch.device
+    ) -> None:
         """Raise on every rank if any rank of ``group`` holds a different config.
 
         A collective: call it on all ranks (the workspace does, when it is made).

@@ -27,10 +27,12 @@ class TorchGroupedMLP(MegatronModule):
         del submodules, pg_collection, name
         h, i = config.hidden_size, config.moe_ffn_hidden_size
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight_fc1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * i, h,
-                                                         dtype=config.params_dtype, device=device))
-        self.weight_fc2 = torch.nn.Parameter(torch.empty(num_local_experts, h, i,
-                                                         dtype=config.params_dtype, device=device))
+        self.weight_fc1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, 2 * i, h, dtype=config.params_dtype, device=device)
+        )
+        self.weight_fc2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, h, i, dtype=config.params_dtype, device=device)
+        )
         for p in (self.weight_fc1, self.weight_fc2):
             p.allreduce = False
         with torch.no_grad():

@@ -100,7 +100,9 @@ def random_moe_problem(
     x = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
     if routing == "skewed":
         pref = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
-        scores = torch.log(pref)[None] - torch.log(-torch.log(torch.rand(n, num_experts, generator=gen, dtype=torch.float64)))  # noqa: E501
+        scores = torch.log(pref)[None] - torch.log(
+            -torch.log(torch.rand(n, num_experts, generator=gen, dtype=torch.float64))
+        )
     else:
         scores = torch.rand(n, num_experts, generator=gen, dtype=torch.float64)
     if routing == "one_expert":

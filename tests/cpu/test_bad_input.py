@@ -14,8 +14,18 @@ H, I, E, K, T = 16, 24, 4, 2, 20
 def _setup(dtype=torch.float32):
     problem = random_moe_problem([T], H, I, E, K, shared_inter=8, dtype=dtype)
     config = F.MoKConfig()
-    ws = F.create_workspace(config, None, device="cpu", num_local_tokens=T, hidden_size=H, topk=K,
-                            num_experts=E, intermediate_size=I, dtype=dtype, backend="reference")
+    ws = F.create_workspace(
+        config,
+        None,
+        device="cpu",
+        num_local_tokens=T,
+        hidden_size=H,
+        topk=K,
+        num_experts=E,
+        intermediate_size=I,
+        dtype=dtype,
+        backend="reference",
+    )
     x, topk, rw, routed, shared = problem.local(0)
     return config, ws, x, topk, rw, list(routed), list(shared)
 
@@ -34,8 +44,17 @@ def test_expert_id_out_of_range():
 
 def test_topk_larger_than_num_experts():
     with pytest.raises(ValueError, match="topk=5 must be in"):
-        F.create_workspace(F.MoKConfig(), None, device="cpu", num_local_tokens=4, hidden_size=H,
-                           topk=5, num_experts=4, intermediate_size=I, backend="reference")
+        F.create_workspace(
+            F.MoKConfig(),
+            None,
+            device="cpu",
+            num_local_tokens=4,
+            hidden_size=H,
+            topk=5,
+            num_experts=4,
+            intermediate_size=I,
+            backend="reference",
+        )
 
 
 def test_wrong_dtypes():
@@ -86,5 +105,14 @@ def test_partial_shared_expert_and_config_mismatch():
 
 def test_forced_cuda_backend_without_the_extension_fails_clearly():
     with pytest.raises(RuntimeError, match="backend='cuda' was asked for but cannot run"):
-        F.create_workspace(F.MoKConfig(), None, device="cpu", num_local_tokens=4, hidden_size=H,
-                           topk=K, num_experts=E, intermediate_size=I, backend="cuda")
+        F.create_workspace(
+            F.MoKConfig(),
+            None,
+            device="cpu",
+            num_local_tokens=4,
+            hidden_size=H,
+            topk=K,
+            num_experts=E,
+            intermediate_size=I,
+            backend="cuda",
+        )

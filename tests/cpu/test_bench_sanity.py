@@ -39,8 +39,20 @@ def test_bench_runs_on_cpu_and_the_report_renders(tmp_path, ep):
         assert case["routed_rows_rank"] > 0
         assert (case["remote_pairs_rank"] > 0) == (ep > 1)
     md, png = tmp_path / "PERF.md", tmp_path / "perf.png"
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "perf_report.py"), str(out),
-                    "--md", str(md), "--png", str(png)], check=True, env=_env(), timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "perf_report.py"),
+            str(out),
+            "--md",
+            str(md),
+            "--png",
+            str(png),
+        ],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
     text = md.read_text()
-    assert "| tiny | %d | 64 | uniform | fwd |" % ep in text
+    assert f"| tiny | {ep} | 64 | uniform | fwd |" in text
     assert png.stat().st_size > 1000

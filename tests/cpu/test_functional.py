@@ -9,6 +9,7 @@ from mok_megatron import functional as F
 from mok_megatron.testing import dense_moe, random_moe_problem, relative_error
 from mok_megatron.testing.runs import GRAD_NAMES, run_local, run_oracle
 
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("shared_inter", [0, 24])
 @pytest.mark.parametrize("topk,empty", [(1, 0.0), (2, 0.25), (4, 0.1)])

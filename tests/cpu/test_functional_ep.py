@@ -92,4 +92,3 @@ def _mismatch_run(rank, world_size):
 def test_configs_that_differ_across_ranks_are_rejected():
     for message in run_ranks(_mismatch_run, 2):
         assert message is not None and "differs across the ranks" in message
-

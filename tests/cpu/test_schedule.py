@@ -21,8 +21,10 @@ def _python_plan(global_topk, rank, e_l, cap):
     return rows, kept, tokens
 
 
-@pytest.mark.parametrize("world,t_max,k,e_l,mult_rows", [(1, 37, 3, 8, 128), (2, 50, 2, 3, 128),
-                                                         (4, 40, 4, 2, 128), (2, 100, 2, 1, 128)])
+@pytest.mark.parametrize(
+    "world,t_max,k,e_l,mult_rows",
+    [(1, 37, 3, 8, 128), (2, 50, 2, 3, 128), (4, 40, 4, 2, 128), (2, 100, 2, 1, 128)],
+)
 def test_schedule_matches_plain_python(world, t_max, k, e_l, mult_rows):
     num_experts = world * e_l
     for rank in range(world):
