@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "apis/moe.h"
 #include "apis/mxfp8.h"
 
 // Importing mok_megatron._C runs the static registrations below; the module itself is empty.
@@ -22,10 +23,35 @@ TORCH_LIBRARY(mok, m) {
   m.def(
       "mxfp8_quantize_out(Tensor w, bool rowwise, bool colwise, Tensor(a!) row_data, "
       "Tensor(b!) row_scales, Tensor(c!) col_data, Tensor(d!) col_scales) -> ()");
+  // ---- moe (stage-1 expert-parallel MoE): csrc/apis/moe.h; fakes in mok_megatron/ops/moe.py ---
+  m.set_python_module("mok_megatron.ops.moe");
+  m.def("moe_workspace_layout(int num_ranks, int max_tokens, int topk, int hidden) -> int[]",
+        &mok::apis::moe_workspace_layout);
+  m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
+  m.def(
+      "moe_build_schedule(Tensor global_topk, int rank, int num_experts, int row_capacity, "
+      "int token_capacity) -> Tensor[]");
+  m.def("moe_dispatch(Tensor x, Tensor recv_token_src, int[] comm) -> Tensor");
+  m.def(
+      "moe_combine(Tensor rows, Tensor token_rows, Tensor recv_token_src, Tensor? slot_weights, "
+      "Tensor send_to, Tensor? shared_out, int num_tokens, int[] comm) -> Tensor");
+  m.def(
+      "moe_combine_slots(Tensor row_values, Tensor token_rows, Tensor recv_token_src, "
+      "Tensor send_to, int num_tokens, int[] comm) -> Tensor");
+  m.def("moe_swiglu(Tensor gu) -> Tensor");
+  m.def("moe_swiglu_backward(Tensor da, Tensor gu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   // ---- mxfp8 --------------------------------------------------------------------------------
   m.impl("mxfp8_quantize", &mok::apis::mxfp8_quantize);
   m.impl("mxfp8_quantize_out", &mok::apis::mxfp8_quantize_out);
+  // ---- moe ---------------------------------------------------------------------------------
+  m.impl("moe_gather_routing", &mok::apis::moe_gather_routing);
+  m.impl("moe_build_schedule", &mok::apis::moe_build_schedule);
+  m.impl("moe_dispatch", &mok::apis::moe_dispatch);
+  m.impl("moe_combine", &mok::apis::moe_combine);
+  m.impl("moe_combine_slots", &mok::apis::moe_combine_slots);
+  m.impl("moe_swiglu", &mok::apis::moe_swiglu);
+  m.impl("moe_swiglu_backward", &mok::apis::moe_swiglu_backward);
 }

@@ -1,4 +1,19 @@
-"""The CUDA backend: compiled kernels over symmetric memory (DESIGN.md, "Kernel roadmap").
+"""The CUDA backend, stage 1: compiled kernels over symmetric memory (DESIGN.md, "Kernel roadmap").
+
+The plan is the reference backend's, step for step, with every cross-rank move done by kernels
+that load and store through peers' symmetric buffers (no collectives, no host sync):
+
+  schedule   routing all-gather (``moe_gather_routing``) + the device schedule
+             (``moe_build_schedule``), integer-for-integer equal to ``build_schedule_from_global``
+  dispatch   each token pulled once per destination rank into received-token order
+             (``moe_dispatch``), then gathered into a *padded* row layout: each local expert's
+             rows start at a multiple of 8 (zero rows between), which ``torch._grouped_mm``
+             needs for its 16-byte-aligned groups in the weight-gradient GEMMs
+  experts    L1 = one grouped GEMM on [gate | up] then the SwiGLU kernel; L2 grouped GEMM
+  combine    per received token, a slot-ordered float32 sum on the expert side, one row per
+             (token, rank) pushed to the source, a rank-ordered float32 sum there (+ shared)
+  backward   the same moves in reverse; weight gradients are grouped GEMMs that reduce over each
+             expert's rows in one fixed order (no atomics)
 
 It serves a workspace only when every op it needs is compiled into ``mok_megatron._C``;
 ``unsupported_reasons`` says what is missing, and backend selection reports it.
@@ -6,23 +21,83 @@ It serves a workspace only when every op it needs is compiled into ``mok_megatro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+
+from .schedule import MoKSchedule
 
 if TYPE_CHECKING:
     from .workspace import MoKWorkspace
 
-__all__ = ["CudaBackend", "REQUIRED_OPS"]
+__all__ = ["CudaBackend", "CudaContext", "REQUIRED_OPS"]
 
 #: torch.ops.mok ops the stage-1 CUDA pass is built from.
 REQUIRED_OPS = (
+    "moe_gather_routing",
     "moe_build_schedule",
     "moe_dispatch",
-    "moe_l1_swiglu",
-    "moe_l2",
     "moe_combine",
+    "moe_combine_slots",
+    "moe_swiglu",
+    "moe_swiglu_backward",
 )
+
+#: Row alignment of each expert's group in the padded GEMM layout (16 bytes of bf16).
+GROUP_ALIGN = 8
+#: Ranks one barrier kernel serves (one thread per peer in a warp: csrc/launch/moe.cu).
+MAX_RANKS = 32
+#: Device waits give up after this long (env MOK_WAIT_TIMEOUT_MS), reporting rank, phase, flag.
+DEFAULT_WAIT_TIMEOUT_MS = 10_000
+
+
+@dataclass
+class CudaBuffers:
+    """One rank's symmetric workspace and the device tables the kernels read peers through."""
+
+    buffer: torch.Tensor  # [total_bytes] uint8: this rank's copy of the layout
+    handle: Any  # the symmetric-memory handle (None for one rank)
+    peer_table: torch.Tensor  # [W] int64: base address of each rank's copy
+    signal_table: torch.Tensor | None  # [W] int64: each rank's signal pad (None for one rank)
+    comm: list[int]  # the 9 ints every moe_* op takes (ops/moe.py)
+    layout: Any  # ops.moe.MoeWorkspaceLayout
+
+
+@dataclass
+class CudaPlan:
+    """The padded row layout of one schedule (P = C + 8 * E_l rows; all device tensors).
+
+    row_tok: [P] received-token index of each padded row, -1 for padding;
+    token_rows: [C_tok, K] padded row of each slot, -1; offs: [E_l] int32 group ends;
+    expert_rows: [E_l] rows per expert (weight gradients of empty experts are zeroed).
+    """
+
+    row_tok: torch.Tensor
+    token_rows: torch.Tensor
+    offs: torch.Tensor
+    expert_rows: torch.Tensor
+    prow: torch.Tensor  # [C] padded row of each schedule row (P for unused rows)
+
+
+@dataclass
+class CudaContext:
+    """What the forward keeps for its backward (padded row layout).
+
+    x_rows: [P, H], gu: [P, 2I], a: [P, I], y: [P, H] bf16; w_rows: [P] float32 router weight of
+    each row (0 for padding); shared_gu / shared_a: [T, 2I_s] / [T, I_s] or None.
+    """
+
+    plan: CudaPlan
+    x_rows: torch.Tensor
+    gu: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor
+    w_rows: torch.Tensor
+    shared_gu: torch.Tensor | None
+    shared_a: torch.Tensor | None
 
 
 class CudaBackend:
@@ -37,6 +112,16 @@ class CudaBackend:
             reasons.append(f"the workspace device is {ws.device}, not a CUDA device")
         if ws.dtype != torch.bfloat16:
             reasons.append(f"the CUDA backend takes bfloat16 activations, not {ws.dtype}")
+        for name, size in (
+            ("hidden_size", ws.hidden_size),
+            ("intermediate_size", ws.intermediate_size),
+        ):
+            if size % GROUP_ALIGN:
+                reasons.append(f"{name}={size} is not a multiple of {GROUP_ALIGN} (16-byte rows)")
+        if ws.num_ranks > MAX_RANKS:
+            reasons.append(
+                f"{ws.num_ranks} expert-parallel ranks; the barrier serves <= {MAX_RANKS}"
+            )
         missing = [op for op in REQUIRED_OPS if not has_op(op)]
         if extension_error() is not None:
             reasons.append(f"mok_megatron._C did not load ({extension_error()})")
@@ -46,7 +131,214 @@ class CudaBackend:
 
     @staticmethod
     def workspace_bytes(**shape) -> int:
-        raise NotImplementedError(
-            "the CUDA backend's workspace layout is not compiled in this build; "
-            "use backend='reference'"
+        from mok_megatron.ops import extension_error
+        from mok_megatron.ops.moe import moe_workspace_layout
+
+        if extension_error() is not None:
+            raise RuntimeError(
+                f"the CUDA backend's workspace layout needs mok_megatron._C ({extension_error()})"
+            )
+        return moe_workspace_layout(
+            shape["num_ranks"], shape["num_local_tokens"], shape["topk"], shape["hidden_size"]
+        ).total_bytes
+
+    # ------------------------------------------------------------------------------ workspace
+    def allocate(self, ws: MoKWorkspace) -> CudaBuffers:
+        from mok_megatron.ops.moe import moe_workspace_layout
+
+        layout = moe_workspace_layout(ws.num_ranks, ws.num_local_tokens, ws.topk, ws.hidden_size)
+        timeout_ms = int(os.environ.get("MOK_WAIT_TIMEOUT_MS", DEFAULT_WAIT_TIMEOUT_MS))
+        if ws.num_ranks == 1:
+            buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=ws.device)
+            handle, peers, signals = None, [buffer.data_ptr()], None
+        else:
+            buffer, handle, peers, signals = _rendezvous(ws, layout.total_bytes)
+        peer_table = torch.tensor(peers, dtype=torch.int64, device=ws.device)
+        signal_table = None
+        if signals is not None:
+            signal_table = torch.tensor(signals, dtype=torch.int64, device=ws.device)
+        comm = [
+            peer_table.data_ptr(), signal_table.data_ptr() if signal_table is not None else 0,
+            buffer.data_ptr(), ws.rank, ws.num_ranks, ws.num_local_tokens, ws.topk,
+            ws.hidden_size, timeout_ms,
+        ]  # fmt: skip
+        return CudaBuffers(buffer, handle, peer_table, signal_table, comm, layout)
+
+    # ------------------------------------------------------------------------------- schedule
+    def build_schedule(self, ws: MoKWorkspace, topk_experts: torch.Tensor) -> MoKSchedule:
+        from mok_megatron.ops import moe as mops
+
+        comm = ws.buffers.comm
+        num_tokens = topk_experts.shape[0]
+        no_weights = torch.zeros(topk_experts.shape, dtype=torch.float32, device=ws.device)
+        global_topk, _ = mops.moe_gather_routing(topk_experts.contiguous(), no_weights, comm)
+        fields = mops.moe_build_schedule(
+            global_topk, ws.rank, ws.num_experts, ws.row_capacity, ws.token_capacity
         )
+        names = MoKSchedule.INTEGER_FIELDS[1:]
+        return MoKSchedule(
+            rank=ws.rank, num_ranks=ws.num_ranks, num_tokens=num_tokens,
+            max_tokens=ws.num_local_tokens, topk=ws.topk, num_local_experts=ws.num_local_experts,
+            row_capacity=ws.row_capacity, token_capacity=ws.token_capacity,
+            global_topk=global_topk, **dict(zip(names, fields)),
+        )  # fmt: skip
+
+    # -------------------------------------------------------------------------------- forward
+    def forward(self, ws, sched, x, router_weights, shared, routed):
+        from mok_megatron.ops import moe as mops
+
+        comm = ws.buffers.comm
+        plan = _padded_plan(sched)
+        mine = sched.global_topk[ws.rank, : sched.num_tokens].contiguous()
+        _, slot_weights = mops.moe_gather_routing(mine, router_weights.contiguous(), comm)
+        recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
+        x_rows = _gather_rows(recv, plan.row_tok)
+        w_rows = _row_weights(slot_weights, sched, plan)
+        w1 = torch.cat([routed.gate, routed.up], dim=1)  # [E_l, 2I, H]
+        gu = grouped_mm(x_rows, w1.transpose(1, 2), plan.offs)
+        a = mops.moe_swiglu(gu)
+        y = grouped_mm(a, routed.down.transpose(1, 2), plan.offs)
+        shared_gu = shared_a = shared_out = None
+        if shared is not None:
+            shared_gu = x @ torch.cat([shared.gate, shared.up], dim=0).T
+            shared_a = mops.moe_swiglu(shared_gu)
+            shared_out = shared_a @ shared.down.T
+        out = mops.moe_combine(
+            y, plan.token_rows, sched.recv_token_src, slot_weights, sched.send_to, shared_out,
+            sched.num_tokens, comm,
+        )  # fmt: skip
+        ctx = CudaContext(plan, x_rows, gu, a, y, w_rows, shared_gu, shared_a)
+        return out, ctx
+
+    # ------------------------------------------------------------------------------- backward
+    def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed):
+        from mok_megatron.ops import moe as mops
+
+        from .types import MoKGradients
+
+        comm, plan = ws.buffers.comm, ctx.plan
+        d_rows = _gather_rows(mops.moe_dispatch(d_out, sched.recv_token_src, comm), plan.row_tok)
+        live = (plan.row_tok >= 0)[:, None]
+        d_row_w = torch.where(live, d_rows.float() * ctx.y.float(), 0).sum(-1)
+        d_rw = mops.moe_combine_slots(
+            d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
+        )
+        dy = (d_rows.float() * ctx.w_rows[:, None]).to(torch.bfloat16)
+        da = grouped_mm(dy, routed.down, plan.offs)
+        d_wd = grouped_mm(dy.T, ctx.a, plan.offs)
+        dgu = mops.moe_swiglu_backward(da, ctx.gu)
+        w1 = torch.cat([routed.gate, routed.up], dim=1)
+        dx_rows = grouped_mm(dgu, w1, plan.offs)
+        d_w1 = grouped_mm(dgu.T, ctx.x_rows, plan.offs)
+        inter = routed.gate.shape[1]
+        d_wg, d_wu = (_zero_empty(g, plan) for g in (d_w1[:, :inter], d_w1[:, inter:]))
+        d_shared, shared_dx = (None, None, None), None
+        if shared is not None:
+            d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
+        d_x = mops.moe_combine(
+            dx_rows, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
+            sched.num_tokens, comm,
+        )  # fmt: skip
+        return MoKGradients(
+            d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
+            d_w_routed_gate=d_wg, d_w_routed_up=d_wu, d_w_routed_down=_zero_empty(d_wd, plan),
+            d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1],
+            d_w_shared_down=d_shared[2],
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- helpers
+def _rendezvous(ws: MoKWorkspace, nbytes: int):
+    """Allocate this rank's symmetric copy and exchange peers' addresses (a collective)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    group = ws.group if ws.group is not None else dist.group.WORLD
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=ws.device)
+    buffer.zero_()
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    # The tensor may sit inside a larger symmetric block: address peers at the same offset.
+    delta = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+    check = torch.tensor([delta, -delta], dtype=torch.int64, device=ws.device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    if int(check[0]) != delta or int(check[1]) != -delta:  # workspace creation: may sync
+        raise RuntimeError("mok: the symmetric workspace sits at different offsets across ranks")
+    peers = [base + delta for base in handle.buffer_ptrs]
+    dist.barrier(group=group)
+    return buffer, handle, peers, list(handle.signal_pad_ptrs)
+
+
+def _padded_plan(sched: MoKSchedule) -> CudaPlan:
+    """Schedule rows → padded rows: expert e's rows start at a multiple of GROUP_ALIGN."""
+    e_l, cap = sched.num_local_experts, sched.row_capacity
+    num_padded = cap + GROUP_ALIGN * e_l
+    offsets = sched.expert_offsets
+    expert_rows = offsets[1:] - offsets[:-1]
+    padded = (expert_rows + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    used = sched.row_expert < e_l
+    expert = sched.row_expert.clamp(max=e_l - 1)
+    rows = torch.arange(cap, device=offsets.device)
+    prow = torch.where(used, rows - offsets[expert] + pad_start[expert], num_padded)
+    row_tok = torch.full((num_padded + 1,), -1, dtype=torch.int64, device=offsets.device)
+    row_tok.scatter_(0, prow, torch.where(used, sched.row_token_idx, -1))
+    slot = sched.token_rows
+    token_rows = torch.where(slot >= 0, prow[slot.clamp(min=0)], -1)
+    return CudaPlan(row_tok[:num_padded], token_rows.contiguous(), pad_end.to(torch.int32),
+                    expert_rows, prow)  # fmt: skip
+
+
+def _gather_rows(recv: torch.Tensor, row_tok: torch.Tensor) -> torch.Tensor:
+    """recv: [C_tok, H] → [P, H] in padded row order, zeros on padding."""
+    rows = recv[row_tok.clamp(min=0)]
+    return torch.where((row_tok >= 0)[:, None], rows, 0)
+
+
+def _row_weights(slot_weights: torch.Tensor, sched: MoKSchedule, plan: CudaPlan):
+    """[W, T_max, K] router weights → [P] weight of each padded row (0 on padding)."""
+    flat = (sched.row_src_rank * sched.max_tokens + sched.row_src_token) * sched.topk
+    flat = (flat + sched.row_src_slot).clamp(min=0)
+    values = torch.where(
+        sched.row_expert < sched.num_local_experts, slot_weights.flatten()[flat], 0
+    )
+    out = torch.zeros(plan.row_tok.shape[0] + 1, dtype=torch.float32, device=values.device)
+    out.scatter_(0, plan.prow, values)  # unused rows all land on the dropped last entry
+    return out[:-1]
+
+
+def _zero_empty(grad: torch.Tensor, plan: CudaPlan) -> torch.Tensor:
+    """Experts with no rows get an exact zero gradient (whatever an empty group GEMM leaves)."""
+    return torch.where((plan.expert_rows > 0)[:, None, None], grad, 0).contiguous()
+
+
+def _shared_backward(d_out, x, ctx: CudaContext, shared):
+    from mok_megatron.ops import moe as mops
+
+    da = d_out @ shared.down  # [T, I_s]
+    dgu = mops.moe_swiglu_backward(da.contiguous(), ctx.shared_gu)
+    inter = shared.gate.shape[0]
+    d_w1 = dgu.T @ x  # [2I_s, H]
+    d_sd = d_out.T @ ctx.shared_a
+    shared_dx = dgu @ torch.cat([shared.gate, shared.up], dim=0)
+    return (d_w1[:inter].contiguous(), d_w1[inter:].contiguous(), d_sd), shared_dx.contiguous()
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` (bf16, no host sync), or a masked dense loop when
+    MOK_GROUPED_MM=loop (a slow fallback with the same semantics, for debugging).
+
+    2d x 3d: a [P, K], b [G, K, N] → [P, N] (rows past offs[-1] are undefined);
+    2d x 2d: a [M, P], b [P, N] → [G, M, N], reducing each group's rows.
+    """
+    if os.environ.get("MOK_GROUPED_MM", "torch") != "loop":
+        return torch._grouped_mm(a, b, offs=offs)
+    group_rows = a.shape[0] if b.dim() == 3 else a.shape[1]
+    idx = torch.arange(group_rows, device=a.device)
+    group = torch.searchsorted(offs.to(torch.int64), idx, right=True)
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for g in range(b.shape[0]):
+            out = torch.where((group == g)[:, None], a @ b[g], out)
+        return out
+    return torch.stack([torch.where((group == g)[None, :], a, 0) @ b for g in range(offs.shape[0])])

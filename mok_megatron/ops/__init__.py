@@ -6,6 +6,7 @@ the reference otherwise; :func:`extension_available`, :func:`has_op` and
 :func:`extension_error` say what the extension offers.
 """
 
+from mok_megatron.ops import moe  # stage-1 expert-parallel MoE ops (and their fakes)
 from mok_megatron.ops._extension import extension_available, extension_error, has_op
 from mok_megatron.ops.mxfp8 import (
     MXFP8Tensor,
@@ -21,6 +22,7 @@ __all__ = [
     "extension_available",
     "extension_error",
     "has_op",
+    "moe",
     "mxfp8_dequantize",
     "mxfp8_quantize",
     "mxfp8_quantize_reference",

@@ -1,0 +1,237 @@
+#include "apis/moe.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include "launch/moe.h"
+
+namespace mok::apis {
+namespace {
+
+cudaStream_t stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.is_cuda(), "mok::moe: ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "mok::moe: ", name, " has dtype ", t.scalar_type(),
+              ", expected ", dtype);
+  TORCH_CHECK(t.dim() == dim, "mok::moe: ", name, " has shape ", t.sizes(), ", expected ", dim,
+              " dims");
+  TORCH_CHECK(t.is_contiguous(), "mok::moe: ", name, " must be contiguous");
+}
+
+launch::MoeComm comm_of(at::IntArrayRef c) {
+  TORCH_CHECK(c.size() == 9, "mok::moe: comm must hold 9 ints, got ", c.size());
+  launch::MoeComm comm;
+  comm.peer_bases = reinterpret_cast<const uint64_t*>(c[0]);
+  comm.signal_pads = reinterpret_cast<const uint64_t*>(c[1]);
+  comm.my_base = static_cast<uint64_t>(c[2]);
+  comm.rank = static_cast<int>(c[3]);
+  comm.lay = layout::WorkspaceLayout{c[4], c[5], c[6], c[7]};
+  comm.timeout_ns = c[8] * 1000000;
+  TORCH_CHECK(comm.peer_bases != nullptr && comm.my_base != 0, "mok::moe: null workspace");
+  TORCH_CHECK(comm.lay.num_ranks == 1 || comm.signal_pads != nullptr,
+              "mok::moe: more than one rank needs signal pads");
+  TORCH_CHECK(comm.lay.hidden % 8 == 0, "mok::moe: hidden=", comm.lay.hidden,
+              " must be a multiple of 8 (16-byte rows)");
+  return comm;
+}
+
+at::TensorOptions opts(const at::Tensor& like, at::ScalarType dtype) {
+  return like.options().dtype(dtype);
+}
+
+}  // namespace
+
+std::vector<int64_t> moe_workspace_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk,
+                                          int64_t hidden) {
+  TORCH_CHECK(num_ranks >= 1 && max_tokens >= 0 && topk >= 1 && hidden >= 1,
+              "mok::moe_workspace_layout: bad shape");
+  const layout::WorkspaceLayout lay{num_ranks, max_tokens, topk, hidden};
+  std::vector<int64_t> out{lay.total_bytes()};
+  for (int r = 0; r < static_cast<int>(layout::Region::kNumRegions); ++r) {
+    out.push_back(lay.offset(static_cast<layout::Region>(r)));
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,
+                                                      const at::Tensor& weights,
+                                                      at::IntArrayRef comm_ints) {
+  const auto comm = comm_of(comm_ints);
+  check(topk, "topk", at::kLong, 2);
+  check(weights, "weights", at::kFloat, 2);
+  TORCH_CHECK(topk.size(0) <= comm.lay.max_tokens && topk.size(1) == comm.lay.topk &&
+                  weights.sizes() == topk.sizes(),
+              "mok::moe_gather_routing: topk ", topk.sizes(), " / weights ", weights.sizes(),
+              " do not fit [<=", comm.lay.max_tokens, ", ", comm.lay.topk, "]");
+  c10::cuda::CUDAGuard guard(topk.device());
+  const auto& lay = comm.lay;
+  auto global_topk = at::empty({lay.num_ranks, lay.max_tokens, lay.topk}, opts(topk, at::kLong));
+  auto global_weights =
+      at::empty({lay.num_ranks, lay.max_tokens, lay.topk}, opts(topk, at::kFloat));
+  launch::moe_gather_routing(comm, topk.data_ptr<int64_t>(), weights.data_ptr<float>(),
+                             static_cast<int>(topk.size(0)), global_topk.data_ptr<int64_t>(),
+                             global_weights.data_ptr<float>(), stream_of(topk));
+  return {global_topk, global_weights};
+}
+
+std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_t rank,
+                                           int64_t num_experts, int64_t row_capacity,
+                                           int64_t token_capacity) {
+  check(global_topk, "global_topk", at::kLong, 3);
+  const int64_t w = global_topk.size(0), t_max = global_topk.size(1), k = global_topk.size(2);
+  TORCH_CHECK(num_experts % w == 0 && rank >= 0 && rank < w && row_capacity >= 0 &&
+                  token_capacity >= 0 && w * t_max * k < (int64_t{1} << 30),
+              "mok::moe_build_schedule: bad arguments");
+  c10::cuda::CUDAGuard guard(global_topk.device());
+  const auto i64 = opts(global_topk, at::kLong), i32 = opts(global_topk, at::kInt);
+  scheduler::ScheduleParams p{};
+  p.global_topk = global_topk.data_ptr<int64_t>();
+  p.rank = static_cast<int>(rank);
+  p.num_ranks = static_cast<int>(w);
+  p.max_tokens = static_cast<int>(t_max);
+  p.topk = static_cast<int>(k);
+  p.num_experts = static_cast<int>(num_experts);
+  p.num_local_experts = static_cast<int>(num_experts / w);
+  p.row_capacity = static_cast<int>(row_capacity);
+  p.token_capacity = static_cast<int>(token_capacity);
+  const int64_t chunks = p.num_chunks(), e_l = p.num_local_experts;
+  auto scratch = at::empty({chunks * e_l + chunks * w + chunks + w * t_max * k + w * t_max}, i32);
+  int* s = scratch.data_ptr<int>();
+  p.chunk_expert_rows = s;
+  p.chunk_rank_slots = s + chunks * e_l;
+  p.chunk_bad = p.chunk_rank_slots + chunks * w;
+  p.slot_row = p.chunk_bad + chunks;
+  p.token_pos = p.slot_row + w * t_max * k;
+  std::vector<at::Tensor> out{
+      at::empty({row_capacity}, i64),      at::empty({row_capacity}, i64),
+      at::empty({row_capacity}, i64),      at::empty({row_capacity}, i64),
+      at::empty({row_capacity}, i64),      at::empty({e_l + 1}, i64),
+      at::empty({1}, i64),                 at::empty({token_capacity}, i64),
+      at::empty({w * t_max}, i64),         at::empty({1}, i64),
+      at::empty({token_capacity, k}, i64), at::empty({t_max, w}, opts(global_topk, at::kBool)),
+      at::empty({}, opts(global_topk, at::kInt))};  // 0-dim, as the reference
+  p.row_expert = out[0].data_ptr<int64_t>();
+  p.row_src_rank = out[1].data_ptr<int64_t>();
+  p.row_src_token = out[2].data_ptr<int64_t>();
+  p.row_src_slot = out[3].data_ptr<int64_t>();
+  p.row_token_idx = out[4].data_ptr<int64_t>();
+  p.expert_offsets = out[5].data_ptr<int64_t>();
+  p.num_rows = out[6].data_ptr<int64_t>();
+  p.recv_token_src = out[7].data_ptr<int64_t>();
+  p.recv_token_pos = out[8].data_ptr<int64_t>();
+  p.num_recv_tokens = out[9].data_ptr<int64_t>();
+  p.token_rows = out[10].data_ptr<int64_t>();
+  p.send_to = out[11].data_ptr<bool>();
+  p.error_flags = out[12].data_ptr<int32_t>();
+  launch::moe_build_schedule(p, stream_of(global_topk));
+  return out;
+}
+
+at::Tensor moe_dispatch(const at::Tensor& x, const at::Tensor& recv_token_src,
+                        at::IntArrayRef comm_ints) {
+  const auto comm = comm_of(comm_ints);
+  check(x, "x", at::kBFloat16, 2);
+  check(recv_token_src, "recv_token_src", at::kLong, 1);
+  TORCH_CHECK(x.size(0) <= comm.lay.max_tokens && x.size(1) == comm.lay.hidden,
+              "mok::moe_dispatch: x ", x.sizes(), " does not fit the workspace");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t num_recv = recv_token_src.size(0);
+  auto recv = at::empty({num_recv, comm.lay.hidden}, x.options());
+  launch::moe_dispatch(comm, x.data_ptr(), static_cast<int>(x.size(0)),
+                       recv_token_src.data_ptr<int64_t>(), static_cast<int>(num_recv),
+                       recv.data_ptr(), stream_of(x));
+  return recv;
+}
+
+at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
+                       const at::Tensor& recv_token_src,
+                       const std::optional<at::Tensor>& slot_weights, const at::Tensor& send_to,
+                       const std::optional<at::Tensor>& shared_out, int64_t num_tokens,
+                       at::IntArrayRef comm_ints) {
+  const auto comm = comm_of(comm_ints);
+  const auto& lay = comm.lay;
+  check(rows, "rows", at::kBFloat16, 2);
+  check(token_rows, "token_rows", at::kLong, 2);
+  check(recv_token_src, "recv_token_src", at::kLong, 1);
+  check(send_to, "send_to", at::kBool, 2);
+  TORCH_CHECK(rows.size(1) == lay.hidden && token_rows.size(1) == lay.topk &&
+                  token_rows.size(0) == recv_token_src.size(0) && num_tokens <= lay.max_tokens &&
+                  send_to.size(0) == lay.max_tokens && send_to.size(1) == lay.num_ranks,
+              "mok::moe_combine: shapes do not fit the workspace");
+  launch::MoeCombineArgs a;
+  if (slot_weights.has_value()) {
+    check(*slot_weights, "slot_weights", at::kFloat, 3);
+    TORCH_CHECK(slot_weights->numel() == lay.num_ranks * lay.max_tokens * lay.topk,
+                "mok::moe_combine: slot_weights must be [W, T_max, K]");
+    a.slot_weights = slot_weights->data_ptr<float>();
+  }
+  if (shared_out.has_value()) {
+    check(*shared_out, "shared_out", at::kBFloat16, 2);
+    TORCH_CHECK(shared_out->size(0) == num_tokens && shared_out->size(1) == lay.hidden,
+                "mok::moe_combine: shared_out must be [T, H]");
+    a.shared_out = shared_out->data_ptr();
+  }
+  c10::cuda::CUDAGuard guard(rows.device());
+  auto out = at::empty({num_tokens, lay.hidden}, rows.options());
+  a.rows = rows.data_ptr();
+  a.token_rows = token_rows.data_ptr<int64_t>();
+  a.recv_token_src = recv_token_src.data_ptr<int64_t>();
+  a.num_recv = static_cast<int>(recv_token_src.size(0));
+  a.send_to = send_to.data_ptr<bool>();
+  a.out = out.data_ptr();
+  a.num_tokens = static_cast<int>(num_tokens);
+  launch::moe_combine(comm, a, stream_of(rows));
+  return out;
+}
+
+at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& token_rows,
+                             const at::Tensor& recv_token_src, const at::Tensor& send_to,
+                             int64_t num_tokens, at::IntArrayRef comm_ints) {
+  const auto comm = comm_of(comm_ints);
+  const auto& lay = comm.lay;
+  check(row_values, "row_values", at::kFloat, 1);
+  check(token_rows, "token_rows", at::kLong, 2);
+  check(recv_token_src, "recv_token_src", at::kLong, 1);
+  check(send_to, "send_to", at::kBool, 2);
+  TORCH_CHECK(token_rows.size(1) == lay.topk && token_rows.size(0) == recv_token_src.size(0) &&
+                  num_tokens <= lay.max_tokens,
+              "mok::moe_combine_slots: shapes do not fit the workspace");
+  c10::cuda::CUDAGuard guard(row_values.device());
+  auto out = at::empty({num_tokens, lay.topk}, row_values.options());
+  launch::moe_combine_slots(comm, row_values.data_ptr<float>(), token_rows.data_ptr<int64_t>(),
+                            recv_token_src.data_ptr<int64_t>(),
+                            static_cast<int>(recv_token_src.size(0)), send_to.data_ptr<bool>(),
+                            out.data_ptr<float>(), static_cast<int>(num_tokens),
+                            stream_of(row_values));
+  return out;
+}
+
+at::Tensor moe_swiglu(const at::Tensor& gu) {
+  check(gu, "gu", at::kBFloat16, 2);
+  TORCH_CHECK(gu.size(1) % 2 == 0, "mok::moe_swiglu: gu must be [P, 2I]");
+  c10::cuda::CUDAGuard guard(gu.device());
+  auto a = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  launch::moe_swiglu_forward(gu.data_ptr(), a.data_ptr(), gu.size(0), gu.size(1) / 2,
+                             stream_of(gu));
+  return a;
+}
+
+at::Tensor moe_swiglu_backward(const at::Tensor& da, const at::Tensor& gu) {
+  check(da, "da", at::kBFloat16, 2);
+  check(gu, "gu", at::kBFloat16, 2);
+  TORCH_CHECK(gu.size(0) == da.size(0) && gu.size(1) == 2 * da.size(1),
+              "mok::moe_swiglu_backward: da must be [P, I] and gu [P, 2I]");
+  c10::cuda::CUDAGuard guard(gu.device());
+  auto dgu = at::empty_like(gu);
+  launch::moe_swiglu_backward(da.data_ptr(), gu.data_ptr(), dgu.data_ptr(), da.size(0),
+                              da.size(1), stream_of(gu));
+  return dgu;
+}
+
+}  // namespace mok::apis

@@ -1,0 +1,56 @@
+// Torch-facing ops of the stage-1 expert-parallel MoE pass (registered as mok::moe_* in
+// python_api.cpp; fakes in mok_megatron/ops/moe.py). Each checks its tensors, builds the
+// torch-free launch arguments and enqueues work on the current stream; none syncs the host.
+//
+// `comm` (int[9]) names the symmetric workspace: [peer_bases_dev, signal_pads_dev, my_base, rank,
+// num_ranks, max_tokens, topk, hidden, timeout_ms]; the two *_dev entries are device addresses of
+// [W] uint64 tables (signal_pads_dev is 0 for one rank).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace mok::apis {
+
+// [total_bytes, offset of each layout::Region in order].
+std::vector<int64_t> moe_workspace_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk,
+                                          int64_t hidden);
+
+// topk: [T, K] int64; weights: [T, K] f32 -> (global_topk [W, T_max, K] int64,
+// global_weights [W, T_max, K] f32). Collective.
+std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,
+                                                      const at::Tensor& weights,
+                                                      at::IntArrayRef comm);
+
+// The schedule fields of MoKSchedule from global_topk, in INTEGER_FIELDS order minus
+// global_topk: row_expert, row_src_rank, row_src_token, row_src_slot, row_token_idx,
+// expert_offsets, num_rows, recv_token_src, recv_token_pos, num_recv_tokens, token_rows, send_to,
+// error_flags.
+std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_t rank,
+                                           int64_t num_experts, int64_t row_capacity,
+                                           int64_t token_capacity);
+
+// x: [T, H] bf16 -> recv [C_tok, H] bf16 (each received token pulled once). Collective.
+at::Tensor moe_dispatch(const at::Tensor& x, const at::Tensor& recv_token_src,
+                        at::IntArrayRef comm);
+
+// rows: [P, H] bf16; token_rows: [C_tok, K] int64 into rows -> out [T, H] bf16. Collective.
+at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
+                       const at::Tensor& recv_token_src,
+                       const std::optional<at::Tensor>& slot_weights, const at::Tensor& send_to,
+                       const std::optional<at::Tensor>& shared_out, int64_t num_tokens,
+                       at::IntArrayRef comm);
+
+// row_values: [P] f32 -> out [T, K] f32 (each slot's value from the rank that holds it).
+at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& token_rows,
+                             const at::Tensor& recv_token_src, const at::Tensor& send_to,
+                             int64_t num_tokens, at::IntArrayRef comm);
+
+// gu: [P, 2I] bf16 -> a [P, I]; backward: (da [P, I], gu) -> dgu [P, 2I].
+at::Tensor moe_swiglu(const at::Tensor& gu);
+at::Tensor moe_swiglu_backward(const at::Tensor& da, const at::Tensor& gu);
+
+}  // namespace mok::apis

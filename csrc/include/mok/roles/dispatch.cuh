@@ -1,0 +1,59 @@
+// Dispatch roles: stage this rank's routing into its symmetric buffer, gather every rank's routing
+// (the routing all-gather), and pull each received token once from its source rank's buffer.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "mok/common/macros.cuh"
+#include "mok/layout/workspace.cuh"
+
+namespace mok::roles {
+
+using layout::Region;
+using layout::WorkspaceLayout;
+
+// Grid-stride over [T_max, K]: rows >= num_tokens are padded (-1 ids, 0 weights).
+__global__ void stage_routing(WorkspaceLayout lay, uint64_t my_base, const int64_t* topk,
+                              const float* weights, int num_tokens) {
+  int64_t* dst_topk = lay.at<int64_t>(my_base, Region::kRoutingTopk);
+  float* dst_weights = lay.at<float>(my_base, Region::kRoutingWeights);
+  const int64_t n = lay.max_tokens * lay.topk, live = static_cast<int64_t>(num_tokens) * lay.topk;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    dst_topk[i] = i < live ? topk[i] : -1;
+    dst_weights[i] = i < live ? weights[i] : 0.0f;
+  }
+}
+
+// Grid-stride over [W, T_max, K]: global_topk[s] / global_weights[s] from rank s's buffer.
+__global__ void gather_routing(WorkspaceLayout lay, const uint64_t* peer_bases,
+                               int64_t* global_topk, float* global_weights) {
+  const int64_t per_rank = lay.max_tokens * lay.topk, n = lay.num_ranks * per_rank;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const uint64_t base = peer_bases[i / per_rank];
+    global_topk[i] = lay.at<const int64_t>(base, Region::kRoutingTopk)[i % per_rank];
+    global_weights[i] = lay.at<const float>(base, Region::kRoutingWeights)[i % per_rank];
+  }
+}
+
+// One block per received token j: recv[j] = tokens[t] of source rank s (zeros when unused).
+// NOTE: hidden % 8 == 0, so every row is whole 16-byte vectors.
+__global__ void pull_tokens(WorkspaceLayout lay, const uint64_t* peer_bases,
+                            const int64_t* recv_token_src, __nv_bfloat16* recv, int num_recv) {
+  const int j = blockIdx.x;
+  if (j >= num_recv) return;
+  const int64_t src = recv_token_src[j];
+  const int64_t vecs = lay.hidden / 8;
+  uint4* dst = reinterpret_cast<uint4*>(recv + static_cast<int64_t>(j) * lay.hidden);
+  if (src < 0) {
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int64_t s = src / lay.max_tokens, t = src % lay.max_tokens;
+  const uint4* row =
+      lay.at<const uint4>(peer_bases[s], Region::kTokens) + t * vecs;  // peer memory
+  for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = row[v];
+}
+
+}  // namespace mok::roles

@@ -1,0 +1,181 @@
+// The deterministic routed schedule on the device, in four kernels; integer-for-integer equal to
+// mok_megatron.functional.schedule.build_schedule_from_global (see its docstring for each field).
+//
+// A "slot" is one flat entry i = (s * T + t) * K + k of the gathered routing [W, T, K]. Rows are
+// the slots routed to this rank's experts, sorted by (local expert, i): a stable counting sort.
+//   count_chunks:  per chunk of kChunk slots, rows per local expert and slots per rank
+//   scan_chunks:   (one block) expert offsets, each chunk's first row per expert, error flags
+//   place_rows:    each slot's row = chunk base + rank among equal experts earlier in its chunk
+//   place_tokens:  (one block) received tokens in (s, t) order, token_rows, row_token_idx, send_to
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+
+#include "mok/common/macros.cuh"
+#include "mok/scheduler/params.cuh"
+
+namespace mok::scheduler {
+
+// Grid: num_chunks blocks of kChunk threads; dynamic shared memory (E_l + W + 1) ints.
+__global__ void count_chunks(ScheduleParams p) {
+  extern __shared__ int smem[];
+  int* s_expert = smem;
+  int* s_rank = smem + p.num_local_experts;
+  int* s_bad = s_rank + p.num_ranks;
+  for (int i = threadIdx.x; i < p.num_local_experts + p.num_ranks + 1; i += blockDim.x) smem[i] = 0;
+  __syncthreads();
+  const int i = blockIdx.x * kChunk + threadIdx.x;
+  if (i < p.num_slots()) {
+    const int64_t id = p.global_topk[i];
+    if (id < -1 || id >= p.num_experts) atomicOr(s_bad, 1);
+    if (id >= 0 && id < p.num_experts) atomicAdd(&s_rank[id / p.num_local_experts], 1);
+    const int e = p.local_expert(id);
+    if (e >= 0) atomicAdd(&s_expert[e], 1);  // NOTE: integer counts; order does not matter
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.num_local_experts; e += blockDim.x) {
+    p.chunk_expert_rows[blockIdx.x * p.num_local_experts + e] = s_expert[e];
+  }
+  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
+    p.chunk_rank_slots[blockIdx.x * p.num_ranks + d] = s_rank[d];
+  }
+  if (threadIdx.x == 0) p.chunk_bad[blockIdx.x] = *s_bad;
+}
+
+// Grid: one block of kTokenThreads threads.
+__global__ void scan_chunks(ScheduleParams p) {
+  __shared__ int s_flags;
+  const int num_chunks = p.num_chunks(), e_l = p.num_local_experts;
+  if (threadIdx.x == 0) s_flags = 0;
+  __syncthreads();
+  // Rows per expert, kept in expert_offsets[e + 1] until thread 0 turns them into offsets.
+  for (int e = threadIdx.x; e < e_l; e += blockDim.x) {
+    int64_t total = 0;
+    for (int b = 0; b < num_chunks; ++b) total += p.chunk_expert_rows[b * e_l + e];
+    p.expert_offsets[e + 1] = total;
+  }
+  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
+    int64_t total = 0;
+    for (int b = 0; b < num_chunks; ++b) total += p.chunk_rank_slots[b * p.num_ranks + d];
+    if (total > p.row_capacity) atomicOr(&s_flags, kErrRowOverflow);
+  }
+  for (int b = threadIdx.x; b < num_chunks; b += blockDim.x) {
+    if (p.chunk_bad[b]) atomicOr(&s_flags, kErrExpertId);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t start = 0;
+    p.expert_offsets[0] = 0;
+    for (int e = 0; e < e_l; ++e) {
+      start += p.expert_offsets[e + 1];
+      p.expert_offsets[e + 1] = start;  // uncapped for now
+    }
+    p.num_rows[0] = start;
+    p.error_flags[0] = s_flags;
+  }
+  __syncthreads();
+  // Each chunk's first row per expert (uncapped; int fits: rows <= W * T * K).
+  for (int e = threadIdx.x; e < e_l; e += blockDim.x) {
+    int running = static_cast<int>(p.expert_offsets[e]);
+    for (int b = 0; b < num_chunks; ++b) {
+      const int count = p.chunk_expert_rows[b * e_l + e];
+      p.chunk_expert_rows[b * e_l + e] = running;
+      running += count;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e <= e_l; e += blockDim.x) {
+    const int64_t cap = p.row_capacity;
+    p.expert_offsets[e] = p.expert_offsets[e] < cap ? p.expert_offsets[e] : cap;
+  }
+}
+
+// Grid: num_chunks blocks of kChunk threads. Rows arrays must be pre-filled as unused.
+__global__ void place_rows(ScheduleParams p) {
+  __shared__ int s_expert[kChunk];
+  const int i = blockIdx.x * kChunk + threadIdx.x;
+  const int e = i < p.num_slots() ? p.local_expert(p.global_topk[i]) : -1;
+  s_expert[threadIdx.x] = e;
+  __syncthreads();
+  if (i >= p.num_slots()) return;
+  int row = -1;
+  if (e >= 0) {
+    int earlier = 0;  // equal experts earlier in this chunk: keeps the sort stable
+    for (int j = 0; j < static_cast<int>(threadIdx.x); ++j) earlier += s_expert[j] == e;
+    row = p.chunk_expert_rows[blockIdx.x * p.num_local_experts + e] + earlier;
+    if (row < p.row_capacity) {
+      const int per_rank = p.max_tokens * p.topk;
+      p.row_expert[row] = e;
+      p.row_src_rank[row] = i / per_rank;
+      p.row_src_token[row] = (i / p.topk) % p.max_tokens;
+      p.row_src_slot[row] = i % p.topk;
+    } else {
+      row = -1;
+    }
+  }
+  p.slot_row[i] = row;
+}
+
+// Grid: one block of kTokenThreads threads.
+__global__ void place_tokens(ScheduleParams p) {
+  using BlockScan = cub::BlockScan<int, kTokenThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int num_tokens = p.num_ranks * p.max_tokens, k_n = p.topk;
+  int carry = 0;
+  for (int begin = 0; begin < num_tokens; begin += kTokenThreads) {
+    const int i = begin + threadIdx.x;
+    int here = 0;
+    for (int k = 0; i < num_tokens && k < k_n; ++k) here |= p.slot_row[i * k_n + k] >= 0;
+    int pos, block_total;
+    BlockScan(scan_storage).ExclusiveSum(here, pos, block_total);
+    pos += carry;
+    if (i < num_tokens) {
+      p.token_pos[i] = here ? pos : -1;
+      const bool kept = here && pos < p.token_capacity;
+      p.recv_token_pos[i] = kept ? pos : -1;
+      if (kept) {
+        p.recv_token_src[pos] = i;
+        for (int k = 0; k < k_n; ++k) p.token_rows[pos * k_n + k] = p.slot_row[i * k_n + k];
+      }
+    }
+    carry += block_total;
+    __syncthreads();  // scan_storage is reused
+  }
+  const int num_recv = carry < p.token_capacity ? carry : p.token_capacity;
+  if (threadIdx.x == 0) p.num_recv_tokens[0] = num_recv;
+  for (int j = num_recv + threadIdx.x; j < p.token_capacity; j += blockDim.x) {
+    p.recv_token_src[j] = -1;
+    for (int k = 0; k < k_n; ++k) p.token_rows[j * k_n + k] = -1;
+  }
+  __syncthreads();  // token_pos is complete
+  for (int row = threadIdx.x; row < p.row_capacity; row += blockDim.x) {
+    const int64_t s = p.row_src_rank[row];
+    p.row_token_idx[row] = s >= 0 ? p.token_pos[s * p.max_tokens + p.row_src_token[row]] : -1;
+  }
+  const int64_t* mine = p.global_topk + static_cast<int64_t>(p.rank) * p.max_tokens * k_n;
+  for (int t = threadIdx.x; t < p.max_tokens; t += blockDim.x) {
+    for (int d = 0; d < p.num_ranks; ++d) {
+      bool visits = false;
+      for (int k = 0; k < k_n; ++k) {
+        const int64_t id = mine[t * k_n + k];
+        visits |= id >= 0 && id < p.num_experts && id / p.num_local_experts == d;
+      }
+      p.send_to[t * p.num_ranks + d] = visits;
+    }
+  }
+}
+
+// Grid-stride: mark every row unused (row_expert = E_l, the rest -1).
+__global__ void init_rows(ScheduleParams p) {
+  for (int row = blockIdx.x * blockDim.x + threadIdx.x; row < p.row_capacity;
+       row += gridDim.x * blockDim.x) {
+    p.row_expert[row] = p.num_local_experts;
+    p.row_src_rank[row] = -1;
+    p.row_src_token[row] = -1;
+    p.row_src_slot[row] = -1;
+  }
+}
+
+}  // namespace mok::scheduler

@@ -1,0 +1,150 @@
+// Host launchers of the stage-1 MoE pass (see launch/moe.h). The kernels live in include/mok/.
+#include "launch/moe.h"
+
+#include <algorithm>
+
+#include "mok/comm/barrier.cuh"
+#include "mok/roles/combine.cuh"
+#include "mok/roles/dispatch.cuh"
+#include "mok/roles/swiglu.cuh"
+#include "mok/scheduler/schedule.cuh"
+
+namespace mok::launch {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 4096;
+
+int grid_for(int64_t n) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (n + kThreads - 1) / kThreads)));
+}
+
+void check_launch() { MOK_CUDA_CHECK(cudaGetLastError()); }
+
+__global__ void barrier_kernel(const uint64_t* signal_pads, int rank, int world, int phase,
+                               int64_t timeout_ns) {
+  comm::barrier_block(signal_pads, rank, world, phase, timeout_ns);
+}
+
+int row_threads(int64_t hidden) {
+  return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, hidden / 8)));
+}
+
+}  // namespace
+
+void moe_barrier(const MoeComm& comm, int phase, cudaStream_t stream) {
+  if (comm.lay.num_ranks <= 1) return;
+  MOK_HOST_CHECK(comm.signal_pads != nullptr, "a %lld-rank barrier needs signal pads",
+                 static_cast<long long>(comm.lay.num_ranks));
+  MOK_HOST_CHECK(comm.lay.num_ranks <= 32, "at most 32 ranks, got %lld",
+                 static_cast<long long>(comm.lay.num_ranks));
+  barrier_kernel<<<1, 32, 0, stream>>>(comm.signal_pads, comm.rank,
+                                       static_cast<int>(comm.lay.num_ranks), phase,
+                                       comm.timeout_ns);
+  check_launch();
+}
+
+void moe_gather_routing(const MoeComm& comm, const int64_t* topk, const float* weights,
+                        int num_tokens, int64_t* global_topk, float* global_weights,
+                        cudaStream_t stream) {
+  const auto& lay = comm.lay;
+  roles::stage_routing<<<grid_for(lay.max_tokens * lay.topk), kThreads, 0, stream>>>(
+      lay, comm.my_base, topk, weights, num_tokens);
+  check_launch();
+  moe_barrier(comm, static_cast<int>(comm::Phase::kScheduleStaged), stream);
+  roles::gather_routing<<<grid_for(lay.num_ranks * lay.max_tokens * lay.topk), kThreads, 0,
+                          stream>>>(lay, comm.peer_bases, global_topk, global_weights);
+  check_launch();
+  moe_barrier(comm, static_cast<int>(comm::Phase::kScheduleGathered), stream);
+}
+
+void moe_build_schedule(const scheduler::ScheduleParams& p, cudaStream_t stream) {
+  using namespace scheduler;
+  const size_t count_smem = sizeof(int) * (p.num_local_experts + p.num_ranks + 1);
+  MOK_HOST_CHECK(count_smem <= 48 * 1024, "too many local experts (%d) for the schedule kernel",
+                 p.num_local_experts);
+  init_rows<<<grid_for(p.row_capacity), kThreads, 0, stream>>>(p);
+  check_launch();
+  count_chunks<<<p.num_chunks(), kChunk, count_smem, stream>>>(p);
+  check_launch();
+  scan_chunks<<<1, kTokenThreads, 0, stream>>>(p);
+  check_launch();
+  place_rows<<<p.num_chunks(), kChunk, 0, stream>>>(p);
+  check_launch();
+  place_tokens<<<1, kTokenThreads, 0, stream>>>(p);
+  check_launch();
+}
+
+void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens,
+                  const int64_t* recv_token_src, int num_recv, void* recv, cudaStream_t stream) {
+  const auto& lay = comm.lay;
+  MOK_HOST_CHECK(lay.hidden % 8 == 0, "hidden=%lld must be a multiple of 8",
+                 static_cast<long long>(lay.hidden));
+  if (num_tokens > 0) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(lay.at<void>(comm.my_base, layout::Region::kTokens), x,
+                                   static_cast<size_t>(num_tokens) * lay.hidden * 2,
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
+  moe_barrier(comm, static_cast<int>(comm::Phase::kDispatchStaged), stream);
+  if (num_recv > 0) {
+    roles::pull_tokens<<<num_recv, row_threads(lay.hidden), 0, stream>>>(
+        lay, comm.peer_bases, recv_token_src, static_cast<__nv_bfloat16*>(recv), num_recv);
+    check_launch();
+  }
+}
+
+void moe_combine(const MoeComm& comm, const MoeCombineArgs& a, cudaStream_t stream) {
+  const auto& lay = comm.lay;
+  MOK_HOST_CHECK(lay.hidden % 8 == 0, "hidden=%lld must be a multiple of 8",
+                 static_cast<long long>(lay.hidden));
+  if (a.num_recv > 0) {
+    roles::CombineParams p{lay, comm.peer_bases, comm.rank,
+                           static_cast<const __nv_bfloat16*>(a.rows), a.token_rows,
+                           a.recv_token_src, a.slot_weights, a.num_recv};
+    roles::push_partials<<<a.num_recv, row_threads(lay.hidden), 0, stream>>>(p);
+    check_launch();
+  }
+  moe_barrier(comm, static_cast<int>(comm::Phase::kCombinePushed), stream);
+  if (a.num_tokens > 0) {
+    roles::reduce_partials<<<grid_for(a.num_tokens * lay.hidden / 8), kThreads, 0, stream>>>(
+        lay, comm.my_base, a.send_to, static_cast<const __nv_bfloat16*>(a.shared_out),
+        static_cast<__nv_bfloat16*>(a.out), a.num_tokens);
+    check_launch();
+  }
+}
+
+void moe_combine_slots(const MoeComm& comm, const float* row_values, const int64_t* token_rows,
+                       const int64_t* recv_token_src, int num_recv, const bool* send_to,
+                       float* out, int num_tokens, cudaStream_t stream) {
+  const auto& lay = comm.lay;
+  if (num_recv > 0) {
+    roles::push_slots<<<grid_for(num_recv * lay.topk), kThreads, 0, stream>>>(
+        lay, comm.peer_bases, comm.rank, row_values, token_rows, recv_token_src, num_recv);
+    check_launch();
+  }
+  moe_barrier(comm, static_cast<int>(comm::Phase::kSlotsPushed), stream);
+  if (num_tokens > 0) {
+    roles::reduce_slots<<<grid_for(num_tokens * lay.topk), kThreads, 0, stream>>>(
+        lay, comm.my_base, send_to, out, num_tokens);
+    check_launch();
+  }
+}
+
+void moe_swiglu_forward(const void* gu, void* a, int64_t num_rows, int64_t inter,
+                        cudaStream_t stream) {
+  if (num_rows * inter == 0) return;
+  roles::swiglu_forward<<<grid_for(num_rows * inter), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(gu), static_cast<__nv_bfloat16*>(a), num_rows, inter);
+  check_launch();
+}
+
+void moe_swiglu_backward(const void* da, const void* gu, void* dgu, int64_t num_rows,
+                         int64_t inter, cudaStream_t stream) {
+  if (num_rows * inter == 0) return;
+  roles::swiglu_backward<<<grid_for(num_rows * inter), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(gu),
+      static_cast<__nv_bfloat16*>(dgu), num_rows, inter);
+  check_launch();
+}
+
+}  // namespace mok::launch

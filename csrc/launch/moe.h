@@ -1,0 +1,69 @@
+// Torch-free host launchers of the stage-1 expert-parallel MoE pass: pointers, ints, a stream.
+// Every launcher only enqueues work (no host synchronisation) and throws mok::Error on a broken
+// precondition or a failed launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mok/layout/workspace.cuh"
+#include "mok/scheduler/params.cuh"
+
+namespace mok::launch {
+
+// Where this rank's and its peers' workspace copies live, and how long a device wait may take.
+struct MoeComm {
+  layout::WorkspaceLayout lay;
+  const uint64_t* peer_bases = nullptr;   // device [W]: base address of each rank's copy
+  const uint64_t* signal_pads = nullptr;  // device [W]: each rank's signal pad (null when W == 1)
+  uint64_t my_base = 0;                   // this rank's copy (host value)
+  int rank = 0;
+  int64_t timeout_ns = 0;
+};
+
+// A cross-rank barrier (no-op for one rank); `phase` is a mok::comm::Phase, printed on timeout.
+void moe_barrier(const MoeComm& comm, int phase, cudaStream_t stream);
+
+// Stage topk [T, K] int64 / weights [T, K] f32 (T = num_tokens <= T_max), barrier, gather every
+// rank's into global_topk [W, T_max, K] / global_weights [W, T_max, K], barrier.
+void moe_gather_routing(const MoeComm& comm, const int64_t* topk, const float* weights,
+                        int num_tokens, int64_t* global_topk, float* global_weights,
+                        cudaStream_t stream);
+
+// The schedule from global_topk (params.global_topk); scratch and outputs preallocated.
+void moe_build_schedule(const scheduler::ScheduleParams& params, cudaStream_t stream);
+
+// Stage x [T, H] bf16, barrier, then recv[j] = token recv_token_src[j] of its source (zeros when
+// -1), recv: [num_recv, H] bf16.
+void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens,
+                  const int64_t* recv_token_src, int num_recv, void* recv, cudaStream_t stream);
+
+struct MoeCombineArgs {
+  const void* rows = nullptr;             // [P, H] bf16
+  const int64_t* token_rows = nullptr;    // [C_tok, K] indices into rows, -1 when not here
+  const int64_t* recv_token_src = nullptr;// [C_tok]
+  const float* slot_weights = nullptr;    // [W * T_max * K] or null (weight 1)
+  int num_recv = 0;                       // C_tok
+  const bool* send_to = nullptr;          // [T_max, W]
+  const void* shared_out = nullptr;       // [T, H] bf16 or null
+  void* out = nullptr;                    // [T, H] bf16
+  int num_tokens = 0;                     // T
+};
+
+// Expert-side slot sum + push, barrier, source-side sum over ranks (+ shared) into out.
+void moe_combine(const MoeComm& comm, const MoeCombineArgs& args, cudaStream_t stream);
+
+// Per-slot values: push row_values[token_rows[j, k]] to the source, barrier, sum over ranks into
+// out [T, K] f32.
+void moe_combine_slots(const MoeComm& comm, const float* row_values, const int64_t* token_rows,
+                       const int64_t* recv_token_src, int num_recv, const bool* send_to,
+                       float* out, int num_tokens, cudaStream_t stream);
+
+// a [P, I] = silu(g) * u with gu = [g | u] [P, 2I]; dgu [P, 2I] from da [P, I] and gu.
+void moe_swiglu_forward(const void* gu, void* a, int64_t num_rows, int64_t inter,
+                        cudaStream_t stream);
+void moe_swiglu_backward(const void* da, const void* gu, void* dgu, int64_t num_rows,
+                         int64_t inter, cudaStream_t stream);
+
+}  // namespace mok::launch

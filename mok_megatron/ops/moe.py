@@ -1,0 +1,139 @@
+"""Thin wrappers over the stage-1 expert-parallel MoE ops (``torch.ops.mok.moe_*``), with fakes.
+
+The ops work on one symmetric workspace described by ``comm`` (9 ints, see
+``csrc/apis/moe.h``): ``[peer_bases_dev, signal_pads_dev, my_base, rank, num_ranks, max_tokens,
+topk, hidden, timeout_ms]``. Those marked *collective* must be called by every rank in the same
+order. None of them synchronises the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mok_megatron.ops._extension import extension_available
+
+__all__ = [
+    "MoeWorkspaceLayout",
+    "moe_workspace_layout",
+    "moe_gather_routing",
+    "moe_build_schedule",
+    "moe_dispatch",
+    "moe_combine",
+    "moe_combine_slots",
+    "moe_swiglu",
+    "moe_swiglu_backward",
+]
+
+#: Region names in the order of ``mok::layout::Region`` (csrc/include/mok/layout/workspace.cuh).
+REGIONS = ("routing_topk", "routing_weights", "tokens", "combine", "slot_values")
+
+
+@dataclass(frozen=True)
+class MoeWorkspaceLayout:
+    """Byte size of one rank's symmetric workspace and each region's byte offset (from C++)."""
+
+    total_bytes: int
+    offsets: dict[str, int]
+
+
+def moe_workspace_layout(num_ranks: int, max_tokens: int, topk: int, hidden: int):
+    """The layout the shared C++ header defines; Python never recomputes an offset."""
+    total, *offsets = torch.ops.mok.moe_workspace_layout(num_ranks, max_tokens, topk, hidden)
+    return MoeWorkspaceLayout(int(total), dict(zip(REGIONS, (int(o) for o in offsets))))
+
+
+def moe_gather_routing(topk: torch.Tensor, weights: torch.Tensor, comm: list[int]):
+    """topk: [T, K] int64, weights: [T, K] float32 → every rank's, [W, T_max, K] each. Collective."""
+    return torch.ops.mok.moe_gather_routing(topk, weights, comm)
+
+
+def moe_build_schedule(global_topk, rank, num_experts, row_capacity, token_capacity):
+    """global_topk: [W, T_max, K] int64 → the 13 schedule tensors after global_topk, in
+    ``MoKSchedule.INTEGER_FIELDS`` order."""
+    return torch.ops.mok.moe_build_schedule(
+        global_topk, rank, num_experts, row_capacity, token_capacity
+    )
+
+
+def moe_dispatch(x: torch.Tensor, recv_token_src: torch.Tensor, comm: list[int]) -> torch.Tensor:
+    """x: [T, H] bf16 → recv: [C_tok, H] bf16, each received token pulled once. Collective."""
+    return torch.ops.mok.moe_dispatch(x, recv_token_src, comm)
+
+
+def moe_combine(rows, token_rows, recv_token_src, slot_weights, send_to, shared_out, num_tokens,
+                comm) -> torch.Tensor:  # fmt: skip
+    """rows: [P, H] bf16; token_rows: [C_tok, K] int64 into rows; slot_weights: [W, T_max, K]
+    float32 or None; shared_out: [T, H] bf16 or None → out: [T, H] bf16. Collective."""
+    return torch.ops.mok.moe_combine(
+        rows, token_rows, recv_token_src, slot_weights, send_to, shared_out, num_tokens, comm
+    )
+
+
+def moe_combine_slots(row_values, token_rows, recv_token_src, send_to, num_tokens, comm):
+    """row_values: [P] float32 → [T, K] float32, each slot's value from its rank. Collective."""
+    return torch.ops.mok.moe_combine_slots(
+        row_values, token_rows, recv_token_src, send_to, num_tokens, comm
+    )
+
+
+def moe_swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """gu: [P, 2I] bf16 (gate | up) → silu(gate) * up: [P, I] bf16."""
+    return torch.ops.mok.moe_swiglu(gu)
+
+
+def moe_swiglu_backward(da: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    """da: [P, I], gu: [P, 2I] bf16 → d(gate | up): [P, 2I] bf16."""
+    return torch.ops.mok.moe_swiglu_backward(da, gu)
+
+
+# ------------------------------------------------------------------------------------ fakes
+def _gather_routing_fake(topk, weights, comm):
+    shape = (comm[4], comm[5], comm[6])
+    return topk.new_empty(shape), weights.new_empty(shape)
+
+
+def _build_schedule_fake(global_topk, rank, num_experts, row_capacity, token_capacity):
+    w, t_max, k = global_topk.shape
+    i64 = global_topk.new_empty
+    return [
+        *(i64(row_capacity) for _ in range(5)), i64(num_experts // w + 1), i64(1),
+        i64(token_capacity), i64(w * t_max), i64(1), i64(token_capacity, k),
+        global_topk.new_empty(t_max, w, dtype=torch.bool),
+        global_topk.new_empty((), dtype=torch.int32),
+    ]  # fmt: skip
+
+
+def _dispatch_fake(x, recv_token_src, comm):
+    return x.new_empty(recv_token_src.shape[0], x.shape[1])
+
+
+def _combine_fake(rows, token_rows, recv_token_src, slot_weights, send_to, shared_out,
+                  num_tokens, comm):  # fmt: skip
+    return rows.new_empty(num_tokens, rows.shape[1])
+
+
+def _combine_slots_fake(row_values, token_rows, recv_token_src, send_to, num_tokens, comm):
+    return row_values.new_empty(num_tokens, token_rows.shape[1])
+
+
+def _swiglu_fake(gu):
+    return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+
+
+def _swiglu_backward_fake(da, gu):
+    return torch.empty_like(gu)
+
+
+if extension_available() and hasattr(torch.ops.mok, "moe_dispatch"):
+    for _name, _fake in (
+        ("moe_gather_routing", _gather_routing_fake),
+        ("moe_build_schedule", _build_schedule_fake),
+        ("moe_dispatch", _dispatch_fake),
+        ("moe_combine", _combine_fake),
+        ("moe_combine_slots", _combine_slots_fake),
+        ("moe_swiglu", _swiglu_fake),
+        ("moe_swiglu_backward", _swiglu_backward_fake),
+    ):
+        torch.library.register_fake(f"mok::{_name}")(_fake)
