@@ -51,7 +51,7 @@ class MoKSchedule:
     Source side (this rank's own tokens):
       global_topk:     [W, T_max, K]  every rank's routing, -1 padded
       send_to:         [T_max, W] bool  token t has at least one slot on rank d
-      error_flags:     [1] int32  ``MOK_ERR_*`` bits
+      error_flags:     [] int32 (0-dim)  ``MOK_ERR_*`` bits
     """
 
     rank: int
