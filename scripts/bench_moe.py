@@ -248,8 +248,16 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
                              / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
         case[label] = result
-    del base, layer
     return case
+
+
+def _release_memory() -> None:
+    """Drop cached workspaces (symmetric buffers included) and cached blocks between cases."""
+    from mok_megatron import functional
+
+    functional.clear_workspace_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def environment(args) -> dict:
@@ -284,6 +292,28 @@ def _driver_version() -> str | None:
         return None
 
 
+def _report(case, name, tokens, routing) -> None:
+    from tqdm import tqdm
+
+    if "skipped" in case:
+        tqdm.write(f"{name} T={tokens} {routing}: skipped: {case['skipped']}")
+        return
+    fb = case.get("fwd_bwd", case["fwd"])
+    tqdm.write(
+        f"{name} T={tokens} {routing}: fwd speedup {case['fwd']['speedup']:.2f}x, "
+        f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}"
+    )
+
+
+def _write(record, path) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, world = init_distributed(args.device)
@@ -294,20 +324,15 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     results = []
-    for name, shape, t, routing in tqdm(cases, disable=rank != 0, desc="bench_moe"):
-        results.append(bench_case(name, shape, t, routing, args, rank, world))
-        if rank == 0 and "skipped" in results[-1]:
-            tqdm.write(f"{name} T={t} {routing}: skipped: {results[-1]['skipped']}")
-        elif rank == 0:
-            fb = results[-1].get("fwd_bwd", results[-1]["fwd"])
-            tqdm.write(f"{name} T={t} {routing}: fwd speedup {results[-1]['fwd']['speedup']:.2f}x,"
-                       f" fwd+bwd speedup {fb['speedup']:.2f}x")  # fmt: skip
     record = {"benchmark": "bench_moe", "environment": environment(args), "args": vars(args),
               "cases": results}  # fmt: skip
+    for name, shape, t, routing in tqdm(cases, disable=rank != 0, desc="bench_moe"):
+        results.append(bench_case(name, shape, t, routing, args, rank, world))
+        _release_memory()
+        if rank == 0:
+            _report(results[-1], name, t, routing)
+            _write(record, args.out)  # after every case: a run cut short keeps what it measured
     if rank == 0 and args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
         print(f"wrote {args.out}")
     dist.destroy_process_group()
     return record

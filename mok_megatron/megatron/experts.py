@@ -1,0 +1,226 @@
+"""``MoKExperts``: the routed experts' SwiGLU MLP, fused with dispatch and combine.
+
+One ``functional.moe`` call does the whole routed part of the layer (a collective over the EP
+group): it takes the local tokens and their routing, not pre-dispatched rows, so it works behind
+``MoKTokenDispatcher`` in fused mode only.
+
+Parameters (per rank, E_l local experts, I = moe_ffn_hidden_size, H = hidden_size):
+``weight_gate`` [E_l, I, H], ``weight_up`` [E_l, I, H], ``weight_down`` [E_l, H, I], each marked
+``allreduce = False`` (expert parameters: Megatron's DDP reduces them over the expert-data-parallel
+group only). Megatron's experts hold ``linear_fc1`` [2I, H] = [gate; up] and ``linear_fc2``
+[H, I] per expert; ``sharded_state_dict`` writes exactly their distributed-checkpoint tensors
+(same keys, shapes, offsets and replica ids), so a checkpoint moves between ``SequentialMLP`` /
+``TEGroupedMLP`` (alltoall) and ``MoKExperts`` (mok) in both directions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import (
+    _get_extra_state_offsets,
+    ensure_metadata_has_dp_cp_group,
+)
+
+__all__ = ["MoKExperts", "check_mok_experts_config"]
+
+_GATE, _UP = 0, 1  # NOTE: Megatron's SwiGLU fc1 is [gate; up]: gate is chunk 0, up chunk 1.
+
+
+def check_mok_experts_config(config) -> None:
+    """Raise a clear error for a TransformerConfig the fused experts cannot serve."""
+    rules = [
+        (config.gated_linear_unit and config.activation_func is F.silu,
+         "the experts must be SwiGLU (gated_linear_unit=True, activation_func=silu; --swiglu)"),
+        (config.glu_linear_offset == 0.0 and config.activation_func_clamp_value is None,
+         "plain SwiGLU only (glu_linear_offset=0, activation_func_clamp_value=None)"),
+        (config.moe_mlp_glu_interleave_size is None, "moe_mlp_glu_interleave_size must be None"),
+        (not config.add_bias_linear, "expert biases are not supported; use --disable-bias-linear"),
+        (not config.moe_apply_probs_on_input, "moe_apply_probs_on_input is not supported"),
+        (not config.moe_latent_size, "moe_latent_size (latent MoE) is not supported"),
+        (not (config.fp8 or config.fp4), "fp8/fp4 recipes are not supported yet; use bf16"),
+        ((config.expert_tensor_parallel_size or 1) == 1,
+         "expert_tensor_parallel_size must be 1 (MoK shards experts over EP only)"),
+    ]  # fmt: skip
+    for ok, rule in rules:
+        if not ok:
+            raise ValueError(f"MoKExperts: {rule}; or use Megatron's experts with mok dispatch")
+
+
+class MoKExperts(MegatronModule):
+    """Fused routed experts; Megatron's experts interface (``forward``, ``backward_dw``).
+
+    Args:
+        num_local_experts: E_l.
+        config: Megatron's TransformerConfig (SwiGLU, no bias, expert TP 1).
+        pg_collection: process groups; ``.ep`` is the expert-parallel group, ``.expt_dp`` the
+            expert-data-parallel group (checkpoint replica ids).
+        name: module name, unused (Megatron passes it).
+    """
+
+    def __init__(self, num_local_experts, config, *, pg_collection, name=None):
+        super().__init__(config=config)
+        del name
+        check_mok_experts_config(config)
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.dp_group = pg_collection.ep, pg_collection.expt_dp
+        h, i = config.hidden_size, config.moe_ffn_hidden_size
+        self.weight_gate = self._param((num_local_experts, i, h))
+        self.weight_up = self._param((num_local_experts, i, h))
+        self.weight_down = self._param((num_local_experts, h, i))
+        self.reset_parameters()
+        # Set by MoKMoELayer.bind(); plain attributes, not submodules.
+        self.__dict__["_layer_runtime"] = None
+
+    def _param(self, shape) -> torch.nn.Parameter:
+        device = "cpu" if self.config.use_cpu_initialization else _default_device()
+        p = torch.nn.Parameter(torch.empty(shape, dtype=self.config.params_dtype, device=device))
+        p.allreduce = False  # expert parameter: reduced over the expert-data-parallel group
+        return p
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron's init: fc1 halves by ``init_method``, fc2 by ``output_layer_init_method``,
+        under the expert-parallel RNG state when Megatron's RNG tracker is initialised."""
+        if not self.config.perform_initialization:
+            return
+        with _expert_rng():
+            for e in range(self.num_local_experts):
+                self.config.init_method(self.weight_gate[e])
+                self.config.init_method(self.weight_up[e])
+                self.config.output_layer_init_method(self.weight_down[e])
+
+    def bind(self, runtime) -> None:
+        """Called by ``MoKMoELayer``: ``runtime.run(x, routing, weights)`` does the fused call."""
+        self.__dict__["_layer_runtime"] = runtime
+
+    def forward(self, x, topk_experts, router_weights):
+        """x: [T, H] local tokens; topk_experts: [T, K] int64 (what MoKTokenDispatcher passes in
+        the ``tokens_per_expert`` slot in fused mode); router_weights: [T, K] float32.
+
+        Returns (out [T, H], None): the routed experts' weighted sum (plus the shared expert when
+        the layer fuses it), already combined back onto the local tokens.
+        """
+        if topk_experts.dim() != 2 or self._layer_runtime is None:
+            raise TypeError(
+                "MoKExperts needs MoKTokenDispatcher in fused mode (it dispatches and combines "
+                "itself) and got Megatron's dispatched rows (tokens_per_expert of shape "
+                f"{tuple(topk_experts.shape)}); build the layer with get_mok_moe_module_spec() or "
+                "use SequentialMLP/TEGroupedMLP with another dispatcher"
+            )
+        weights = (self.weight_gate, self.weight_up, self.weight_down)
+        return self._layer_runtime.run(x, topk_experts, router_weights, weights), None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed inside the fused backward; nothing is deferred."""
+
+    # ---------------------------------------------------------------- distributed checkpoint
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's expert checkpoint tensors: ``{prefix}experts.linear_fc1.weight`` (global
+        [E, 2I, H], gate rows then up rows) and ``{prefix}experts.linear_fc2.weight`` ([E, H, I]),
+        or per-expert keys when ``metadata['singleton_local_shards']``; plus the per-expert
+        ``_extra_state`` objects Megatron's expert linears write (MoK's hold None)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        layout = _ExpertLayout(self, prefix, sharded_offsets, metadata)
+        return {
+            f"{prefix}weight_gate": layout.factory(self.weight_gate, "linear_fc1", _GATE),
+            f"{prefix}weight_up": layout.factory(self.weight_up, "linear_fc1", _UP),
+            f"{prefix}weight_down": layout.factory(self.weight_down, "linear_fc2", None),
+            f"{prefix}_extra_state": layout.extra_states(self.num_local_experts),
+        }
+
+    def get_extra_state(self):
+        """Nothing beyond the weights (the ``_extra_state`` slot keeps checkpoints symmetric)."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Megatron experts' extra states (None, or TE's FP8 metadata) do not apply to MoK."""
+        del state
+
+
+class _ExpertLayout:
+    """Where this rank's experts sit in Megatron's expert checkpoint tensors."""
+
+    def __init__(self, experts: MoKExperts, prefix, sharded_offsets, metadata):
+        self.prefix, self.offsets = prefix, tuple(sharded_offsets)
+        self.singleton = bool(metadata.get("singleton_local_shards", False))
+        self.num_global = experts.ep_group.size() * experts.num_local_experts
+        self.first_global = experts.ep_group.rank() * experts.num_local_experts
+        self.replica_id = (0, 0, experts.dp_group.rank())
+
+    def factory(self, param, linear: str, fc1_chunk: int | None) -> ShardedTensorFactory:
+        """A factory whose shards are Megatron's per-expert tensors (or fc1 halves)."""
+        key = f"{self.prefix}experts.{linear}.weight"
+
+        def build(key, data, replica_id, flattened_range):
+            if flattened_range is not None:
+                raise NotImplementedError("MoKExperts: flattened (fully-sharded) checkpoint shards")
+            return [self._shard(key, data[e], e, fc1_chunk, replica_id) for e in range(len(data))]
+
+        return ShardedTensorFactory(key, param, build, _stack, self.replica_id)
+
+    def extra_states(self, num_local: int) -> list[ShardedObject]:
+        """The ``linear_fc{1,2}._extra_state`` objects Megatron's experts write, data None."""
+        objects = []
+        for local_idx in range(num_local):
+            for linear in ("linear_fc1", "linear_fc2"):
+                key, offsets = self._expert_key_and_offsets(
+                    f"experts.{linear}._extra_state", local_idx
+                )
+                shape, offset = _get_extra_state_offsets(offsets)
+                objects.append(ShardedObject(key, None, shape, offset, self.replica_id))
+        return objects
+
+    def _expert_key_and_offsets(self, name: str, local_idx: int):
+        """Megatron's key and prepended offsets for one local expert's ``name``."""
+        expert = self.first_global + local_idx
+        if self.singleton:
+            return f"{self.prefix}{name.replace('experts.', f'experts.{expert}.', 1)}", self.offsets
+        offsets = (*self.offsets, (len(self.offsets), expert, self.num_global))
+        return f"{self.prefix}{name}", offsets
+
+    def _shard(self, key, data, local_idx, fc1_chunk, replica_id) -> ShardedTensor:
+        expert = self.first_global + local_idx
+        axis = len(self.offsets)
+        if self.singleton:  # '...experts.linear_fc1.weight' -> '...experts.7.linear_fc1.weight_w'
+            head, tail = key.rsplit("experts.", 1)
+            key = f"{head}experts.{expert}.{tail}"
+            key = key if fc1_chunk is None else f"{key}_{'wv'[fc1_chunk]}"
+            offsets, prepend = self.offsets, axis
+        else:
+            offsets, prepend = (*self.offsets, (axis, expert, self.num_global)), axis + 1
+        if fc1_chunk is not None and not self.singleton:
+            offsets = (*offsets, (prepend, fc1_chunk, 2))
+        return ShardedTensor.from_rank_offsets(
+            key, data, *offsets, replica_id=replica_id, prepend_axis_num=prepend
+        )
+
+
+def _stack(loaded: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(loaded)
+
+
+def _default_device():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def _expert_rng():
+    """Megatron's expert-parallel RNG state if its tracker is set up, else the default RNG."""
+    from contextlib import nullcontext
+
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        get_expert_parallel_rng_tracker_name,
+    )
+
+    tracker = get_cuda_rng_tracker()
+    name = get_expert_parallel_rng_tracker_name()
+    if tracker.is_initialized() and name in tracker.get_states():
+        return tracker.fork(name)
+    return nullcontext()

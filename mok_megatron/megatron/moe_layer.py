@@ -1,0 +1,206 @@
+"""``MoKMoELayer``: Megatron's ``MoELayer`` with the MoK dispatcher (and, usually, fused experts).
+
+Megatron-Core 0.19 picks a layer's dispatcher by the string ``moe_token_dispatcher_type`` inside
+``MoELayer.__init__`` and rejects strings it does not know, so the MoK layer arrives through the
+layer spec: ``MoKMoELayer`` builds the parent with a stock dispatcher, then installs
+``MoKTokenDispatcher``. It stays an ``MoELayer`` (``TransformerLayer`` checks ``isinstance``),
+so router, aux losses, shared experts, recompute and checkpointing are Megatron's own code.
+
+With ``MoKExperts`` the layer is fused: one ``functional.moe`` call dispatches, runs the experts
+and combines, and can also run the shared expert (``fuse_shared_experts``), whose parameters stay
+in Megatron's ``SharedExpertMLP`` (same checkpoint keys either way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+from .experts import MoKExperts
+from .token_dispatcher import MoKTokenDispatcher
+
+__all__ = ["MoKMoELayer", "MOK_DISPATCHER_TYPE"]
+
+MOK_DISPATCHER_TYPE = "mok"
+
+
+class MoKMoELayer(MoELayer):
+    """An ``MoELayer`` whose tokens move through MoK.
+
+    Args (besides ``MoELayer``'s: config, submodules, layer_number, pg_collection, is_mtp_layer,
+    name):
+        mok_config: ``functional.MoKConfig``, a dict of its fields, or None (Megatron-LM's
+            ``--mok-*`` flags when they were parsed, else the defaults).
+        backend: ``"auto"`` (CUDA kernels where they serve the shape, else the reference),
+            ``"reference"`` or ``"cuda"``.
+        fuse_shared_experts: run the shared expert inside the fused call. None: whenever it can
+            (``SharedExpertMLP`` without gate, tensor-parallel size 1); True: require it.
+        max_local_tokens: the most tokens one rank passes in a forward (sequence × micro-batch /
+            TP); None: the largest first-call token count over the EP group.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules=None,
+        layer_number=None,
+        pg_collection=None,
+        is_mtp_layer=False,
+        name=None,
+        *,
+        mok_config=None,
+        backend="auto",
+        fuse_shared_experts=None,
+        max_local_tokens=None,
+    ):
+        _check_layer_config(config)
+        pg_collection = pg_collection or get_default_pg_collection()
+        with _stock_dispatcher_type(config):
+            super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
+        fused = isinstance(self.experts, MoKExperts)
+        self.token_dispatcher = MoKTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config, pg_collection, fused
+        )
+        self.fuse_shared_experts = fused and _resolve_shared_fusion(
+            fuse_shared_experts, self.shared_experts, pg_collection
+        )
+        if fused:
+            from .arguments import resolve_mok_config
+
+            runtime = FusedRuntime(
+                resolve_mok_config(mok_config), backend, self.ep_group, max_local_tokens,
+                self.shared_experts if self.fuse_shared_experts else None,
+            )  # fmt: skip
+            self.experts.bind(runtime)
+
+    def shared_experts_compute(self, hidden_states):
+        """The shared expert runs inside the fused call when ``fuse_shared_experts``."""
+        if self.fuse_shared_experts:
+            return None
+        return super().shared_experts_compute(hidden_states)
+
+
+class FusedRuntime:
+    """What the fused experts need besides their weights: config, workspace, shared expert.
+
+    Not an ``nn.Module``: it references the layer's shared expert without registering it twice.
+    """
+
+    def __init__(self, mok_config, backend, ep_group, max_local_tokens, shared_experts):
+        self.mok_config, self.backend, self.ep_group = mok_config, backend, ep_group
+        self.max_local_tokens = max_local_tokens
+        self.shared_experts = shared_experts
+        self.last_workspace = None  # the workspace of the latest call (benchmarks report it)
+
+    def run(self, x, topk_experts, router_weights, routed):
+        """x: [T, H]; topk_experts / router_weights: [T, K]; routed: (gate, up, down) weights.
+
+        Returns out: [T, H] = routed experts (+ the shared expert when fused), on local tokens.
+        """
+        from mok_megatron import functional
+
+        ws = self.last_workspace = self.workspace(x, topk_experts, routed)
+        return functional.moe(
+            x, topk_experts, router_weights, *routed, shared=self.shared_weights(),
+            config=self.mok_config, workspace=ws,
+        )  # fmt: skip
+
+    def shared_weights(self):
+        """(gate [I_s, H], up [I_s, H], down [H, I_s]) views of SharedExpertMLP's weights."""
+        if self.shared_experts is None:
+            return None
+        fc1 = self.shared_experts.linear_fc1.weight  # [2 I_s, H] = [gate; up]
+        gate, up = fc1.chunk(2, dim=0)  # row blocks of a contiguous matrix stay contiguous
+        return gate, up, self.shared_experts.linear_fc2.weight
+
+    def workspace(self, x, topk_experts, routed):
+        """The cached ``functional`` workspace for this shape (made once, collectively)."""
+        from mok_megatron import functional
+
+        shared = self.shared_weights()
+        return functional.get_workspace(
+            self.mok_config, self.ep_group, device=x.device,
+            num_local_tokens=self._max_tokens(x), hidden_size=x.shape[1],
+            topk=topk_experts.shape[1],
+            num_experts=routed[0].shape[0] * mcore_utils.get_pg_size(self.ep_group),
+            intermediate_size=routed[0].shape[1],
+            shared_intermediate_size=shared[0].shape[0] if shared else 0,
+            dtype=x.dtype, backend=self.backend,
+        )  # fmt: skip
+
+    def _max_tokens(self, x) -> int:
+        if self.max_local_tokens is None:
+            self.max_local_tokens = _max_over_group(x.shape[0], self.ep_group, x.device)
+        if x.shape[0] > self.max_local_tokens:
+            raise ValueError(
+                f"MoKMoELayer got {x.shape[0]} tokens on this rank but its workspace holds "
+                f"max_local_tokens={self.max_local_tokens}; pass max_local_tokens (sequence length "
+                "x micro-batch size / TP) to get_mok_moe_module_spec()"
+            )
+        return self.max_local_tokens
+
+
+def _max_over_group(value: int, group, device) -> int:
+    """The largest ``value`` over the ranks of ``group`` (a one-time collective)."""
+    if not dist.is_initialized() or mcore_utils.get_pg_size(group) == 1:
+        return value
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def _resolve_shared_fusion(requested, shared_experts, pg_collection) -> bool:
+    """Whether the fused call runs the shared expert; raise if it was required but cannot."""
+    if shared_experts is None or requested is False:
+        return False
+    reasons = []
+    if type(shared_experts) is not SharedExpertMLP:
+        reasons.append(f"the shared expert is a {type(shared_experts).__name__}")
+    if shared_experts.use_shared_expert_gate:
+        reasons.append("the shared expert has a gate (moe_shared_expert_gate)")
+    if mcore_utils.get_pg_size(pg_collection.tp) > 1:
+        reasons.append("tensor parallelism shards the shared expert")
+    if reasons and requested:
+        raise ValueError(
+            f"fuse_shared_experts=True but {'; '.join(reasons)}; pass fuse_shared_experts=None "
+            "(fuse when possible) or False"
+        )
+    return not reasons
+
+
+def _check_layer_config(config) -> None:
+    if config.moe_token_dispatcher_type != MOK_DISPATCHER_TYPE:
+        raise ValueError(
+            f"MoKMoELayer needs moe_token_dispatcher_type='mok', got "
+            f"{config.moe_token_dispatcher_type!r}; pass --moe-token-dispatcher-type mok (or use "
+            "Megatron's own layer spec for other dispatchers)"
+        )
+    unsupported = {
+        "moe_pad_expert_input_to_capacity": "token padding to capacity (MoK is dropless)",
+        "moe_router_padding_for_quantization": "router padding for FP8/FP4",
+        "moe_latent_size": "latent MoE projections",
+    }
+    for field, what in unsupported.items():
+        if getattr(config, field, None):
+            raise ValueError(
+                f"moe_token_dispatcher_type='mok' does not support {what}: unset {field}"
+            )
+    if config.transformer_impl == "inference_optimized":
+        raise ValueError("moe_token_dispatcher_type='mok' does not support inference_optimized")
+
+
+@contextlib.contextmanager
+def _stock_dispatcher_type(config):
+    """Let ``MoELayer.__init__`` build a throw-away stock dispatcher; restore 'mok' after."""
+    config.moe_token_dispatcher_type = "allgather"
+    try:
+        yield
+    finally:
+        config.moe_token_dispatcher_type = MOK_DISPATCHER_TYPE

@@ -1,0 +1,90 @@
+"""``add_mok_args``: the --mok-* flags come from MoKConfig's fields, 'mok' joins Megatron-LM's
+dispatcher choices, and args resolve as defaults < --mok-config file < flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from mok_megatron.functional import MoKConfig
+from mok_megatron.megatron import add_mok_args, mok_config_from_args, resolve_mok_config
+from mok_megatron.megatron.arguments import mok_flag_name
+from mok_megatron.megatron.megatron_lm_flags import megatron_lm_parser
+
+
+def _plain_parser() -> argparse.ArgumentParser:
+    return add_mok_args(argparse.ArgumentParser())
+
+
+def test_one_flag_per_config_field_with_its_help():
+    parser = _plain_parser()
+    by_dest = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(MoKConfig):
+        action = by_dest[f"mok_{f.name}"]
+        assert action.option_strings == [mok_flag_name(f.name)]
+        assert f.metadata["help"] in action.help
+        assert action.default is None  # "not given": the file or the dataclass decides
+
+
+def test_megatron_lm_parser_accepts_mok():
+    args = megatron_lm_parser().parse_args(
+        ["--moe-token-dispatcher-type", "mok", "--mok-minibatch-size", "512"]
+    )
+    assert args.moe_token_dispatcher_type == "mok"
+    assert mok_config_from_args(args) == MoKConfig(minibatch_size=512)
+
+
+def test_stock_choices_still_parse_and_unknown_ones_fail():
+    parser = megatron_lm_parser()
+    assert parser.parse_args(["--moe-token-dispatcher-type", "alltoall"]).mok_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-token-dispatcher-type", "mokk"])
+
+
+def test_plain_parser_gets_the_dispatcher_flag():
+    args = _plain_parser().parse_args(["--moe-token-dispatcher-type", "mok"])
+    assert args.moe_token_dispatcher_type == "mok"
+
+
+def test_defaults_then_file_then_flags(tmp_path):
+    path = tmp_path / "knobs.yaml"
+    MoKConfig(minibatch_size=512, macrobatch_size=8192, bwd_schedule="minibatch").to_yaml(path)
+    args = _plain_parser().parse_args(
+        ["--mok-config", str(path), "--mok-macrobatch-size", "4096", "--mok-fwd-num-comm-sms", "8"]
+    )
+    config = mok_config_from_args(args)
+    assert config == MoKConfig(
+        minibatch_size=512, macrobatch_size=4096, bwd_schedule="minibatch", fwd_num_comm_sms=8
+    )
+    assert mok_config_from_args(_plain_parser().parse_args([])) == MoKConfig()
+
+
+def test_bad_values_fail_with_the_config_rule():
+    args = _plain_parser().parse_args(["--mok-minibatch-size", "1000"])
+    with pytest.raises(ValueError, match="minibatch_size=1000 must be a positive multiple of 128"):
+        mok_config_from_args(args)
+    with pytest.raises(SystemExit):  # not a choice
+        _plain_parser().parse_args(["--mok-bwd-schedule", "fastest"])
+    with pytest.raises(SystemExit):  # not an int
+        _plain_parser().parse_args(["--mok-minibatch-size", "big"])
+
+
+def test_resolve_mok_config_forms():
+    config = MoKConfig(minibatch_size=256)
+    assert resolve_mok_config(config) is config
+    assert resolve_mok_config({"minibatch_size": 512}) == MoKConfig(minibatch_size=512)
+    assert resolve_mok_config(None) == MoKConfig()
+    with pytest.raises(ValueError, match="unknown MoKConfig key"):
+        resolve_mok_config({"mini_batch": 1})
+    with pytest.raises(TypeError, match="mok_config must be"):
+        resolve_mok_config(3)
+
+
+def test_resolve_from_megatron_lm_global_args(monkeypatch):
+    from megatron.training import global_vars
+
+    args = megatron_lm_parser().parse_args(["--mok-schedule-capacity-multiplier", "4"])
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    assert resolve_mok_config(None) == MoKConfig(schedule_capacity_multiplier=4.0)
