@@ -48,12 +48,15 @@ def nccl_world():
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    if DEVICE == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    created = not dist.is_initialized()  # another GPU test module may have made it already
+    if created:
+        if DEVICE == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     yield
     _write_results()
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 def _shared_dir() -> str:
@@ -119,8 +122,14 @@ def test_layer_parity_bf16(ep):
     bad = []
     for i, (topk, shared) in enumerate(itertools.product(TOPKS, SHARED)):
         bf16 = parity.LayerCase(topk=topk, shared_ffn=shared, device=DEVICE, dtype=torch.bfloat16)
-        mok_err, ref_err = _bf16_errors(ep, bf16, seed=100 + i)
-        RESULTS[f"bf16 ep={ep} topk={topk} shared={shared}"] = {"mok": mok_err, "megatron": ref_err}
+        mok_err, ref_err, backend = _bf16_errors(ep, bf16, seed=100 + i)
+        RESULTS[f"bf16 ep={ep} topk={topk} shared={shared}"] = {
+            "mok": mok_err,
+            "megatron": ref_err,
+            "mok_backend": backend,
+        }
+        if DEVICE == "cuda" and _cuda_backend_built():
+            assert backend == "cuda", f"bf16 on GPU ran the {backend} backend, not the CUDA one"
         for name, err in mok_err.items():
             if not (err < 1e-2 and err <= 2 * ref_err[name] + 1e-3):
                 ref = ref_err[name]
@@ -146,7 +155,14 @@ def _bf16_errors(ep: int, bf16, seed: int):
     mok, ref = (
         parity.relative_errors(parity.layer_step(layer, x, d_out), expected) for layer in layers
     )
-    return mok, ref
+    return mok, ref, layers[0].experts._layer_runtime.last_workspace.backend.name
+
+
+def _cuda_backend_built() -> bool:
+    from mok_megatron.functional.cuda import REQUIRED_OPS
+    from mok_megatron.ops import has_op
+
+    return all(has_op(op) for op in REQUIRED_OPS)
 
 
 @pytest.mark.multigpu
