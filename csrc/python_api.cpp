@@ -55,3 +55,29 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("moe_swiglu", &mok::apis::moe_swiglu);
   m.impl("moe_swiglu_backward", &mok::apis::moe_swiglu_backward);
 }
+
+// ==== grouped_gemm: the expert GEMM engine (issue 7) ==========================================
+// Owned by the grouped-GEMM work: csrc/apis/grouped_gemm.h; wrappers and fakes in
+// mok_megatron/ops/grouped_gemm.py. A fragment, so it stays independent of the blocks above.
+#include "apis/grouped_gemm.h"
+
+TORCH_LIBRARY_FRAGMENT(mok, m) {
+  m.set_python_module("mok_megatron.ops.grouped_gemm");
+  m.def(
+      "grouped_gemm_l1_swiglu_out(Tensor x, Tensor w_gu, Tensor offs, Tensor(a!) act, "
+      "Tensor(b!)? h) -> ()");
+  m.def("grouped_gemm_nt_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out) -> ()");
+  m.def("grouped_gemm_nn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out) -> ()");
+  m.def(
+      "grouped_gemm_dswiglu_out(Tensor d_y, Tensor w_down, Tensor h, Tensor offs, "
+      "Tensor(a!) d_h, Tensor(b!)? act) -> ()");
+  m.def("grouped_gemm_tn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(mok, CUDA, m) {
+  m.impl("grouped_gemm_l1_swiglu_out", &mok::apis::grouped_gemm_l1_swiglu_out);
+  m.impl("grouped_gemm_nt_out", &mok::apis::grouped_gemm_nt_out);
+  m.impl("grouped_gemm_nn_out", &mok::apis::grouped_gemm_nn_out);
+  m.impl("grouped_gemm_dswiglu_out", &mok::apis::grouped_gemm_dswiglu_out);
+  m.impl("grouped_gemm_tn_out", &mok::apis::grouped_gemm_tn_out);
+}

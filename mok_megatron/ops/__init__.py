@@ -8,6 +8,16 @@ the reference otherwise; :func:`extension_available`, :func:`has_op` and
 
 from mok_megatron.ops import moe  # stage-1 expert-parallel MoE ops (and their fakes)
 from mok_megatron.ops._extension import extension_available, extension_error, has_op
+from mok_megatron.ops.grouped_gemm import (  # expert GEMM engine (issue 7)
+    deinterleave_gate_up,
+    grouped_gemm_available,
+    grouped_gemm_dswiglu,
+    grouped_gemm_l1_swiglu,
+    grouped_gemm_nn,
+    grouped_gemm_nt,
+    grouped_gemm_tn,
+    interleave_gate_up,
+)
 from mok_megatron.ops.mxfp8 import (
     MXFP8Tensor,
     MXFP8Weight,
@@ -19,9 +29,17 @@ from mok_megatron.ops.mxfp8 import (
 __all__ = [
     "MXFP8Tensor",
     "MXFP8Weight",
+    "deinterleave_gate_up",
     "extension_available",
     "extension_error",
+    "grouped_gemm_available",
+    "grouped_gemm_dswiglu",
+    "grouped_gemm_l1_swiglu",
+    "grouped_gemm_nn",
+    "grouped_gemm_nt",
+    "grouped_gemm_tn",
     "has_op",
+    "interleave_gate_up",
     "moe",
     "mxfp8_dequantize",
     "mxfp8_quantize",

@@ -1,0 +1,176 @@
+#include "apis/grouped_gemm.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+#include "launch/grouped_gemm.h"
+
+namespace mok::apis {
+namespace {
+
+void check_bf16(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                const at::Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but ",
+              like.device(), " was expected");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, ".dtype=", t.scalar_type(),
+              " must be bfloat16");
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous; call .contiguous()");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
+              " must be 16-byte aligned (TMA); it is a misaligned view");
+}
+
+void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, ".shape=", t.sizes(), " must be ", shape);
+}
+
+void check_offs(const char* op, const at::Tensor& offs, int64_t num_groups, const at::Tensor& x) {
+  TORCH_CHECK(offs.device() == x.device(), op, ": offs is on ", offs.device(), ", expected ",
+              x.device());
+  TORCH_CHECK(offs.scalar_type() == at::kInt, op, ": offs.dtype=", offs.scalar_type(),
+              " must be int32 (end rows per group, as torch._grouped_mm)");
+  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == num_groups && offs.is_contiguous(), op,
+              ": offs.shape=", offs.sizes(), " must be [", num_groups, "] (one end row per group)");
+}
+
+void check_dim(const char* op, const char* what, int64_t value, int64_t multiple) {
+  TORCH_CHECK(value % multiple == 0 && value > 0, op, ": ", what, "=", value,
+              " must be a positive multiple of ", multiple, " (16-byte TMA rows); pad it");
+  TORCH_CHECK(value < (int64_t{1} << 31), op, ": ", what, "=", value, " exceeds int32");
+}
+
+// Allocates the scratch buffer and launches on the current stream of `x`'s device.
+template <class Launch>
+void launch_with_workspace(const at::Tensor& x, launch::GroupedGemmArgs& args, Launch launch) {
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  const auto bytes = static_cast<int64_t>(launch::grouped_gemm_workspace_bytes(args.num_groups));
+  at::Tensor workspace = at::empty({bytes}, x.options().dtype(at::kByte));
+  args.workspace = workspace.data_ptr();
+  launch(args, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+}
+
+launch::GroupedGemmArgs base_args(const at::Tensor& a, const at::Tensor& b,
+                                  const at::Tensor& offs, const at::Tensor& out) {
+  launch::GroupedGemmArgs args;
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.out = out.data_ptr();
+  args.offs = offs.data_ptr<int32_t>();
+  args.num_groups = static_cast<int>(offs.size(0));
+  return args;
+}
+
+}  // namespace
+
+void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
+                                const at::Tensor& offs, const at::Tensor& act,
+                                const std::optional<at::Tensor>& h) {
+  constexpr const char* kOp = "mok::grouped_gemm_l1_swiglu";
+  check_bf16(kOp, "x", x, 2, x);
+  check_bf16(kOp, "w_gu", w_gu, 3, x);
+  const int64_t rows = x.size(0), hidden = x.size(1), two_i = w_gu.size(1);
+  check_dim(kOp, "hidden", hidden, 8);
+  check_dim(kOp, "2 * intermediate (w_gu.shape[1])", two_i, 16);
+  check_shape(kOp, "w_gu", w_gu, {w_gu.size(0), two_i, hidden});
+  check_offs(kOp, offs, w_gu.size(0), x);
+  check_bf16(kOp, "act", act, 2, x);
+  check_shape(kOp, "act", act, {rows, two_i / 2});
+  auto args = base_args(x, w_gu, offs, act);
+  args.n = static_cast<int>(two_i);
+  args.k = static_cast<int>(hidden);
+  if (h.has_value() && h->numel() > 0) {
+    check_bf16(kOp, "h", *h, 2, x);
+    check_shape(kOp, "h", *h, {rows, two_i});
+    args.aux = h->data_ptr();
+  }
+  launch_with_workspace(x, args, launch::grouped_gemm_l1_swiglu);
+}
+
+void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out) {
+  constexpr const char* kOp = "mok::grouped_gemm_nt";
+  check_bf16(kOp, "a", a, 2, a);
+  check_bf16(kOp, "b", b, 3, a);
+  const int64_t k = a.size(1), n = b.size(1);
+  check_dim(kOp, "k", k, 8);
+  check_dim(kOp, "n", n, 8);
+  check_shape(kOp, "b", b, {b.size(0), n, k});
+  check_offs(kOp, offs, b.size(0), a);
+  check_bf16(kOp, "out", out, 2, a);
+  check_shape(kOp, "out", out, {a.size(0), n});
+  auto args = base_args(a, b, offs, out);
+  args.n = static_cast<int>(n);
+  args.k = static_cast<int>(k);
+  launch_with_workspace(a, args, launch::grouped_gemm_nt);
+}
+
+void grouped_gemm_nn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out) {
+  constexpr const char* kOp = "mok::grouped_gemm_nn";
+  check_bf16(kOp, "a", a, 2, a);
+  check_bf16(kOp, "b", b, 3, a);
+  const int64_t k = a.size(1), n = b.size(2);
+  check_dim(kOp, "k", k, 8);
+  check_dim(kOp, "n", n, 8);
+  check_shape(kOp, "b", b, {b.size(0), k, n});
+  check_offs(kOp, offs, b.size(0), a);
+  check_bf16(kOp, "out", out, 2, a);
+  check_shape(kOp, "out", out, {a.size(0), n});
+  auto args = base_args(a, b, offs, out);
+  args.n = static_cast<int>(n);
+  args.k = static_cast<int>(k);
+  launch_with_workspace(a, args, launch::grouped_gemm_nn);
+}
+
+void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
+                              const at::Tensor& h, const at::Tensor& offs, const at::Tensor& d_h,
+                              const std::optional<at::Tensor>& act) {
+  constexpr const char* kOp = "mok::grouped_gemm_dswiglu";
+  check_bf16(kOp, "d_y", d_y, 2, d_y);
+  check_bf16(kOp, "w_down", w_down, 3, d_y);
+  const int64_t rows = d_y.size(0), hidden = d_y.size(1), inter = w_down.size(2);
+  check_dim(kOp, "hidden", hidden, 8);
+  check_dim(kOp, "intermediate", inter, 8);
+  check_shape(kOp, "w_down", w_down, {w_down.size(0), hidden, inter});
+  check_offs(kOp, offs, w_down.size(0), d_y);
+  check_bf16(kOp, "h", h, 2, d_y);
+  check_shape(kOp, "h", h, {rows, 2 * inter});
+  check_bf16(kOp, "d_h", d_h, 2, d_y);
+  check_shape(kOp, "d_h", d_h, {rows, 2 * inter});
+  auto args = base_args(d_y, w_down, offs, d_h);
+  args.n = static_cast<int>(inter);
+  args.k = static_cast<int>(hidden);
+  args.aux = h.data_ptr();
+  if (act.has_value() && act->numel() > 0) {
+    check_bf16(kOp, "act", *act, 2, d_y);
+    check_shape(kOp, "act", *act, {rows, inter});
+    args.aux2 = act->data_ptr();
+  }
+  launch_with_workspace(d_y, args, launch::grouped_gemm_dswiglu);
+}
+
+void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out) {
+  constexpr const char* kOp = "mok::grouped_gemm_tn";
+  check_bf16(kOp, "a", a, 2, a);
+  check_bf16(kOp, "b", b, 2, a);
+  const int64_t m = a.size(1), n = b.size(1);
+  TORCH_CHECK(b.size(0) == a.size(0), kOp, ": a and b must have the same rows, got ", a.sizes(),
+              " and ", b.sizes());
+  check_dim(kOp, "m", m, 8);
+  check_dim(kOp, "n", n, 8);
+  check_bf16(kOp, "out", out, 3, a);
+  check_offs(kOp, offs, out.size(0), a);
+  check_shape(kOp, "out", out, {out.size(0), m, n});
+  auto args = base_args(a, b, offs, out);
+  args.m = static_cast<int>(m);
+  args.n = static_cast<int>(n);
+  launch_with_workspace(a, args, launch::grouped_gemm_tn);
+}
+
+}  // namespace mok::apis

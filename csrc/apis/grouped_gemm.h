@@ -1,0 +1,41 @@
+// Torch-facing grouped-GEMM ops for the MoE expert MLP (sm_90a): check tensors, build
+// mok::launch::GroupedGemmArgs, launch on the current stream. Registered in python_api.cpp
+// (section "grouped_gemm"); Python wrappers and fakes in mok_megatron/ops/grouped_gemm.py.
+//
+// Every op writes into caller-provided outputs (the wrappers allocate them). offs: int32
+// [num_groups] end rows (torch._grouped_mm's convention); rows at or past offs[-1] are not
+// written. All tensors are contiguous CUDA bf16 on one device.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace mok::apis {
+
+// act [rows, I] = silu(g) * u with h = x @ w_gu[g]^T; x [rows, H], w_gu [G, 2I, H] gate/up
+// interleaved in blocks of 8 rows; h [rows, 2I] (optional) receives the pre-activation.
+void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
+                                const at::Tensor& offs, const at::Tensor& act,
+                                const std::optional<at::Tensor>& h);
+
+// out [rows, N] = a [rows, K] @ b[g]^T, b [G, N, K].
+void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out);
+
+// out [rows, N] = a [rows, K] @ b[g], b [G, K, N].
+void grouped_gemm_nn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out);
+
+// d_h [rows, 2I] = SwiGLU backward of d_act = d_y [rows, H] @ w_down[g] (w_down [G, H, I]) at
+// h [rows, 2I] (interleaved); act [rows, I] (optional) receives silu(g) * u.
+void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
+                              const at::Tensor& h, const at::Tensor& offs, const at::Tensor& d_h,
+                              const std::optional<at::Tensor>& act);
+
+// out [G, M, N] = a_g^T @ b_g over group g's rows, a [rows, M], b [rows, N]; zeros for a group
+// without rows.
+void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out);
+
+}  // namespace mok::apis

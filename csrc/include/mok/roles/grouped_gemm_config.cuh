@@ -1,0 +1,75 @@
+// Role: the grouped-GEMM engine's configuration on sm_90a. The kernel itself is CUTLASS 3's
+// persistent, warp-specialised ptr-array grouped GEMM (one TMA producer warp, two cooperative
+// wgmma consumer warpgroups, a multi-stage shared-memory pipeline, a group-aware persistent tile
+// scheduler); this header fixes its tile, cluster and operand types once, so every mok grouped
+// GEMM (and a later megakernel that reuses the mainloop) agrees on them.
+//
+// NOTE: groups (experts) come from device-side row offsets turned into problem/pointer/stride
+// arrays by scheduler/grouped_problems.cuh: the host never reads a row count. No split-K: each
+// output tile is reduced by one CTA over K in order, so results are bitwise reproducible.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/thread/linear_combination.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+namespace mok::gemm {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M,N,K)
+using ProblemSize = ProblemShape::UnderlyingProblemShape;
+using Element = cutlass::bfloat16_t;
+using Accumulator = float;
+
+constexpr int kAlignment = 8;  // elements per 16 bytes: TMA needs 16-byte aligned rows
+
+// Operand layouts, CUTLASS naming: A is (M,K), B is (N,K) as stored in memory.
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
+// NOTE: 1x1x1 clusters: no TMA multicast between CTAs.
+using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+
+// Two schedules. Cooperative: both consumer warpgroups share one 128x256 tile (the default, and
+// the only one the SwiGLU epilogues use). Pingpong: each consumer warpgroup owns a 128x128 tile
+// and its epilogue overlaps the other's mainloop (helps short K).
+struct Cooperative {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+using TileShape = Cooperative::TileShape;  // the SwiGLU epilogues' tile
+
+// The plain epilogue: D = bf16(accumulator), stored by TMA, no source operand.
+template <class LayoutD, class Schedule = Cooperative>
+using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
+    ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void,
+    LayoutD*, kAlignment, Element, LayoutD*, kAlignment, typename Schedule::EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+
+// The mainloop + kernel for one (LayoutA, LayoutB, epilogue, schedule) choice.
+template <class LayoutA, class LayoutB, class CollectiveEpilogue, class Schedule = Cooperative>
+struct GroupedGemm {
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element,
+      LayoutB*, kAlignment, Accumulator, typename Schedule::TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Schedule::KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+};
+
+}  // namespace mok::gemm

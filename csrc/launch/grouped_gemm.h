@@ -1,0 +1,53 @@
+// Torch-free host launchers for the grouped (per-expert) GEMMs of the MoE expert MLP on sm_90a.
+// Plain pointers, sizes and a stream; every launch is asynchronous (no host synchronisation).
+//
+// Groups follow torch._grouped_mm: offs[g] (int32, device, [num_groups]) is the END row of group
+// g; group g owns rows [offs[g-1], offs[g]) of the row-major activations, offs[-1] = 0.
+// All tensors are contiguous bf16 with 16-byte aligned bases; every dim below is a multiple of 8
+// (16 for the SwiGLU ops' 2I).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mok::launch {
+
+struct GroupedGemmArgs {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* out = nullptr;
+  void* aux = nullptr;   // op-specific, see below; may be null where optional
+  void* aux2 = nullptr;  // op-specific, see below; may be null where optional
+  const int32_t* offs = nullptr;
+  int num_groups = 0;
+  int m = 0;  // weight-gradient op only
+  int n = 0;
+  int k = 0;
+  void* workspace = nullptr;  // 256-byte aligned, grouped_gemm_workspace_bytes(num_groups)
+};
+
+// Scratch bytes any op below needs for `num_groups` groups on the current device.
+size_t grouped_gemm_workspace_bytes(int num_groups);
+
+// L1 forward, SwiGLU fused: a = x [rows, k], b = w_gu [G, n=2I, k] (gate/up interleaved in
+// blocks of 8 rows), out = act [rows, n/2]; aux (optional) = h [rows, n], the pre-activation.
+void grouped_gemm_l1_swiglu(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// out[rows, n] = a[rows, k] @ b[g]^T with b [G, n, k] (L2 forward).
+void grouped_gemm_nt(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// out[rows, n] = a[rows, k] @ b[g] with b [G, k, n] (L1 data gradient).
+void grouped_gemm_nn(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// L2 data gradient, SwiGLU backward fused: d_act = a[rows, k] @ b[g] with a = d_y, b = w_down
+// [G, k=H, n=I]; aux = h [rows, 2n] (read); out = d_h [rows, 2n] (interleaved like h);
+// aux2 (optional) = act [rows, n], recomputed.
+void grouped_gemm_dswiglu(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// Weight gradient: out[g] [m, n] = a_g^T @ b_g, a [rows, m], b [rows, n], summed over group g's
+// rows in a fixed order; a group with no rows gets zeros.
+void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream);
+
+}  // namespace mok::launch

@@ -1,0 +1,140 @@
+// Shared host-side runner for the grouped-GEMM launchers (each .cu instantiates its CUTLASS
+// kernels: the SwiGLU ops one, the plain ops one per schedule).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "launch/grouped_gemm.h"
+#include "mok/common/macros.cuh"
+#include "mok/scheduler/grouped_problems.cuh"
+
+namespace mok::launch::detail {
+
+// NOTE: one generous layout for every op (stride types are at most 16 bytes), so a single
+// workspace size serves all launchers.
+using AnyStride = cute::Stride<int64_t, cute::_1, int64_t>;
+using AnyArrays = gemm::GroupedProblemArrays<AnyStride, AnyStride, AnyStride>;
+constexpr size_t kCutlassWorkspaceBytesPerSm = 4096;  // >= 2 TMA descriptors + scheduler state
+
+inline int sm_count_of_current_device() {
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  int count = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+inline size_t arrays_bytes(int num_groups) { return AnyArrays::bytes(num_groups); }
+
+// Tuning knobs read per launch from the environment (tile order only: results are bitwise the
+// same for every setting, since each output tile is computed the same way):
+//   MOK_GG_SCHEDULE = cooperative (default) | pingpong   (plain-epilogue ops only)
+//   MOK_GG_RASTER   = m (default) | n                    (which tile index runs fastest)
+//   MOK_GG_SWIZZLE  = 1 (default) | 2 | 4 | 8            (tile swizzle width)
+struct Tuning {
+  bool pingpong = false;
+  bool raster_along_n = false;
+  int swizzle = 1;
+};
+
+inline Tuning tuning_from_env() {
+  Tuning t;
+  const char* schedule = std::getenv("MOK_GG_SCHEDULE");
+  t.pingpong = schedule != nullptr && std::strcmp(schedule, "pingpong") == 0;
+  const char* raster = std::getenv("MOK_GG_RASTER");
+  t.raster_along_n = raster != nullptr && std::strcmp(raster, "n") == 0;
+  const char* swizzle = std::getenv("MOK_GG_SWIZZLE");
+  if (swizzle != nullptr) t.swizzle = std::atoi(swizzle);
+  MOK_HOST_CHECK(t.swizzle == 1 || t.swizzle == 2 || t.swizzle == 4 || t.swizzle == 8,
+                 "MOK_GG_SWIZZLE=%s must be 1, 2, 4 or 8", swizzle);
+  return t;
+}
+
+inline void check_common(const GroupedGemmArgs& args, const char* op) {
+  MOK_HOST_CHECK(args.num_groups > 0, "%s: num_groups=%d must be positive", op, args.num_groups);
+  MOK_HOST_CHECK(args.offs != nullptr && args.workspace != nullptr, "%s: null offs/workspace", op);
+  MOK_HOST_CHECK(reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0,
+                 "%s: workspace must be 256-byte aligned", op);
+  MOK_HOST_CHECK(args.n % 8 == 0 && args.k % 8 == 0 && args.m % 8 == 0,
+                 "%s: m=%d, n=%d, k=%d must be multiples of 8 (16-byte TMA rows)", op, args.m,
+                 args.n, args.k);
+}
+
+// Builds the device-side problem arrays, then runs the CUTLASS kernel `Config::Gemm`.
+// `make_epilogue(arrays)` returns the epilogue arguments.
+template <class Config, class MakeEpilogue>
+void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream_t stream,
+                 MakeEpilogue make_epilogue) {
+  using Gemm = typename Config::Gemm;
+  using Arrays = gemm::GroupedProblemArrays<typename Config::StrideA, typename Config::StrideB,
+                                            typename Config::StrideD>;
+  static_assert(sizeof(typename Config::StrideA) <= 16 && sizeof(typename Config::StrideB) <= 16 &&
+                sizeof(typename Config::StrideD) <= 16);
+  const int num_groups = desc.num_groups;
+  Arrays arrays = Arrays::carve(workspace, num_groups);
+  constexpr int kThreads = 128;
+  gemm::build_grouped_problems<<<(num_groups + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      desc, arrays);
+  MOK_CUDA_CHECK(cudaGetLastError());
+
+  cutlass::KernelHardwareInfo hw_info;
+  MOK_CUDA_CHECK(cudaGetDevice(&hw_info.device_id));
+  hw_info.sm_count = sm_count_of_current_device();
+  typename Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {num_groups, arrays.problems, nullptr},
+      {arrays.ptr_a, arrays.stride_a, arrays.ptr_b, arrays.stride_b},
+      make_epilogue(arrays),
+      hw_info};
+  const Tuning tuning = tuning_from_env();
+  using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  arguments.scheduler.raster_order =
+      tuning.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+  arguments.scheduler.max_swizzle_size = tuning.swizzle;
+  Gemm gemm;
+  MOK_HOST_CHECK(gemm.can_implement(arguments) == cutlass::Status::kSuccess,
+                 "grouped GEMM: CUTLASS cannot implement this problem");
+  const size_t cutlass_bytes = Gemm::get_workspace_size(arguments);
+  MOK_HOST_CHECK(cutlass_bytes <= kCutlassWorkspaceBytesPerSm * hw_info.sm_count,
+                 "grouped GEMM: CUTLASS workspace %zu bytes exceeds the reserved %zu",
+                 cutlass_bytes, kCutlassWorkspaceBytesPerSm * hw_info.sm_count);
+  void* cutlass_workspace = static_cast<char*>(workspace) + arrays_bytes(num_groups);
+  MOK_HOST_CHECK(gemm.initialize(arguments, cutlass_workspace, stream) == cutlass::Status::kSuccess,
+                 "grouped GEMM: CUTLASS initialize failed");
+  MOK_HOST_CHECK(gemm.run(stream) == cutlass::Status::kSuccess, "grouped GEMM: launch failed");
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+// Epilogue arguments of the plain (bf16 store) epilogue.
+template <class Config, class Arrays>
+typename Config::Gemm::GemmKernel::EpilogueArguments plain_epilogue(const Arrays& arrays) {
+  typename Config::Gemm::GemmKernel::EpilogueArguments epi{};
+  epi.thread.alpha = 1.0f;
+  epi.thread.beta = 0.0f;
+  epi.ptr_C = nullptr;
+  epi.dC = nullptr;
+  epi.ptr_D = arrays.ptr_d;
+  epi.dD = arrays.stride_d;
+  return epi;
+}
+
+template <class Config>
+void run_plain(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream_t stream) {
+  run_grouped<Config>(desc, workspace, stream,
+                      [](const auto& arrays) { return plain_epilogue<Config>(arrays); });
+}
+
+template <class LayoutA, class LayoutB, class Epilogue, class Schedule = gemm::Cooperative>
+struct Config {
+  using Gemm = typename gemm::GroupedGemm<LayoutA, LayoutB, Epilogue, Schedule>::Gemm;
+  using StrideA = typename Gemm::GemmKernel::InternalStrideA;
+  using StrideB = typename Gemm::GemmKernel::InternalStrideB;
+  using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+};
+
+}  // namespace mok::launch::detail

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Micro-benchmark of the grouped-GEMM engine (torch.ops.mok.grouped_gemm_*) against
+torch._grouped_mm on the same inputs, one GPU.
+
+Shapes: the three benchmark models at the EP-2 row count of 8192 tokens per rank (rows = 8192 *
+top-k, over E/2 local experts, balanced random routing) and a quarter of it. Ops:
+
+  l1      ours: x @ w_gu^T with SwiGLU fused (act only; and +h saved for the backward)
+          torch: _grouped_mm(x, [W_gate; W_up]^T) and then a separate SwiGLU (timed apart, too)
+  l2      act @ W_down^T
+  l2_dgrad  ours: d_y @ W_down with the SwiGLU backward fused; torch: _grouped_mm + the
+          SwiGLU backward in bf16 torch ops
+  l1_dgrad  d_h @ [W_gate; W_up]
+  wgrad_l1 / wgrad_l2  d_h^T @ x / d_y^T @ act per expert (torch: _grouped_mm with K offsets)
+
+Writes JSON (GPU, driver, torch, commit, per (shape, op, impl): ms median + spread, TFLOP/s).
+  python scripts/bench_grouped_gemm.py --out $OUT/bench_grouped_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
+
+MODELS = {  # name: (hidden, intermediate, experts, topk)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+}
+TOKENS_PER_RANK, EP = 8192, 2
+PINGPONG_LESS = ("l1_swiglu", "l2_dgrad_dswiglu")  # the SwiGLU epilogues are cooperative-only
+SWEEP = [  # MOK_GG_* tile-order / schedule settings tried by --sweep (EP-2 full rows only)
+    {"MOK_GG_SCHEDULE": sch, "MOK_GG_RASTER": r, "MOK_GG_SWIZZLE": str(sw)}
+    for sch in ("cooperative", "pingpong") for r in ("m", "n") for sw in (1, 4)
+]  # fmt: skip
+
+
+def commit() -> str:
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def driver() -> str:
+    try:
+        out = subprocess.check_output(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True
+        )
+        return out.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_ms(fn, *, samples: int, calls: int, warmup: int = 3) -> dict:
+    """Per-call ms: `samples` CUDA-event samples of `calls` back-to-back calls each."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / calls)
+    out.sort()
+    return {
+        "median_ms": statistics.median(out), "min_ms": out[0], "max_ms": out[-1],
+        "p10_ms": out[len(out) // 10], "p90_ms": out[(9 * len(out)) // 10], "samples": len(out),
+    }  # fmt: skip
+
+
+def swiglu_backward(d_act, gate, up):
+    s = torch.sigmoid(gate)
+    return torch.cat([d_act * up * s * (1 + gate * (1 - s)), d_act * gate * s], dim=1)
+
+
+def torch_wgrad(a, b, offs):
+    return torch._grouped_mm(a.t(), b, offs=offs)
+
+
+def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) -> list[dict]:
+    hidden, inter, experts, topk = MODELS[model]
+    groups = experts // EP
+    rows = int(TOKENS_PER_RANK * topk * scale)
+    gen = torch.Generator().manual_seed(rows + groups)
+    counts = torch.bincount(torch.randint(0, groups, (rows,), generator=gen), minlength=groups)
+    offs = counts.cumsum(0).to(torch.int32).cuda()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, **bf)
+    w_gate = torch.randn(groups, inter, hidden, **bf) / hidden**0.5
+    w_up = torch.randn(groups, inter, hidden, **bf) / hidden**0.5
+    w_down = torch.randn(groups, hidden, inter, **bf) / inter**0.5
+    w_gu = gg.interleave_gate_up(w_gate, w_up)
+    w_cat = torch.cat([w_gate, w_up], 1)  # torch's layout: [gate; up]
+    del w_gate, w_up
+    act = torch.randn(rows, inter, **bf)
+    h_cat = torch.randn(rows, 2 * inter, **bf)
+    d_y = torch.randn(rows, hidden, **bf)
+    _, h = gg.grouped_gemm_l1_swiglu(x, w_gu, offs, save_h=True)
+    gate_t, up_t = h_cat[:, :inter], h_cat[:, inter:]
+
+    l1_flops = 2.0 * rows * hidden * 2 * inter
+    l2_flops = 2.0 * rows * hidden * inter
+    ops = {  # op: (flops, {impl: fn})
+        "l1_swiglu": (l1_flops, {
+            "mok": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs),
+            "mok_save_h": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs, save_h=True),
+            "torch_gemm": lambda: torch._grouped_mm(x, w_cat.transpose(1, 2), offs=offs),
+            "torch_swiglu_only": lambda: F.silu(gate_t) * up_t,
+            "torch_gemm+swiglu": lambda: (lambda hh: F.silu(hh[:, :inter]) * hh[:, inter:])(
+                torch._grouped_mm(x, w_cat.transpose(1, 2), offs=offs)),
+        }),
+        "l2": (l2_flops, {
+            "mok": lambda: gg.grouped_gemm_nt(act, w_down, offs),
+            "torch_gemm": lambda: torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs),
+        }),
+        "l2_dgrad_dswiglu": (l2_flops, {
+            "mok": lambda: gg.grouped_gemm_dswiglu(d_y, w_down, h, offs),
+            "mok_with_act": lambda: gg.grouped_gemm_dswiglu(d_y, w_down, h, offs, want_act=True),
+            "torch_gemm": lambda: torch._grouped_mm(d_y, w_down, offs=offs),
+            "torch_gemm+dswiglu": lambda: swiglu_backward(
+                torch._grouped_mm(d_y, w_down, offs=offs), gate_t, up_t),
+        }),
+        "l1_dgrad": (l1_flops, {
+            "mok": lambda: gg.grouped_gemm_nn(h_cat, w_gu, offs),
+            "torch_gemm": lambda: torch._grouped_mm(h_cat, w_cat, offs=offs),
+        }),
+        "wgrad_l1": (l1_flops, {
+            "mok": lambda: gg.grouped_gemm_tn(h_cat, x, offs),
+            "torch_gemm": lambda: torch_wgrad(h_cat, x, offs),
+        }),
+        "wgrad_l2": (l2_flops, {
+            "mok": lambda: gg.grouped_gemm_tn(d_y, act, offs),
+            "torch_gemm": lambda: torch_wgrad(d_y, act, offs),
+        }),
+    }  # fmt: skip
+    results = []
+    for op, (flops, impls) in ops.items():
+        if args.ops and op not in args.ops:
+            continue
+        for impl, fn in impls.items():
+            if mok_only and not impl.startswith("mok"):
+                continue
+            if tuning and tuning["MOK_GG_SCHEDULE"] == "pingpong" and op in PINGPONG_LESS:
+                continue
+            row = {"tuning": tuning} if tuning else {}
+            row |= {"model": model, "scale": scale, "rows": rows, "groups": groups,
+                   "hidden": hidden, "intermediate": inter, "op": op, "impl": impl}  # fmt: skip
+            try:
+                t = time_ms(fn, samples=args.samples, calls=args.calls)
+                row.update(t)
+                if impl != "torch_swiglu_only":
+                    row["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="docs/results/bench_grouped_gemm.json")
+    p.add_argument("--models", nargs="*", default=list(MODELS))
+    p.add_argument("--scales", nargs="*", type=float, default=[1.0, 0.25])
+    p.add_argument("--ops", nargs="*", default=None)
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="also time ours under each SWEEP setting")
+    args = p.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    results = []
+    t0 = time.time()
+    for model in args.models:
+        for scale in args.scales:
+            results += bench_shape(model, scale, args)
+            torch.cuda.empty_cache()
+    sweep = []
+    if args.sweep:
+        saved = {k: os.environ.get(k) for k in SWEEP[0]}
+        for tuning in SWEEP:
+            os.environ.update(tuning)
+            for model in args.models:
+                sweep += bench_shape(model, 1.0, args, mok_only=True, tuning=tuning)
+                torch.cuda.empty_cache()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    doc = {
+        "bench": "grouped_gemm", "gpu": props.name, "sm_count": props.multi_processor_count,
+        "driver": driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "commit": commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tokens_per_rank": TOKENS_PER_RANK, "ep": EP, "routing": "balanced random",
+        "timing": f"median of {args.samples} CUDA-event samples of {args.calls} calls each",
+        "tuning_env": {k: os.environ.get(k) for k in SWEEP[0]},
+        "wall_s": round(time.time() - t0, 1), "results": results, "sweep": sweep,
+    }  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
