@@ -3,22 +3,37 @@
 # mok_megatron/_C*.so and .whl/ (megatron-core) carried:
 #   1. scripts/gpu_check.sh 2: every GPU test on 1 GPU, then the multi-GPU tests on 2 (JSON record)
 #   2. scripts/bench_moe.py at EP 2 (torchrun) and EP 1, one JSON record each (written per case)
+#   3. scripts/profile_moe.py at EP 2: where the GPU time goes, MoK and baseline
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
-# BENCH_EP2_ARGS / BENCH_EP1_ARGS (extra bench arguments), BENCH_TIMEOUT_S (per bench run).
+# BENCH_EP2_ARGS / BENCH_EP1_ARGS (extra bench arguments), BENCH_TIMEOUT_S (per bench run),
+# STEPS (default "tests bench_ep2 bench_ep1 profile": the steps to run).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
-MOK_DEVICE_KIND="${MOK_DEVICE_KIND:-nvidia-h200-x2}" bash scripts/gpu_check.sh 2 > "$OUT/gpu_check.log" 2>&1
-echo "[device_run] gpu_check exit $?"; grep -E "passed|failed|error" "$OUT/gpu_check.log" | tail -6
+STEPS="${STEPS:-tests bench_ep2 bench_ep1 profile}"
+step() { [[ " $STEPS " == *" $1 "* ]]; }
+if step tests; then
+  MOK_DEVICE_KIND="${MOK_DEVICE_KIND:-nvidia-h200-x2}" bash scripts/gpu_check.sh 2 > "$OUT/gpu_check.log" 2>&1
+  echo "[device_run] gpu_check exit $?"; grep -E "passed|failed|error" "$OUT/gpu_check.log" | tail -6
+fi
 export PYTHONPATH="/tmp/site:$PWD"
-timeout "${BENCH_TIMEOUT_S:-240}" torchrun --standalone --nproc-per-node 2 scripts/bench_moe.py \
-  --out "$OUT/bench_ep2.json" ${BENCH_EP2_ARGS:-} > "$OUT/bench_ep2.log" 2>&1
-echo "[device_run] bench EP 2 exit $?"; grep -E "speedup|skipped|Error" "$OUT/bench_ep2.log" | tail -20
-timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --out "$OUT/bench_ep1.json" \
-  ${BENCH_EP1_ARGS:---shapes qwen3-30b-a3b,mixtral-8x7b} > "$OUT/bench_ep1.log" 2>&1
-echo "[device_run] bench EP 1 exit $?"; grep -E "speedup|skipped|Error" "$OUT/bench_ep1.log" | tail -14
+if step bench_ep2; then
+  timeout "${BENCH_TIMEOUT_S:-240}" torchrun --standalone --nproc-per-node 2 scripts/bench_moe.py \
+    --out "$OUT/bench_ep2.json" ${BENCH_EP2_ARGS:-} > "$OUT/bench_ep2.log" 2>&1
+  echo "[device_run] bench EP 2 exit $?"; grep -E "speedup|skipped|Error" "$OUT/bench_ep2.log" | tail -20
+fi
+if step bench_ep1; then
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --out "$OUT/bench_ep1.json" \
+    ${BENCH_EP1_ARGS:---shapes qwen3-30b-a3b,mixtral-8x7b} > "$OUT/bench_ep1.log" 2>&1
+  echo "[device_run] bench EP 1 exit $?"; grep -E "speedup|skipped|Error" "$OUT/bench_ep1.log" | tail -14
+fi
+if step profile; then
+  timeout "${BENCH_TIMEOUT_S:-240}" torchrun --standalone --nproc-per-node 2 scripts/profile_moe.py \
+    --out "$OUT/profile_ep2.json" > "$OUT/profile_ep2.log" 2>&1
+  echo "[device_run] profile exit $?"; grep -E "GPU time|Error" "$OUT/profile_ep2.log" | tail -6
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.
 (cd "$OUT" && tar czf logs.tar.gz --remove-files gpu_check ./*.log 2>/dev/null)

@@ -194,8 +194,12 @@ class CudaBackend:
         recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
         x_rows = _gather_rows(recv, plan.row_tok)
         w_rows = _row_weights(slot_weights, sched, plan)
-        w1 = torch.cat([routed.gate, routed.up], dim=1)  # [E_l, 2I, H]
-        gu = grouped_mm(x_rows, w1.transpose(1, 2), plan.offs)
+        # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of them
+        # (2 * E_l * I * H) every pass; concatenating the [P, I] outputs is far cheaper.
+        gu = torch.cat(
+            [grouped_mm(x_rows, w.transpose(1, 2), plan.offs) for w in (routed.gate, routed.up)],
+            dim=1,
+        )
         a = mops.moe_swiglu(gu)
         y = grouped_mm(a, routed.down.transpose(1, 2), plan.offs)
         shared_gu = shared_a = shared_out = None
@@ -227,11 +231,13 @@ class CudaBackend:
         da = grouped_mm(dy, routed.down, plan.offs)
         d_wd = grouped_mm(dy.T, ctx.a, plan.offs)
         dgu = mops.moe_swiglu_backward(da, ctx.gu)
-        w1 = torch.cat([routed.gate, routed.up], dim=1)
-        dx_rows = grouped_mm(dgu, w1, plan.offs)
-        d_w1 = grouped_mm(dgu.T, ctx.x_rows, plan.offs)
         inter = routed.gate.shape[1]
-        d_wg, d_wu = (_zero_empty(g, plan) for g in (d_w1[:, :inter], d_w1[:, inter:]))
+        dg, du = dgu[:, :inter].contiguous(), dgu[:, inter:].contiguous()
+        # dx = dg @ W_gate + du @ W_up (bf16 add: each term rounded once, then the sum)
+        dx_rows = grouped_mm(dg, routed.gate, plan.offs)
+        dx_rows = dx_rows.add_(grouped_mm(du, routed.up, plan.offs))
+        d_wg = _zero_empty(grouped_mm(dg.T, ctx.x_rows, plan.offs), plan)
+        d_wu = _zero_empty(grouped_mm(du.T, ctx.x_rows, plan.offs), plan)
         d_shared, shared_dx = (None, None, None), None
         if shared is not None:
             d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
@@ -308,8 +314,9 @@ def _row_weights(slot_weights: torch.Tensor, sched: MoKSchedule, plan: CudaPlan)
 
 
 def _zero_empty(grad: torch.Tensor, plan: CudaPlan) -> torch.Tensor:
-    """Experts with no rows get an exact zero gradient (whatever an empty group GEMM leaves)."""
-    return torch.where((plan.expert_rows > 0)[:, None, None], grad, 0).contiguous()
+    """Experts with no rows get an exact zero gradient (whatever an empty group GEMM leaves);
+    in place, so no second weight-sized buffer is made."""
+    return grad.masked_fill_((plan.expert_rows == 0)[:, None, None], 0).contiguous()
 
 
 def _shared_backward(d_out, x, ctx: CudaContext, shared):

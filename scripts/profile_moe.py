@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Where the time goes: torch.profiler over forward + backward of the MoK layer and the baseline
+(the same layers, weights and routing as scripts/bench_moe.py), written as JSON per shape.
+
+  torchrun --standalone --nproc-per-node 2 scripts/profile_moe.py --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_moe  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--routing", default="uniform")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--top", type=int, default=25, help="kernels kept per profile")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def profile(layer, sets, iters: int, top: int) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for i in range(2):
+        bench_moe.run_layer(layer, sets[i % len(sets)], backward=True)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            bench_moe.run_layer(layer, sets[i % len(sets)], backward=True)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events)
+    return {
+        "gpu_time_us_per_iter": total / iters,
+        "kernels": [
+            {
+                "name": e.key[:160],
+                "calls_per_iter": e.count / iters,
+                "us_per_iter": e.device_time_total / iters,
+                "share": e.device_time_total / total,
+            }  # fmt: skip
+            for e in events[:top]
+        ],
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    bench_args = bench_moe.parse_args([])
+    rank, world = bench_moe.init_distributed("cuda")
+    record = {"environment": bench_moe.environment(bench_args), "args": vars(args), "cases": []}
+    for name in args.shapes.split(","):
+        shape = bench_moe.SHAPES[name]
+        config = bench_moe.transformer_config(shape, "cuda")
+        base, layer = bench_moe.build_layers(config, "auto", args.tokens)
+        sets = bench_moe.make_inputs(2, args.tokens, shape, args.routing, "cuda",
+                                     config.params_dtype, 1234, rank)  # fmt: skip
+        case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing, "ep": world}
+        case["mok"] = profile(layer, sets, args.iters, args.top)
+        case["mok_backend"] = bench_moe._backend_name(layer)
+        case["baseline"] = profile(base, sets, args.iters, args.top)
+        record["cases"].append(case)
+        del base, layer, sets
+        bench_moe._release_memory()
+        if rank == 0:
+            print(f"{name}: mok {case['mok']['gpu_time_us_per_iter'] / 1e3:.2f} ms GPU time, "
+                  f"baseline {case['baseline']['gpu_time_us_per_iter'] / 1e3:.2f} ms")  # fmt: skip
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
