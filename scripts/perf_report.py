@@ -68,6 +68,32 @@ TABLE_HEAD = (
 )
 
 
+def profile_tables(path, top: int = 10):
+    """The heaviest GPU kernels of MoK and of the baseline, per profiled shape."""
+    record = json.load(open(path))
+    env = record["environment"]
+    yield "## Where the time goes (torch.profiler, forward + backward, GPU time per iteration)\n"
+    yield (
+        f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
+        f"`{(env.get('commit') or 'unknown')[:12]}`), written by `scripts/profile_moe.py`.\n"
+    )
+    for case in record["cases"]:
+        for who in ("mok", "baseline"):
+            prof = case[who]
+            yield (
+                f"### {case['shape']}, {case['tokens_per_rank']} tokens/rank, "
+                f"{case['routing']}: {who} ({prof['gpu_time_us_per_iter'] / 1e3:.2f} ms)\n"
+            )
+            yield "| kernel | calls/iter | ms/iter | share |\n|---|---|---|---|"
+            for k in prof["kernels"][:top]:
+                name = k["name"].replace("|", "/")[:90]
+                yield (
+                    f"| `{name}` | {k['calls_per_iter']:.0f} | {k['us_per_iter'] / 1e3:.3f} "
+                    f"| {100 * k['share']:.1f}% |"
+                )
+            yield ""
+
+
 def plot(records, png_path) -> None:
     import matplotlib
 
@@ -101,6 +127,7 @@ def main(argv=None) -> None:
     p.add_argument("--md", default="docs/PERF.md")
     p.add_argument("--png", default="docs/perf.png")
     p.add_argument("--notes", default=None, help="a markdown file appended as the analysis")
+    p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
     args = p.parse_args(argv)
     records = load(args.records)
     parts = [HEADER, "## Records\n", *[env_line(p, r) for p, r in records], ""]
@@ -108,6 +135,8 @@ def main(argv=None) -> None:
     parts += ["## Results\n", TABLE_HEAD]
     for _, record in records:
         parts += list(rows(record))
+    if args.profile:
+        parts += ["", *profile_tables(args.profile)]
     if args.notes:
         parts += ["", open(args.notes).read()]
     with open(args.md, "w") as f:
