@@ -18,7 +18,9 @@ import torch.nn.functional as F
 __all__ = [
     "LAYER_KINDS",
     "LayerCase",
+    "assert_same_weights",
     "build_moe_layer",
+    "canonical_weights",
     "init_megatron_parallel",
     "layer_step",
     "relative_errors",
@@ -46,7 +48,12 @@ class LayerCase:
 
 def init_megatron_parallel(ep_size: int, seed: int = 1234, device: str = "cpu") -> None:
     """Megatron's process groups with expert parallelism ``ep_size`` over the initialised world,
-    and its RNG; the CPU shim first on a machine without a GPU."""
+    and its RNG; the CPU shim first on a machine without a GPU.
+
+    The CPU generator is seeded too, as Megatron's training does: the router weight is always
+    initialised on the CPU (and every weight with use_cpu_initialization), so a generator left in a
+    rank-dependent state (e.g. by an earlier test in the process) gives the ranks different
+    copies of a replicated weight, which a checkpoint then cannot share consistently."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -58,6 +65,7 @@ def init_megatron_parallel(ep_size: int, seed: int = 1234, device: str = "cpu") 
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    torch.manual_seed(seed)
 
 
 def tiny_moe_config(case: LayerCase, dispatcher: str, ep_size: int):
@@ -111,6 +119,55 @@ def share_weights(src, dst, directory: str, prefix: str = "mlp.") -> None:
     dist_checkpointing.save(src.sharded_state_dict(prefix=prefix), directory)
     loaded = dist_checkpointing.load(dst.sharded_state_dict(prefix=prefix), directory)
     dst.load_state_dict({k[len(prefix) :]: v for k, v in loaded.items()}, strict=True)
+
+
+def canonical_weights(layer) -> dict[str, torch.Tensor]:
+    """This rank's weights of an MoE layer in layer_step's canonical names (CPU float64 copies):
+    router, ``expert{j}.gate|up|down`` per local expert, ``shared.gate|up|down``."""
+    from .experts import MoKExperts
+
+    weights = {"router": layer.router.weight}
+    experts = layer.experts
+    if isinstance(experts, MoKExperts):
+        for j in range(experts.num_local_experts):
+            weights[f"expert{j}.gate"] = experts.weight_gate[j]
+            weights[f"expert{j}.up"] = experts.weight_up[j]
+            weights[f"expert{j}.down"] = experts.weight_down[j]
+    else:
+        for j, mlp in enumerate(experts.local_experts):
+            weights.update(_fc_weights(f"expert{j}", mlp))
+    if layer.shared_experts is not None:
+        weights.update(_fc_weights("shared", layer.shared_experts))
+    return {k: v.detach().double().cpu() for k, v in weights.items()}
+
+
+def _fc_weights(name: str, mlp) -> dict[str, torch.Tensor]:
+    gate, up = mlp.linear_fc1.weight.chunk(2, dim=0)
+    return {f"{name}.gate": gate, f"{name}.up": up, f"{name}.down": mlp.linear_fc2.weight}
+
+
+def assert_same_weights(actual, expected) -> None:
+    """Raise unless two MoE layers hold equal weights on this rank (every local shard, compared
+    on the CPU after rounding both to the lower-precision dtype), e.g. after share_weights."""
+    a, e = canonical_weights(actual), canonical_weights(expected)
+    if set(a) != set(e):
+        raise AssertionError(f"different weights: {sorted(set(a) ^ set(e))}")
+    dtypes = (actual.router.weight.dtype, expected.router.weight.dtype)
+    dtype = max(dtypes, key=lambda d: torch.finfo(d).eps)  # the lower precision
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    bad = []
+    for name in e:
+        if a[name].shape != e[name].shape:
+            bad.append(f"{name}: shape {tuple(a[name].shape)} vs {tuple(e[name].shape)}")
+        elif not torch.equal(a[name].to(dtype), e[name].to(dtype)):
+            bad.append(f"{name}: max |diff| {float((a[name] - e[name]).abs().max()):.3e}")
+    if bad:
+        raise AssertionError(
+            f"rank {rank}: the layers do not hold the same weights after sharing:\n"
+            + "\n".join(bad)
+            + "\n(only the router / shared expert differing: the ranks built different copies of "
+            "these replicated weights; seed every generator alike, see init_megatron_parallel)"
+        )
 
 
 def require_checkpoint_writer() -> None:

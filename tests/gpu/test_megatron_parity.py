@@ -78,6 +78,7 @@ def _layer_errors(ep: int, kind: str, case, seed: int) -> dict[str, float]:
     ref = parity.build_moe_layer(case, "alltoall", ep)
     mok = parity.build_moe_layer(case, kind, ep)
     parity.share_weights(ref, mok, os.path.join(_shared_dir(), "w"))
+    parity.assert_same_weights(mok, ref)
     x, d_out = _tokens(case, seed)
     return parity.relative_errors(
         parity.layer_step(mok, x, d_out), parity.layer_step(ref, x, d_out)
@@ -150,6 +151,7 @@ def _bf16_errors(ep: int, bf16, seed: int):
     layers = [parity.build_moe_layer(bf16, kind, ep) for kind in ("mok_fused", "alltoall")]
     for j, layer in enumerate(layers):
         parity.share_weights(oracle, layer, os.path.join(_shared_dir(), f"w{j}"))
+        parity.assert_same_weights(layer, oracle)
     x, d_out = (t.bfloat16() for t in _tokens(fp32, seed))
     expected = parity.layer_step(oracle, x.float(), d_out.float())
     mok, ref = (

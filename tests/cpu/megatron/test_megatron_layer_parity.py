@@ -42,6 +42,7 @@ def _parity_rank(rank: int, world_size: int, ckpt_root: str) -> dict:
         mok = parity.build_moe_layer(case, kind, world_size)
         assert mok.fuse_shared_experts == (kind == "mok_fused" and shared is not None)
         parity.share_weights(ref, mok, os.path.join(ckpt_root, str(i)))
+        parity.assert_same_weights(mok, ref)
         x, d_out = _tokens(rank, case.hidden, seed=i)
         expected = parity.layer_step(ref, x, d_out)
         report[f"{kind} topk={topk} shared={shared}"] = parity.relative_errors(
