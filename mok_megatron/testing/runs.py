@@ -10,7 +10,7 @@ from mok_megatron import functional as F
 
 from .oracles import MoEProblem, dense_moe
 
-__all__ = ["GRAD_NAMES", "global_d_out", "run_local", "run_oracle"]
+__all__ = ["GRAD_NAMES", "global_d_out", "problem_workspace", "run_local", "run_oracle"]
 
 GRAD_NAMES = ("d_x", "d_router_weights", "d_w_routed_gate", "d_w_routed_up", "d_w_routed_down",
               "d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")  # fmt: skip
@@ -22,6 +22,20 @@ def global_d_out(problem: MoEProblem, seed: int) -> torch.Tensor:
     return torch.randn(problem.x.shape, generator=gen, dtype=torch.float64)
 
 
+def problem_workspace(problem: MoEProblem, *, dtype: torch.dtype,
+                      config: F.MoKConfig | None = None, num_local_tokens: int | None = None,
+                      device: str = "cpu", backend: str = "reference") -> F.MoKWorkspace:  # fmt: skip
+    """A workspace sized for ``problem`` (T_max = its largest rank unless given)."""
+    shared = problem.shared[0].shape[0] if problem.shared else 0
+    return F.create_workspace(
+        config or F.MoKConfig(), None, device=device,
+        num_local_tokens=num_local_tokens or max(problem.tokens_per_rank),
+        hidden_size=problem.x.shape[1], topk=problem.topk_experts.shape[1],
+        num_experts=problem.w_gate.shape[0], intermediate_size=problem.w_gate.shape[1],
+        shared_intermediate_size=shared, dtype=dtype, backend=backend,
+    )  # fmt: skip
+
+
 def run_local(problem: MoEProblem, *, rank: int, dtype: torch.dtype, seed: int = 0,
               num_local_tokens: int | None = None, config: F.MoKConfig | None = None,
               device: str = "cpu", backend: str = "reference") -> dict:  # fmt: skip
@@ -30,13 +44,8 @@ def run_local(problem: MoEProblem, *, rank: int, dtype: torch.dtype, seed: int =
     x, topk, rw, routed, shared = problem.local(rank, dtype=dtype, device=device)
     if dtype == torch.float64:
         rw = rw.double()
-    ws = F.create_workspace(
-        config, None, device=device,
-        num_local_tokens=num_local_tokens or max(problem.tokens_per_rank),
-        hidden_size=problem.x.shape[1], topk=topk.shape[1], num_experts=problem.w_gate.shape[0],
-        intermediate_size=problem.w_gate.shape[1],
-        shared_intermediate_size=shared[0].shape[0] if shared else 0, dtype=dtype, backend=backend,
-    )  # fmt: skip
+    ws = problem_workspace(problem, dtype=dtype, config=config, device=device,
+                           num_local_tokens=num_local_tokens, backend=backend)  # fmt: skip
     sched = F.build_schedule(ws, config, topk, ws.num_local_experts)
     weights = (*(shared or (None, None, None)), *routed)
     out, ctx = F.forward(config, ws, sched, x, rw, *weights)

@@ -7,6 +7,7 @@ import torch
 
 from mok_megatron import functional as F
 from mok_megatron.testing import random_moe_problem
+from mok_megatron.testing.runs import problem_workspace
 
 H, I, E, K, T = 16, 24, 4, 2, 20
 
@@ -14,18 +15,7 @@ H, I, E, K, T = 16, 24, 4, 2, 20
 def _setup(dtype=torch.float32):
     problem = random_moe_problem([T], H, I, E, K, shared_inter=8, dtype=dtype)
     config = F.MoKConfig()
-    ws = F.create_workspace(
-        config,
-        None,
-        device="cpu",
-        num_local_tokens=T,
-        hidden_size=H,
-        topk=K,
-        num_experts=E,
-        intermediate_size=I,
-        dtype=dtype,
-        backend="reference",
-    )
+    ws = problem_workspace(problem, dtype=dtype, config=config)
     x, topk, rw, routed, shared = problem.local(0)
     return config, ws, x, topk, rw, list(routed), list(shared)
 

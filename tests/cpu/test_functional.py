@@ -7,7 +7,7 @@ import torch
 
 from mok_megatron import functional as F
 from mok_megatron.testing import dense_moe, random_moe_problem, relative_error
-from mok_megatron.testing.runs import GRAD_NAMES, run_local, run_oracle
+from mok_megatron.testing.runs import GRAD_NAMES, problem_workspace, run_local, run_oracle
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
@@ -53,7 +53,7 @@ def test_recompute_forward_context_gives_the_same_backward():
     problem = random_moe_problem([45], 16, 24, 4, 2, dtype=torch.float32)
     cfg = F.MoKConfig()
     x, topk, rw, routed, shared = problem.local(0)
-    ws = _workspace(cfg, problem, torch.float32)
+    ws = problem_workspace(problem, dtype=torch.float32, config=cfg)
     sched = F.build_schedule(ws, cfg, topk, ws.num_local_experts)
     weights = (None, None, None, *routed)
     _, ctx = F.forward(cfg, ws, sched, x, rw, *weights)
@@ -85,22 +85,13 @@ def test_no_tokens_and_experts_without_tokens():
     assert torch.equal(got["d_w_routed_gate"], torch.zeros_like(got["d_w_routed_gate"]))
 
 
-def _workspace(cfg, problem, dtype, num_local_tokens=None):
-    return F.create_workspace(
-        cfg, None, device="cpu", num_local_tokens=num_local_tokens or max(problem.tokens_per_rank),
-        hidden_size=problem.x.shape[1], topk=problem.topk_experts.shape[1],
-        num_experts=problem.w_gate.shape[0], intermediate_size=problem.w_gate.shape[1],
-        dtype=dtype, backend="reference",
-    )  # fmt: skip
-
-
 def test_mxfp8_weights_are_served_by_dequantizing():
     from mok_megatron.ops import mxfp8_dequantize, mxfp8_quantize
 
     problem = random_moe_problem([40], 64, 64, 4, 2, dtype=torch.float32)
     cfg = F.MoKConfig()
     x, topk, rw, routed, _ = problem.local(0)
-    ws = _workspace(cfg, problem, torch.float32)
+    ws = problem_workspace(problem, dtype=torch.float32, config=cfg)
     sched = F.build_schedule(ws, cfg, topk, ws.num_local_experts)
     quantized = [mxfp8_quantize(w, rowwise=True, colwise=True) for w in routed]
     dense = [mxfp8_dequantize(q.rowwise, dtype=torch.float32) for q in quantized]
