@@ -153,7 +153,8 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
                        const at::Tensor& recv_token_src,
                        const std::optional<at::Tensor>& slot_weights, const at::Tensor& send_to,
                        const std::optional<at::Tensor>& shared_out, int64_t num_tokens,
-                       at::IntArrayRef comm_ints) {
+                       at::IntArrayRef comm_ints, const std::optional<at::Tensor>& acc,
+                       int64_t row_begin, bool first, bool last) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(rows, "rows", at::kBFloat16, 2);
@@ -177,8 +178,19 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
                 "mok::moe_combine: shared_out must be [T, H]");
     a.shared_out = shared_out->data_ptr();
   }
+  TORCH_CHECK(row_begin >= 0, "mok::moe_combine: row_begin must be >= 0");
+  a.row_begin = row_begin;
+  a.row_end = row_begin + rows.size(0);
+  if (!(first && last)) {  // macrobatch rounds: a float32 accumulator carries the sums
+    TORCH_CHECK(acc.has_value(), "mok::moe_combine: rounds (first/last not both true) need acc");
+    check(*acc, "acc", at::kFloat, 2);
+    TORCH_CHECK(acc->size(0) == recv_token_src.size(0) && acc->size(1) == lay.hidden,
+                "mok::moe_combine: acc must be [C_tok, H] float32");
+    if (!first) a.acc_in = acc->data_ptr<float>();
+    if (!last) a.acc_out = acc->data_ptr<float>();
+  }
   c10::cuda::CUDAGuard guard(rows.device());
-  auto out = at::empty({num_tokens, lay.hidden}, rows.options());
+  auto out = at::empty({last ? num_tokens : 0, lay.hidden}, rows.options());
   a.rows = rows.data_ptr();
   a.token_rows = token_rows.data_ptr<int64_t>();
   a.recv_token_src = recv_token_src.data_ptr<int64_t>();

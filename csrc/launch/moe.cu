@@ -101,9 +101,14 @@ void moe_combine(const MoeComm& comm, const MoeCombineArgs& a, cudaStream_t stre
     roles::CombineParams p{lay, comm.peer_bases, comm.rank,
                            static_cast<const __nv_bfloat16*>(a.rows), a.token_rows,
                            a.recv_token_src, a.slot_weights, a.num_recv};
+    p.row_begin = a.row_begin;
+    p.row_end = a.row_end;
+    p.acc_in = a.acc_in;
+    p.acc_out = a.acc_out;
     roles::push_partials<<<a.num_recv, row_threads(lay.hidden), 0, stream>>>(p);
     check_launch();
   }
+  if (a.acc_out != nullptr) return;  // not the last round: nothing pushed yet
   moe_barrier(comm, static_cast<int>(comm::Phase::kCombinePushed), stream);
   if (a.num_tokens > 0) {
     roles::reduce_partials<<<grid_for(a.num_tokens * lay.hidden / 8), kThreads, 0, stream>>>(

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "mok/layout/workspace.cuh"
@@ -49,9 +50,17 @@ struct MoeCombineArgs {
   const void* shared_out = nullptr;       // [T, H] bf16 or null
   void* out = nullptr;                    // [T, H] bf16
   int num_tokens = 0;                     // T
+  // Macrobatch rounds (roles/combine.cuh): rows hold padded rows [row_begin, row_end); acc_in
+  // holds earlier rounds' float32 sums (or null); a non-null acc_out makes this a round that
+  // only accumulates locally (no push, no barrier, out untouched).
+  int64_t row_begin = 0;
+  int64_t row_end = INT64_MAX;
+  const float* acc_in = nullptr;          // [C_tok, H]
+  float* acc_out = nullptr;               // [C_tok, H]
 };
 
-// Expert-side slot sum + push, barrier, source-side sum over ranks (+ shared) into out.
+// Expert-side slot sum + push, barrier, source-side sum over ranks (+ shared) into out; or, for
+// a round that is not the last, the expert-side sum into acc_out only.
 void moe_combine(const MoeComm& comm, const MoeCombineArgs& args, cudaStream_t stream);
 
 // Per-slot values: push row_values[token_rows[j, k]] to the source, barrier, sum over ranks into

@@ -42,9 +42,10 @@ class MoKConfig:
         256, "Overlap granularity: routed rows whose arrival releases GEMM work (multiple of 128)."
     )
     macrobatch_size: int = _knob(
-        16384,
-        "Ring capacity in routed rows; more rows run in further rounds. Bounds buffer memory "
-        "(multiple of minibatch_size).",
+        131072,
+        "Routed rows in flight at once (the ring's capacity); a schedule with more rows runs in "
+        "further rounds, which bounds buffer memory (stage 1 then recomputes each round's "
+        "activations in the backward). Multiple of minibatch_size.",
     )
     schedule_capacity_multiplier: float = _knob(
         2.0,

@@ -14,6 +14,13 @@ that load and store through peers' symmetric buffers (no collectives, no host sy
              (token, rank) pushed to the source, a rank-ordered float32 sum there (+ shared)
   backward   the same moves in reverse; weight gradients are grouped GEMMs that reduce over each
              expert's rows in one fixed order (no atomics)
+  rounds     when the schedule holds more rows than ``macrobatch_size``, the padded rows run in
+             ``ceil(row_capacity / macrobatch_size)`` windows ("macrobatch rounds") of equal,
+             fixed size: each round gathers, runs the expert MLP and adds its rows to a float32
+             per-token accumulator; the last round pushes. The forward then keeps only the
+             received tokens, and the backward recomputes each round's activations, so no buffer
+             grows with the routed rows beyond one round (the integer schedule aside). The number
+             of rounds is fixed by the capacity, not the routing: no host sync, graph-safe.
 
 It serves a workspace only when every op it needs is compiled into ``mok_megatron._C``;
 ``unsupported_reasons`` says what is missing, and backend selection reports it.
@@ -21,6 +28,7 @@ It serves a workspace only when every op it needs is compiled into ``mok_megatro
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -83,19 +91,45 @@ class CudaPlan:
 
 
 @dataclass
-class CudaContext:
-    """What the forward keeps for its backward (padded row layout).
+class Rounds:
+    """Macrobatch rounds over the padded rows: ``count`` windows of ``rows`` rows each.
 
-    x_rows: [P, H], gu: [P, 2I], a: [P, I], y: [P, H] bf16; w_rows: [P] float32 router weight of
-    each row (0 for padding); shared_gu / shared_a: [T, 2I_s] / [T, I_s] or None.
+    row_tok: [count * rows] received-token index of each padded row (-1 for padding);
+    w_rows: [count * rows] float32 router weight of each row (0 for padding).
     """
 
-    plan: CudaPlan
+    count: int
+    rows: int
+    row_tok: torch.Tensor
+    w_rows: torch.Tensor
+
+    def window(self, r: int) -> slice:
+        return slice(r * self.rows, (r + 1) * self.rows)
+
+
+@dataclass
+class ExpertRows:
+    """One round's expert activations: x_rows [M, H], gu [M, 2I], a [M, I], y [M, H] bf16."""
+
     x_rows: torch.Tensor
     gu: torch.Tensor
     a: torch.Tensor
     y: torch.Tensor
-    w_rows: torch.Tensor
+
+
+@dataclass
+class CudaContext:
+    """What the forward keeps for its backward.
+
+    One round: ``saved`` holds its activations. More rounds: ``x_recv`` [C_tok, H] holds the
+    received tokens and the backward recomputes each round. shared_gu / shared_a: [T, 2I_s] /
+    [T, I_s] or None.
+    """
+
+    plan: CudaPlan
+    rounds: Rounds
+    saved: ExpertRows | None
+    x_recv: torch.Tensor | None
     shared_gu: torch.Tensor | None
     shared_a: torch.Tensor | None
 
@@ -191,27 +225,27 @@ class CudaBackend:
         plan = _padded_plan(sched)
         mine = sched.global_topk[ws.rank, : sched.num_tokens].contiguous()
         _, slot_weights = mops.moe_gather_routing(mine, router_weights.contiguous(), comm)
+        rounds = _rounds(ws.config.macrobatch_size, sched, plan, slot_weights)
         recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
-        x_rows = _gather_rows(recv, plan.row_tok)
-        w_rows = _row_weights(slot_weights, sched, plan)
-        # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of them
-        # (2 * E_l * I * H) every pass; concatenating the [P, I] outputs is far cheaper.
-        gu = torch.cat(
-            [grouped_mm(x_rows, w.transpose(1, 2), plan.offs) for w in (routed.gate, routed.up)],
-            dim=1,
-        )
-        a = mops.moe_swiglu(gu)
-        y = grouped_mm(a, routed.down.transpose(1, 2), plan.offs)
         shared_gu = shared_a = shared_out = None
         if shared is not None:
             shared_gu = x @ torch.cat([shared.gate, shared.up], dim=0).T
             shared_a = mops.moe_swiglu(shared_gu)
             shared_out = shared_a @ shared.down.T
-        out = mops.moe_combine(
-            y, plan.token_rows, sched.recv_token_src, slot_weights, sched.send_to, shared_out,
-            sched.num_tokens, comm,
-        )  # fmt: skip
-        ctx = CudaContext(plan, x_rows, gu, a, y, w_rows, shared_gu, shared_a)
+        acc = _round_accumulator(rounds, recv)
+        for r in range(rounds.count):
+            window = rounds.window(r)
+            offs = _window_offs(plan, window)
+            act = _experts_forward(_gather_rows(recv, rounds.row_tok[window]), routed, offs)
+            out = mops.moe_combine(
+                act.y, plan.token_rows, sched.recv_token_src, slot_weights, sched.send_to,
+                shared_out, sched.num_tokens, comm, acc, window.start, r == 0,
+                r == rounds.count - 1,
+            )  # fmt: skip
+        one = rounds.count == 1
+        ctx = CudaContext(
+            plan, rounds, act if one else None, None if one else recv, shared_gu, shared_a
+        )
         return out, ctx
 
     # ------------------------------------------------------------------------------- backward
@@ -220,34 +254,46 @@ class CudaBackend:
 
         from .types import MoKGradients
 
-        comm, plan = ws.buffers.comm, ctx.plan
-        d_rows = _gather_rows(mops.moe_dispatch(d_out, sched.recv_token_src, comm), plan.row_tok)
-        live = (plan.row_tok >= 0)[:, None]
-        d_row_w = torch.where(live, d_rows.float() * ctx.y.float(), 0).sum(-1)
-        d_rw = mops.moe_combine_slots(
-            d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
-        )
-        dy = (d_rows.float() * ctx.w_rows[:, None]).to(torch.bfloat16)
-        da = grouped_mm(dy, routed.down, plan.offs)
-        d_wd = grouped_mm(dy.T, ctx.a, plan.offs)
-        dgu = mops.moe_swiglu_backward(da, ctx.gu)
-        inter = routed.gate.shape[1]
-        dg, du = dgu[:, :inter].contiguous(), dgu[:, inter:].contiguous()
-        # dx = dg @ W_gate + du @ W_up (bf16 add: each term rounded once, then the sum)
-        dx_rows = grouped_mm(dg, routed.gate, plan.offs)
-        dx_rows = dx_rows.add_(grouped_mm(du, routed.up, plan.offs))
-        d_wg = _zero_empty(grouped_mm(dg.T, ctx.x_rows, plan.offs), plan)
-        d_wu = _zero_empty(grouped_mm(du.T, ctx.x_rows, plan.offs), plan)
+        comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
+        d_recv = mops.moe_dispatch(d_out, sched.recv_token_src, comm)
         d_shared, shared_dx = (None, None, None), None
         if shared is not None:
             d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
-        d_x = mops.moe_combine(
-            dx_rows, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
-            sched.num_tokens, comm,
-        )  # fmt: skip
+        d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
+        d_w = [None, None, None]  # gate, up, down
+        acc = _round_accumulator(rounds, d_recv)
+        for r in range(rounds.count):
+            window = rounds.window(r)
+            offs = _window_offs(plan, window)
+            row_tok = rounds.row_tok[window]
+            act = ctx.saved
+            if act is None:  # recompute this round's activations from the received tokens
+                act = _experts_forward(_gather_rows(ctx.x_recv, row_tok), routed, offs)
+            d_rows = _gather_rows(d_recv, row_tok)
+            live = (row_tok >= 0)[:, None]
+            d_row_w[window] = torch.where(live, d_rows.float() * act.y.float(), 0).sum(-1)
+            dy = (d_rows.float() * rounds.w_rows[window, None]).to(torch.bfloat16)
+            da = grouped_mm(dy, routed.down, offs)
+            d_wd = grouped_mm(dy.T, act.a, offs)
+            dgu = mops.moe_swiglu_backward(da, act.gu)
+            inter = routed.gate.shape[1]
+            dg, du = dgu[:, :inter].contiguous(), dgu[:, inter:].contiguous()
+            # dx = dg @ W_gate + du @ W_up (bf16 add: each term rounded once, then the sum)
+            dx_rows = grouped_mm(dg, routed.gate, offs)
+            dx_rows = dx_rows.add_(grouped_mm(du, routed.up, offs))
+            parts = (grouped_mm(dg.T, act.x_rows, offs), grouped_mm(du.T, act.x_rows, offs), d_wd)
+            empty = _empty_groups(offs)
+            d_w = [_accumulate(total, part, empty) for total, part in zip(d_w, parts)]
+            d_x = mops.moe_combine(
+                dx_rows, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
+                sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
+            )  # fmt: skip
+        d_rw = mops.moe_combine_slots(
+            d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
+        )
         return MoKGradients(
             d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
-            d_w_routed_gate=d_wg, d_w_routed_up=d_wu, d_w_routed_down=_zero_empty(d_wd, plan),
+            d_w_routed_gate=d_w[0], d_w_routed_up=d_w[1], d_w_routed_down=d_w[2],
             d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1],
             d_w_shared_down=d_shared[2],
         )  # fmt: skip
@@ -301,6 +347,58 @@ def _gather_rows(recv: torch.Tensor, row_tok: torch.Tensor) -> torch.Tensor:
     return torch.where((row_tok >= 0)[:, None], rows, 0)
 
 
+def _rounds(macrobatch: int, sched: MoKSchedule, plan: CudaPlan, slot_weights) -> Rounds:
+    """Split the P padded rows into ceil(row_capacity / macrobatch) equal windows (a multiple of
+    GROUP_ALIGN rows each, so every group in a window stays 16-byte aligned)."""
+    padded = plan.row_tok.shape[0]
+    count = max(1, math.ceil(sched.row_capacity / macrobatch))
+    rows = padded if count == 1 else _align(math.ceil(padded / count), GROUP_ALIGN)
+    extra = count * rows - padded
+    row_tok, w_rows = plan.row_tok, _row_weights(slot_weights, sched, plan)
+    if extra:
+        row_tok = torch.cat([row_tok, row_tok.new_full((extra,), -1)])
+        w_rows = torch.cat([w_rows, w_rows.new_zeros(extra)])
+    return Rounds(count, rows, row_tok, w_rows)
+
+
+def _window_offs(plan: CudaPlan, window: slice) -> torch.Tensor:
+    """Group ends of the padded layout, seen from inside one window ([G] int32)."""
+    width = window.stop - window.start
+    return (plan.offs - window.start).clamp_(0, width).to(torch.int32)
+
+
+def _empty_groups(offs: torch.Tensor) -> torch.Tensor:
+    """[G] bool: groups with no rows in this window (their GEMM outputs are not written)."""
+    return torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+
+
+def _round_accumulator(rounds: Rounds, recv: torch.Tensor) -> torch.Tensor | None:
+    """The float32 per-received-token sum carried between rounds (None for one round)."""
+    if rounds.count == 1:
+        return None
+    return torch.empty(recv.shape, dtype=torch.float32, device=recv.device)
+
+
+def _experts_forward(x_rows: torch.Tensor, routed, offs: torch.Tensor) -> ExpertRows:
+    # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of them
+    # (2 * E_l * I * H) every pass; concatenating the [P, I] outputs is far cheaper.
+    from mok_megatron.ops import moe as mops
+
+    gu = torch.cat(
+        [grouped_mm(x_rows, w.transpose(1, 2), offs) for w in (routed.gate, routed.up)], dim=1
+    )
+    a = mops.moe_swiglu(gu)
+    y = grouped_mm(a, routed.down.transpose(1, 2), offs)
+    return ExpertRows(x_rows, gu, a, y)
+
+
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor, empty: torch.Tensor):
+    """Add one round's weight gradient to the total, in round order. Experts with no rows in the
+    round contribute an exact zero (whatever an empty group GEMM leaves); in place."""
+    part = part.masked_fill_(empty[:, None, None], 0)
+    return part.contiguous() if total is None else total.add_(part)
+
+
 def _row_weights(slot_weights: torch.Tensor, sched: MoKSchedule, plan: CudaPlan):
     """[W, T_max, K] router weights → [P] weight of each padded row (0 on padding)."""
     flat = (sched.row_src_rank * sched.max_tokens + sched.row_src_token) * sched.topk
@@ -313,12 +411,6 @@ def _row_weights(slot_weights: torch.Tensor, sched: MoKSchedule, plan: CudaPlan)
     return out[:-1]
 
 
-def _zero_empty(grad: torch.Tensor, plan: CudaPlan) -> torch.Tensor:
-    """Experts with no rows get an exact zero gradient (whatever an empty group GEMM leaves);
-    in place, so no second weight-sized buffer is made."""
-    return grad.masked_fill_((plan.expert_rows == 0)[:, None, None], 0).contiguous()
-
-
 def _shared_backward(d_out, x, ctx: CudaContext, shared):
     from mok_megatron.ops import moe as mops
 
@@ -329,6 +421,10 @@ def _shared_backward(d_out, x, ctx: CudaContext, shared):
     d_sd = d_out.T @ ctx.shared_a
     shared_dx = dgu @ torch.cat([shared.gate, shared.up], dim=0)
     return (d_w1[:inter].contiguous(), d_w1[inter:].contiguous(), d_sd), shared_dx.contiguous()
+
+
+def _align(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ __all__ = [
     "moe_combine_slots",
     "moe_swiglu",
     "moe_swiglu_backward",
+    "moe_row_grad",
 ]
 
 #: Region names in the order of ``mok::layout::Region`` (csrc/include/mok/layout/workspace.cuh).
@@ -63,12 +64,19 @@ def moe_dispatch(x: torch.Tensor, recv_token_src: torch.Tensor, comm: list[int])
 
 
 def moe_combine(rows, token_rows, recv_token_src, slot_weights, send_to, shared_out, num_tokens,
-                comm) -> torch.Tensor:  # fmt: skip
+                comm, acc=None, row_begin=0, first=True, last=True) -> torch.Tensor:  # fmt: skip
     """rows: [P, H] bf16; token_rows: [C_tok, K] int64 into rows; slot_weights: [W, T_max, K]
-    float32 or None; shared_out: [T, H] bf16 or None → out: [T, H] bf16. Collective."""
+    float32 or None; shared_out: [T, H] bf16 or None → out: [T, H] bf16. Collective.
+
+    Macrobatch rounds: ``rows`` holds the padded rows ``[row_begin, row_begin + P)`` and ``acc``
+    ([C_tok, H] float32) carries each token's sum from round to round: a round that is not
+    ``last`` adds its rows (slot order) to ``acc`` and returns an empty [0, H] tensor; the last
+    round adds its rows, pushes and sums at the source (``shared_out`` counts only there).
+    """
     return torch.ops.mok.moe_combine(
-        rows, token_rows, recv_token_src, slot_weights, send_to, shared_out, num_tokens, comm
-    )
+        rows, token_rows, recv_token_src, slot_weights, send_to, shared_out, num_tokens, comm,
+        acc, row_begin, first, last,
+    )  # fmt: skip
 
 
 def moe_combine_slots(row_values, token_rows, recv_token_src, send_to, num_tokens, comm):
@@ -110,8 +118,8 @@ def _dispatch_fake(x, recv_token_src, comm):
 
 
 def _combine_fake(rows, token_rows, recv_token_src, slot_weights, send_to, shared_out,
-                  num_tokens, comm):  # fmt: skip
-    return rows.new_empty(num_tokens, rows.shape[1])
+                  num_tokens, comm, acc=None, row_begin=0, first=True, last=True):  # fmt: skip
+    return rows.new_empty(num_tokens if last else 0, rows.shape[1])
 
 
 def _combine_slots_fake(row_values, token_rows, recv_token_src, send_to, num_tokens, comm):
@@ -137,3 +145,27 @@ if extension_available() and hasattr(torch.ops.mok, "moe_dispatch"):
         ("moe_swiglu_backward", _swiglu_backward_fake),
     ):
         torch.library.register_fake(f"mok::{_name}")(_fake)
+
+
+# ------------------------------------------------------------------ fused per-row backward step
+def moe_row_grad(
+    d_rows: torch.Tensor, y: torch.Tensor, w_rows: torch.Tensor, row_tok: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row work at the start of the backward, in one pass over ``d_rows`` and ``y``.
+
+    d_rows, y: [P, H] bfloat16, contiguous, H a multiple of 8; w_rows: [P] float32 (router
+    weight of each row); row_tok: [P] int64 (-1 = padding row). Returns ``(d_row_w, dy)``:
+    d_row_w [P] float32 = sum_h d_rows * y (float32 products and sums in a fixed order that
+    depends only on H; exactly 0 for padding rows); dy [P, H] bfloat16 =
+    ``(d_rows.float() * w_rows[:, None]).to(torch.bfloat16)``, bit for bit, on every row.
+    Deterministic; no host synchronisation.
+    """
+    return torch.ops.mok.moe_row_grad(d_rows, y, w_rows, row_tok)
+
+
+def _row_grad_fake(d_rows, y, w_rows, row_tok):
+    return d_rows.new_empty(d_rows.shape[0], dtype=torch.float32), d_rows.new_empty(d_rows.shape)
+
+
+if extension_available() and hasattr(torch.ops.mok, "moe_row_grad"):
+    torch.library.register_fake("mok::moe_row_grad")(_row_grad_fake)

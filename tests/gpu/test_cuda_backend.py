@@ -104,6 +104,7 @@ class Run:
 
     def passes(self, sched):
         out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
+        self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
         grads = F.backward(
             self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
         )
@@ -388,6 +389,80 @@ def test_full_width_qwen3():
     assert not failures, failures
 
 
+# ------------------------------------------------------------------------ macrobatch rounds
+#: Rounds of 256 rows: every case below runs in several rounds (asserted).
+ROUNDS = F.MoKConfig(minibatch_size=128, macrobatch_size=256)
+
+ROUND_CASES = {
+    # name: (tokens, (hidden, inter, experts, topk, shared), problem kwargs)
+    "qwen3-30b-a3b": ([300], SHAPES["qwen3-30b-a3b"], {}),
+    "deepseek-v3_shared": ([211], SHAPES["deepseek-v3"], {}),
+    "mixtral-8x7b": ([190], SHAPES["mixtral-8x7b"], {}),
+    "all_to_one_expert_topk1": ([700], (128, 64, 8, 1, 0), {"routing": "one_expert"}),
+    "experts_without_tokens": ([300], (128, 64, 256, 2, 0), {}),  # ~10% of experts empty
+    "empty_slots_skewed": ([333], (256, 128, 16, 4, 0),
+                           {"routing": "skewed", "empty_slot_fraction": 0.3}),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ROUND_CASES))
+def test_macrobatch_rounds_match_oracle_and_reference(case):
+    tokens, shape, kwargs = ROUND_CASES[case]
+    problem = _problem(tokens, shape, seed=23, **kwargs)
+    run = Run(problem, "cuda", config=ROUNDS)
+    sched, got = run()
+    assert run.rounds > 1, f"{case}: expected several rounds, got {run.rounds}"
+    failures = _schedule_failures(sched, problem, run.ws)
+    failures += _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, ROUNDS)
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+def test_macrobatch_rounds_bitwise_repeatable_and_graph_safe():
+    run = Run(_problem([260], SHAPES["deepseek-v3"], seed=29), "cuda", config=ROUNDS)
+    _, first = run()
+    assert run.rounds > 1
+    for i in range(4):
+        _, again = run()
+        bad = _bitwise_equal(first, again)
+        assert not bad, f"run {i + 2} differs from run 1 in {bad}"
+    _graph_check(run)
+    _no_sync_check(run)
+
+
+def _saved_bytes(run: Run) -> int:
+    """Device memory the forward leaves allocated (its output and its backward context)."""
+    sched = run.schedule()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - before
+    del out, ctx
+    return saved
+
+
+@pytest.mark.gpu
+def test_macrobatch_rounds_bound_saved_memory():
+    """Qwen3 widths, 2000 tokens: one round keeps x, gate|up, act and y for every routed row;
+    rounds of 2048 rows keep only the received tokens (the rows are recomputed)."""
+    problem = _problem([2000], (2048, 768, 64, 8, 0), seed=31)
+    one = Run(problem, "cuda")
+    rounds = Run(problem, "cuda", config=F.MoKConfig(macrobatch_size=2048))
+    one_bytes, rounds_bytes = _saved_bytes(one), _saved_bytes(rounds)
+    rows = one.ws.row_capacity
+    per_row = 2 * (2048 + 2 * 768 + 768 + 2048)  # bf16 x_rows, gu, a, y
+    assert one_bytes >= rows * per_row, (one_bytes, rows * per_row)
+    tokens_bytes = 2000 * 2048 * 2
+    assert rounds_bytes < 3 * tokens_bytes, (rounds_bytes, one_bytes)
+    _, got = rounds()
+    assert rounds.rounds == 8
+    failures = _check_accuracy(problem, got, oracle_device=_device())
+    assert not failures, failures
+
+
 _TIMEOUT_SCRIPT = """
 import os, sys, time, torch, torch.distributed as dist
 from mok_megatron import functional as F
@@ -498,6 +573,25 @@ def test_ep2_capacity_overflow_raises(dist_group):
     torch.cuda.synchronize()
     with pytest.raises(MoKCapacityError, match="schedule_capacity_multiplier"):
         run.ws.check_errors()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", ["all_to_one_expert", "uneven", "qwen3-30b-a3b"])
+def test_ep2_macrobatch_rounds_match_oracle(dist_group, case):
+    """Rounds of 256 rows with a capacity that never overflows (multiplier = EP size)."""
+    tokens, shape, kwargs = EP_CASES[case]
+    problem = _problem(tokens, shape, seed=37, **kwargs)
+    config = F.MoKConfig(schedule_capacity_multiplier=2.0, minibatch_size=128,
+                         macrobatch_size=256)  # fmt: skip
+    run = Run(problem, "cuda", config=config)
+    sched, got = run()
+    failures = [] if run.rounds > 1 else [f"expected several rounds, got {run.rounds}"]
+    failures += _schedule_failures(sched, problem, run.ws)
+    failures += _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, config)
+    _, again = run()
+    failures += [f"repeat differs in {name}" for name in _bitwise_equal(got, again)]
+    assert not failures, f"rank {dist.get_rank()}: {failures}"
 
 
 @pytest.mark.multigpu

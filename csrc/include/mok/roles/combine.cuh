@@ -2,10 +2,16 @@
 // k = 0..K-1 (float32, each product rounded before the add, as the reference does) and one row per
 // (token, rank) is pushed into the source's buffer. Source side: a fixed-order sum over ranks
 // d = 0..W-1 of the partials of the ranks the token visited, plus the shared expert, then bf16.
+//
+// Macrobatch rounds: when the routed rows run in rounds, `rows` holds only the window
+// [row_begin, row_end) of the padded row layout. Each round adds its window's slots (slot order)
+// to a local float32 accumulator, starting from the previous rounds' value; the last round pushes
+// the accumulated row. The order is a pure function of the schedule and the macrobatch size.
 #pragma once
 
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "mok/common/macros.cuh"
@@ -24,6 +30,10 @@ struct CombineParams {
   const int64_t* recv_token_src; // [C_tok]: s * T_max + t, -1 when unused
   const float* slot_weights;     // [W * T_max * K] gathered router weights, or null (weight 1)
   int num_recv;                  // C_tok
+  int64_t row_begin = 0;         // `rows` holds padded rows [row_begin, row_end)
+  int64_t row_end = INT64_MAX;
+  const float* acc_in = nullptr; // [C_tok, H] earlier rounds' sums, or null (start from 0)
+  float* acc_out = nullptr;      // [C_tok, H]: write the sum here (not the last round), or null
 };
 
 MOK_DEVICE void unpack_bf16x8(uint4 v, float* out) {
@@ -37,6 +47,7 @@ MOK_DEVICE void unpack_bf16x8(uint4 v, float* out) {
 }
 
 // One block per received token; each thread owns 8 consecutive hidden elements at a time.
+// Writes the token's (accumulated) row to the source's combine block, or to acc_out.
 __global__ void push_partials(CombineParams p) {
   const int j = blockIdx.x;
   if (j >= p.num_recv) return;
@@ -44,16 +55,32 @@ __global__ void push_partials(CombineParams p) {
   if (src < 0) return;
   const int64_t hidden = p.lay.hidden, k_n = p.lay.topk, t_max = p.lay.max_tokens;
   const int64_t s = src / t_max, t = src % t_max;
-  float* dst = p.lay.at<float>(p.peer_bases[s], layout::Region::kCombine) +
-               (static_cast<int64_t>(p.rank) * t_max + t) * hidden;  // peer memory
+  const int64_t* slots = p.token_rows + j * k_n;
+  if (p.acc_out != nullptr && p.acc_out == p.acc_in) {  // a middle round: skip untouched tokens
+    bool touched = false;
+    for (int64_t k = 0; k < k_n; ++k) touched |= slots[k] >= p.row_begin && slots[k] < p.row_end;
+    if (!touched) return;
+  }
+  float* dst = p.acc_out != nullptr
+                   ? p.acc_out + static_cast<int64_t>(j) * hidden
+                   : p.lay.at<float>(p.peer_bases[s], layout::Region::kCombine) +
+                         (static_cast<int64_t>(p.rank) * t_max + t) * hidden;  // peer memory
+  const float* start = p.acc_in != nullptr ? p.acc_in + static_cast<int64_t>(j) * hidden : nullptr;
   for (int64_t h = threadIdx.x * 8; h < hidden; h += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (start != nullptr) {
+      const float4 a = reinterpret_cast<const float4*>(start + h)[0];
+      const float4 b = reinterpret_cast<const float4*>(start + h)[1];
+      acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
+      acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
+    }
     for (int64_t k = 0; k < k_n; ++k) {
-      const int64_t row = p.token_rows[j * k_n + k];
-      if (row < 0) continue;
+      const int64_t row = slots[k];
+      if (row < p.row_begin || row >= p.row_end) continue;  // -1, or another round's row
       const float w = p.slot_weights ? p.slot_weights[src * k_n + k] : 1.0f;
       float y[8];
-      unpack_bf16x8(*reinterpret_cast<const uint4*>(p.rows + row * hidden + h), y);
+      unpack_bf16x8(
+          *reinterpret_cast<const uint4*>(p.rows + (row - p.row_begin) * hidden + h), y);
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(y[i], w));  // no FMA
     }

@@ -1,0 +1,68 @@
+"""The CUDA backend's macrobatch-round plan, checked on the CPU (it is plain tensor code).
+
+The rounds split the padded row layout into equal windows; each window's group ends must give
+every expert exactly the rows of its padded group that fall in the window, so that the rounds
+together run every row once, in order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mok_megatron.functional.cuda import GROUP_ALIGN, _padded_plan, _rounds, _window_offs
+from mok_megatron.functional.schedule import build_schedule_from_global
+
+
+def _schedule(world, t_max, k, e_l, cap, rank, routing):
+    num_experts = world * e_l
+    if routing == "one_expert":
+        topk = torch.full((world, t_max, k), -1, dtype=torch.int64)
+        topk[..., 0] = rank * e_l  # every token's first slot on this rank's first expert
+    else:
+        topk = torch.rand(world, t_max, num_experts).topk(k, -1).indices
+        topk[torch.rand(world, t_max, k) < 0.1] = -1
+    sched = build_schedule_from_global(
+        topk, rank=rank, num_tokens=t_max, num_experts=num_experts, num_local_experts=e_l,
+        row_capacity=cap, token_capacity=min(cap, world * t_max),
+    )  # fmt: skip
+    weights = torch.rand(world, t_max, k)
+    return sched, weights
+
+
+@pytest.mark.parametrize("routing", ["uniform", "one_expert"])
+@pytest.mark.parametrize("macrobatch", [128, 384, 1024, 1 << 20])
+def test_round_windows_cover_every_padded_row_once(routing, macrobatch):
+    torch.manual_seed(macrobatch)
+    world, t_max, k, e_l, cap = 2, 150, 4, 6, 640
+    sched, weights = _schedule(world, t_max, k, e_l, cap, rank=1, routing=routing)
+    plan = _padded_plan(sched)
+    rounds = _rounds(macrobatch, sched, plan, weights)
+    padded = plan.row_tok.shape[0]
+    assert rounds.count == max(1, math.ceil(cap / macrobatch))
+    assert rounds.rows % GROUP_ALIGN == 0 or rounds.count == 1
+    assert rounds.count * rounds.rows >= padded
+    assert (rounds.count - 1) * rounds.rows < padded  # no window is wholly past the rows
+    # The windows' row tokens are the padded layout's, then -1.
+    assert torch.equal(rounds.row_tok[:padded], plan.row_tok)
+    assert (rounds.row_tok[padded:] == -1).all()
+    assert (rounds.w_rows[padded:] == 0).all()
+    # Each window's group ends give each expert the part of its padded group inside the window.
+    ends = plan.offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    covered = torch.zeros(e_l, dtype=torch.int64)
+    for r in range(rounds.count):
+        window = rounds.window(r)
+        offs = _window_offs(plan, window)
+        assert offs.dtype == torch.int32
+        assert (torch.diff(offs) >= 0).all() and int(offs[-1]) <= rounds.rows
+        sizes = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1).to(torch.int64))
+        lo = torch.clamp(starts, window.start, window.stop)
+        hi = torch.clamp(ends, window.start, window.stop)
+        assert torch.equal(sizes, hi - lo), f"round {r}"
+        # every group in a window starts 16-byte aligned (torch._grouped_mm's rule)
+        assert ((offs.to(torch.int64) - sizes) % GROUP_ALIGN == 0).all()
+        covered += sizes
+    assert torch.equal(covered, ends - starts)
