@@ -9,6 +9,7 @@
 
 #include "apis/moe.h"
 #include "apis/mxfp8.h"
+#include "apis/row_grad.h"
 
 // Importing mok_megatron._C runs the static registrations below; the module itself is empty.
 extern "C" PyObject* PyInit__C(void) {
@@ -41,6 +42,8 @@ TORCH_LIBRARY(mok, m) {
       "Tensor send_to, int num_tokens, int[] comm) -> Tensor");
   m.def("moe_swiglu(Tensor gu) -> Tensor");
   m.def("moe_swiglu_backward(Tensor da, Tensor gu) -> Tensor");
+  m.def(
+      "moe_row_grad(Tensor d_rows, Tensor y, Tensor w_rows, Tensor row_tok) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
@@ -55,6 +58,7 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("moe_combine_slots", &mok::apis::moe_combine_slots);
   m.impl("moe_swiglu", &mok::apis::moe_swiglu);
   m.impl("moe_swiglu_backward", &mok::apis::moe_swiglu_backward);
+  m.impl("moe_row_grad", &mok::apis::moe_row_grad);  // csrc/apis/row_grad.h
 }
 
 // ==== grouped_gemm: the expert GEMM engine (issue 7) ==========================================

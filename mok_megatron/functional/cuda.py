@@ -52,6 +52,7 @@ REQUIRED_OPS = (
     "moe_combine_slots",
     "moe_swiglu",
     "moe_swiglu_backward",
+    "moe_row_grad",
 )
 
 #: Row alignment of each expert's group in the padded GEMM layout (16 bytes of bf16).
@@ -270,9 +271,8 @@ class CudaBackend:
             if act is None:  # recompute this round's activations from the received tokens
                 act = _experts_forward(_gather_rows(ctx.x_recv, row_tok), routed, offs)
             d_rows = _gather_rows(d_recv, row_tok)
-            live = (row_tok >= 0)[:, None]
-            d_row_w[window] = torch.where(live, d_rows.float() * act.y.float(), 0).sum(-1)
-            dy = (d_rows.float() * rounds.w_rows[window, None]).to(torch.bfloat16)
+            # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding), dy = w * d_rows
+            d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, rounds.w_rows[window], row_tok)
             da = grouped_mm(dy, routed.down, offs)
             d_wd = grouped_mm(dy.T, act.a, offs)
             dgu = mops.moe_swiglu_backward(da, act.gu)
