@@ -40,10 +40,14 @@ TORCH_LIBRARY(mok, m) {
   m.def(
       "moe_combine_slots(Tensor row_values, Tensor token_rows, Tensor recv_token_src, "
       "Tensor send_to, int num_tokens, int[] comm) -> Tensor");
-  m.def("moe_swiglu(Tensor gu) -> Tensor");
-  m.def("moe_swiglu_backward(Tensor da, Tensor gu) -> Tensor");
+  m.def("moe_gather_rows(Tensor src, Tensor row_tok) -> Tensor");
+  m.def("moe_swiglu(Tensor g, Tensor u) -> Tensor");
+  m.def("moe_swiglu_backward(Tensor da, Tensor g, Tensor u) -> (Tensor, Tensor)");
   m.def(
       "moe_row_grad(Tensor d_rows, Tensor y, Tensor w_rows, Tensor row_tok) -> (Tensor, Tensor)");
+  m.def(
+      "moe_accumulate_groups(Tensor(a!) total, Tensor part, Tensor offs, Tensor first_round, "
+      "int round) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
@@ -56,9 +60,11 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("moe_dispatch", &mok::apis::moe_dispatch);
   m.impl("moe_combine", &mok::apis::moe_combine);
   m.impl("moe_combine_slots", &mok::apis::moe_combine_slots);
+  m.impl("moe_gather_rows", &mok::apis::moe_gather_rows);
   m.impl("moe_swiglu", &mok::apis::moe_swiglu);
   m.impl("moe_swiglu_backward", &mok::apis::moe_swiglu_backward);
   m.impl("moe_row_grad", &mok::apis::moe_row_grad);  // csrc/apis/row_grad.h
+  m.impl("moe_accumulate_groups", &mok::apis::moe_accumulate_groups);
 }
 
 // ==== grouped_gemm: the expert GEMM engine (issue 7) ==========================================

@@ -224,26 +224,79 @@ at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& tok
   return out;
 }
 
-at::Tensor moe_swiglu(const at::Tensor& gu) {
-  check(gu, "gu", at::kBFloat16, 2);
-  TORCH_CHECK(gu.size(1) % 2 == 0, "mok::moe_swiglu: gu must be [P, 2I]");
-  c10::cuda::CUDAGuard guard(gu.device());
-  auto a = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
-  launch::moe_swiglu_forward(gu.data_ptr(), a.data_ptr(), gu.size(0), gu.size(1) / 2,
-                             stream_of(gu));
-  return a;
+at::Tensor moe_gather_rows(const at::Tensor& src, const at::Tensor& row_tok) {
+  check(src, "src", at::kBFloat16, 2);
+  check(row_tok, "row_tok", at::kLong, 1);
+  TORCH_CHECK(src.size(1) % 8 == 0, "mok::moe_gather_rows: hidden=", src.size(1),
+              " must be a multiple of 8 (16-byte rows)");
+  c10::cuda::CUDAGuard guard(src.device());
+  auto out = at::empty({row_tok.size(0), src.size(1)}, src.options());
+  launch::moe_gather_rows(src.data_ptr(), row_tok.data_ptr<int64_t>(), out.data_ptr(),
+                          row_tok.size(0), src.size(1), stream_of(src));
+  return out;
 }
 
-at::Tensor moe_swiglu_backward(const at::Tensor& da, const at::Tensor& gu) {
+namespace {
+// g, u: [P, I] bf16 CUDA, unit column stride, any row stride (e.g. the halves of [P, 2I]).
+launch::MoeSwigluArgs swiglu_args(const at::Tensor& g, const at::Tensor& u, const char* op) {
+  for (const auto* t : {&g, &u}) {
+    const char* name = t == &g ? "g" : "u";
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->dim() == 2,
+                "mok::", op, ": ", name, " must be a 2-D bfloat16 CUDA tensor, got ",
+                t->scalar_type(), " ", t->sizes(), " on ", t->device());
+    TORCH_CHECK(t->size(0) <= 1 || t->size(1) <= 1 || t->stride(1) == 1, "mok::", op, ": ",
+                name, " must have unit column stride (rows may be strided)");
+  }
+  TORCH_CHECK(g.sizes() == u.sizes(), "mok::", op, ": g ", g.sizes(), " and u ", u.sizes(),
+              " must have one shape [P, I]");
+  launch::MoeSwigluArgs a;
+  a.g = g.data_ptr();
+  a.u = u.data_ptr();
+  a.g_ld = g.size(0) > 1 ? g.stride(0) : g.size(1);
+  a.u_ld = u.size(0) > 1 ? u.stride(0) : u.size(1);
+  a.num_rows = g.size(0);
+  a.inter = g.size(1);
+  return a;
+}
+}  // namespace
+
+at::Tensor moe_swiglu(const at::Tensor& g, const at::Tensor& u) {
+  const auto a = swiglu_args(g, u, "moe_swiglu");
+  c10::cuda::CUDAGuard guard(g.device());
+  auto out = at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  launch::moe_swiglu_forward(a, out.data_ptr(), stream_of(g));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_swiglu_backward(const at::Tensor& da, const at::Tensor& g,
+                                                       const at::Tensor& u) {
   check(da, "da", at::kBFloat16, 2);
-  check(gu, "gu", at::kBFloat16, 2);
-  TORCH_CHECK(gu.size(0) == da.size(0) && gu.size(1) == 2 * da.size(1),
-              "mok::moe_swiglu_backward: da must be [P, I] and gu [P, 2I]");
-  c10::cuda::CUDAGuard guard(gu.device());
-  auto dgu = at::empty_like(gu);
-  launch::moe_swiglu_backward(da.data_ptr(), gu.data_ptr(), dgu.data_ptr(), da.size(0),
-                              da.size(1), stream_of(gu));
-  return dgu;
+  const auto a = swiglu_args(g, u, "moe_swiglu_backward");
+  TORCH_CHECK(da.sizes() == g.sizes(), "mok::moe_swiglu_backward: da ", da.sizes(),
+              " must match g and u ", g.sizes());
+  c10::cuda::CUDAGuard guard(g.device());
+  auto dg = at::empty(da.sizes(), da.options());
+  auto du = at::empty(da.sizes(), da.options());
+  launch::moe_swiglu_backward(a, da.data_ptr(), dg.data_ptr(), a.inter, du.data_ptr(), a.inter,
+                              stream_of(g));
+  return {dg, du};
+}
+
+void moe_accumulate_groups(const at::Tensor& total, const at::Tensor& part, const at::Tensor& offs,
+                           const at::Tensor& first_round, int64_t round) {
+  check(total, "total", at::kBFloat16, 3);
+  check(part, "part", at::kBFloat16, 3);
+  check(offs, "offs", at::kInt, 1);
+  check(first_round, "first_round", at::kInt, 1);
+  TORCH_CHECK(total.sizes() == part.sizes() && offs.size(0) == total.size(0) &&
+                  first_round.size(0) == total.size(0),
+              "mok::moe_accumulate_groups: total and part must be [G, M, N], offs and first_round "
+              "[G]");
+  TORCH_CHECK(round >= 0, "mok::moe_accumulate_groups: round must be >= 0");
+  c10::cuda::CUDAGuard guard(total.device());
+  launch::moe_accumulate_groups(total.data_ptr(), part.data_ptr(), offs.data_ptr<int>(),
+                                first_round.data_ptr<int>(), static_cast<int>(round),
+                                total.size(0), total.size(1) * total.size(2), stream_of(total));
 }
 
 }  // namespace mok::apis

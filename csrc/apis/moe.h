@@ -52,8 +52,17 @@ at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& tok
                              const at::Tensor& recv_token_src, const at::Tensor& send_to,
                              int64_t num_tokens, at::IntArrayRef comm);
 
-// gu: [P, 2I] bf16 -> a [P, I]; backward: (da [P, I], gu) -> dgu [P, 2I].
-at::Tensor moe_swiglu(const at::Tensor& gu);
-at::Tensor moe_swiglu_backward(const at::Tensor& da, const at::Tensor& gu);
+// src [C, H], row_tok [P] int64 -> [P, H] bf16: src rows in row_tok order, zeros where -1.
+at::Tensor moe_gather_rows(const at::Tensor& src, const at::Tensor& row_tok);
+
+// g, u: [P, I] bf16 (rows may be strided) -> a [P, I]; backward: (da [P, I], g, u) -> (dg, du).
+at::Tensor moe_swiglu(const at::Tensor& g, const at::Tensor& u);
+std::tuple<at::Tensor, at::Tensor> moe_swiglu_backward(const at::Tensor& da, const at::Tensor& g,
+                                                       const at::Tensor& u);
+
+// total, part: [G, M, N] bf16 (part may be total); offs, first_round: [G] int32. In place on
+// total: empty groups zeroed (round 0), a group's first round copied, later rounds added.
+void moe_accumulate_groups(const at::Tensor& total, const at::Tensor& part, const at::Tensor& offs,
+                           const at::Tensor& first_round, int64_t round);
 
 }  // namespace mok::apis

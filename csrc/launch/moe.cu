@@ -2,10 +2,12 @@
 #include "launch/moe.h"
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "mok/comm/barrier.cuh"
 #include "mok/roles/combine.cuh"
 #include "mok/roles/dispatch.cuh"
+#include "mok/roles/group_grads.cuh"
 #include "mok/roles/swiglu.cuh"
 #include "mok/scheduler/schedule.cuh"
 
@@ -135,20 +137,77 @@ void moe_combine_slots(const MoeComm& comm, const float* row_values, const int64
   }
 }
 
-void moe_swiglu_forward(const void* gu, void* a, int64_t num_rows, int64_t inter,
-                        cudaStream_t stream) {
-  if (num_rows * inter == 0) return;
-  roles::swiglu_forward<<<grid_for(num_rows * inter), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(gu), static_cast<__nv_bfloat16*>(a), num_rows, inter);
+void moe_gather_rows(const void* src, const int64_t* row_tok, void* out, int64_t num_rows,
+                     int64_t hidden, cudaStream_t stream) {
+  MOK_HOST_CHECK(hidden % 8 == 0, "hidden=%lld must be a multiple of 8",
+                 static_cast<long long>(hidden));
+  if (num_rows == 0) return;
+  MOK_HOST_CHECK(num_rows < (int64_t{1} << 31), "too many rows (%lld)",
+                 static_cast<long long>(num_rows));
+  roles::gather_rows<<<static_cast<unsigned>(num_rows), row_threads(hidden), 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(src), row_tok, static_cast<__nv_bfloat16*>(out), hidden);
   check_launch();
 }
 
-void moe_swiglu_backward(const void* da, const void* gu, void* dgu, int64_t num_rows,
-                         int64_t inter, cudaStream_t stream) {
-  if (num_rows * inter == 0) return;
-  roles::swiglu_backward<<<grid_for(num_rows * inter), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(da), static_cast<const __nv_bfloat16*>(gu),
-      static_cast<__nv_bfloat16*>(dgu), num_rows, inter);
+namespace {
+bool vec8(const MoeSwigluArgs& a, std::initializer_list<int64_t> strides) {
+  if (a.inter % 8) return false;
+  for (int64_t s : strides) {
+    if (s % 8) return false;
+  }
+  return true;
+}
+
+roles::SwigluParams swiglu_params(const MoeSwigluArgs& a) {
+  return roles::SwigluParams{static_cast<const __nv_bfloat16*>(a.g),
+                             static_cast<const __nv_bfloat16*>(a.u), a.g_ld, a.u_ld, a.num_rows,
+                             a.inter};
+}
+}  // namespace
+
+void moe_swiglu_forward(const MoeSwigluArgs& a, void* out, cudaStream_t stream) {
+  if (a.num_rows * a.inter == 0) return;
+  const auto p = swiglu_params(a);
+  auto* dst = static_cast<__nv_bfloat16*>(out);
+  if (vec8(a, {a.g_ld, a.u_ld})) {
+    roles::swiglu_forward<8><<<grid_for(a.num_rows * a.inter / 8), kThreads, 0, stream>>>(p, dst);
+  } else {
+    roles::swiglu_forward<1><<<grid_for(a.num_rows * a.inter), kThreads, 0, stream>>>(p, dst);
+  }
+  check_launch();
+}
+
+void moe_swiglu_backward(const MoeSwigluArgs& a, const void* da, void* dg, int64_t dg_ld,
+                         void* du, int64_t du_ld, cudaStream_t stream) {
+  if (a.num_rows * a.inter == 0) return;
+  const auto p = swiglu_params(a);
+  const auto* d = static_cast<const __nv_bfloat16*>(da);
+  auto* g = static_cast<__nv_bfloat16*>(dg);
+  auto* u = static_cast<__nv_bfloat16*>(du);
+  if (vec8(a, {a.g_ld, a.u_ld, dg_ld, du_ld})) {
+    roles::swiglu_backward<8><<<grid_for(a.num_rows * a.inter / 8), kThreads, 0, stream>>>(
+        p, d, g, dg_ld, u, du_ld);
+  } else {
+    roles::swiglu_backward<1><<<grid_for(a.num_rows * a.inter), kThreads, 0, stream>>>(
+        p, d, g, dg_ld, u, du_ld);
+  }
+  check_launch();
+}
+
+void moe_accumulate_groups(void* total, const void* part, const int* offs,
+                           const int* first_round, int round, int64_t num_groups,
+                           int64_t group_elems, cudaStream_t stream) {
+  MOK_HOST_CHECK(group_elems % 8 == 0, "group size %lld must be a multiple of 8",
+                 static_cast<long long>(group_elems));
+  if (num_groups == 0 || group_elems == 0) return;
+  MOK_HOST_CHECK(num_groups <= 65535, "at most 65535 groups, got %lld",
+                 static_cast<long long>(num_groups));
+  roles::GroupGradParams p{static_cast<__nv_bfloat16*>(total),
+                           static_cast<const __nv_bfloat16*>(part), offs, first_round, round,
+                           group_elems};
+  const int64_t per_group = std::min<int64_t>(64, (group_elems / 8 + kThreads - 1) / kThreads);
+  const dim3 grid(static_cast<unsigned>(per_group), static_cast<unsigned>(num_groups));
+  roles::accumulate_groups<<<grid, kThreads, 0, stream>>>(p);
   check_launch();
 }
 

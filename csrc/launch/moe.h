@@ -69,10 +69,29 @@ void moe_combine_slots(const MoeComm& comm, const float* row_values, const int64
                        const int64_t* recv_token_src, int num_recv, const bool* send_to,
                        float* out, int num_tokens, cudaStream_t stream);
 
-// a [P, I] = silu(g) * u with gu = [g | u] [P, 2I]; dgu [P, 2I] from da [P, I] and gu.
-void moe_swiglu_forward(const void* gu, void* a, int64_t num_rows, int64_t inter,
-                        cudaStream_t stream);
-void moe_swiglu_backward(const void* da, const void* gu, void* dgu, int64_t num_rows,
-                         int64_t inter, cudaStream_t stream);
+// out [P, H] = src[row_tok[p]] per row, zeros where row_tok[p] < 0 (local gather).
+void moe_gather_rows(const void* src, const int64_t* row_tok, void* out, int64_t num_rows,
+                     int64_t hidden, cudaStream_t stream);
+
+// SwiGLU operands: g, u [P, I] bf16 with row strides g_ld, u_ld (elements).
+struct MoeSwigluArgs {
+  const void* g = nullptr;
+  const void* u = nullptr;
+  int64_t g_ld = 0;
+  int64_t u_ld = 0;
+  int64_t num_rows = 0;
+  int64_t inter = 0;
+};
+
+// out [P, I] (contiguous) = silu(g) * u; backward: dg, du (row strides dg_ld, du_ld) from da.
+void moe_swiglu_forward(const MoeSwigluArgs& args, void* out, cudaStream_t stream);
+void moe_swiglu_backward(const MoeSwigluArgs& args, const void* da, void* dg, int64_t dg_ld,
+                         void* du, int64_t du_ld, cudaStream_t stream);
+
+// Round `round`'s weight gradient `part` [G, group_elems] into `total` (roles/group_grads.cuh):
+// zero groups with no rows at all, copy in a group's first round, add in later ones.
+void moe_accumulate_groups(void* total, const void* part, const int* offs,
+                           const int* first_round, int round, int64_t num_groups,
+                           int64_t group_elems, cudaStream_t stream);
 
 }  // namespace mok::launch

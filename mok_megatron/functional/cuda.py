@@ -6,14 +6,17 @@ that load and store through peers' symmetric buffers (no collectives, no host sy
   schedule   routing all-gather (``moe_gather_routing``) + the device schedule
              (``moe_build_schedule``), integer-for-integer equal to ``build_schedule_from_global``
   dispatch   each token pulled once per destination rank into received-token order
-             (``moe_dispatch``), then gathered into a *padded* row layout: each local expert's
-             rows start at a multiple of 8 (zero rows between), which ``torch._grouped_mm``
-             needs for its 16-byte-aligned groups in the weight-gradient GEMMs
-  experts    L1 = one grouped GEMM on [gate | up] then the SwiGLU kernel; L2 grouped GEMM
+             (``moe_dispatch``), then gathered (``moe_gather_rows``) into a *padded* row
+             layout: each local expert's rows start at a multiple of 8 (zero rows between),
+             which ``torch._grouped_mm`` needs for its 16-byte-aligned groups in the
+             weight-gradient GEMMs
+  experts    gate and up grouped GEMMs, the SwiGLU kernel reading both; L2 grouped GEMM
   combine    per received token, a slot-ordered float32 sum on the expert side, one row per
              (token, rank) pushed to the source, a rank-ordered float32 sum there (+ shared)
-  backward   the same moves in reverse; weight gradients are grouped GEMMs that reduce over each
-             expert's rows in one fixed order (no atomics)
+  backward   the same moves in reverse; the per-row router-weight gradient and weighted d_out
+             in one kernel (``moe_row_grad``); weight gradients are grouped GEMMs that reduce
+             over each expert's rows in one fixed order (no atomics), experts without rows
+             zeroed by ``moe_accumulate_groups`` without a pass over the other experts
   rounds     when the schedule holds more rows than ``macrobatch_size``, the padded rows run in
              ``ceil(row_capacity / macrobatch_size)`` windows ("macrobatch rounds") of equal,
              fixed size: each round gathers, runs the expert MLP and adds its rows to a float32
@@ -50,9 +53,11 @@ REQUIRED_OPS = (
     "moe_dispatch",
     "moe_combine",
     "moe_combine_slots",
+    "moe_gather_rows",
     "moe_swiglu",
     "moe_swiglu_backward",
     "moe_row_grad",
+    "moe_accumulate_groups",
 )
 
 #: Row alignment of each expert's group in the padded GEMM layout (16 bytes of bf16).
@@ -96,13 +101,15 @@ class Rounds:
     """Macrobatch rounds over the padded rows: ``count`` windows of ``rows`` rows each.
 
     row_tok: [count * rows] received-token index of each padded row (-1 for padding);
-    w_rows: [count * rows] float32 router weight of each row (0 for padding).
+    w_rows: [count * rows] float32 router weight of each row (0 for padding);
+    first_round: [E_l] int32 round of each expert's first row (-1 for an expert with none).
     """
 
     count: int
     rows: int
     row_tok: torch.Tensor
     w_rows: torch.Tensor
+    first_round: torch.Tensor
 
     def window(self, r: int) -> slice:
         return slice(r * self.rows, (r + 1) * self.rows)
@@ -110,10 +117,11 @@ class Rounds:
 
 @dataclass
 class ExpertRows:
-    """One round's expert activations: x_rows [M, H], gu [M, 2I], a [M, I], y [M, H] bf16."""
+    """One round's expert activations: x_rows [M, H], g, u, a [M, I], y [M, H] bf16."""
 
     x_rows: torch.Tensor
-    gu: torch.Tensor
+    g: torch.Tensor
+    u: torch.Tensor
     a: torch.Tensor
     y: torch.Tensor
 
@@ -231,7 +239,8 @@ class CudaBackend:
         shared_gu = shared_a = shared_out = None
         if shared is not None:
             shared_gu = x @ torch.cat([shared.gate, shared.up], dim=0).T
-            shared_a = mops.moe_swiglu(shared_gu)
+            inter = shared.gate.shape[0]
+            shared_a = mops.moe_swiglu(shared_gu[:, :inter], shared_gu[:, inter:])
             shared_out = shared_a @ shared.down.T
         acc = _round_accumulator(rounds, recv)
         for r in range(rounds.count):
@@ -275,15 +284,12 @@ class CudaBackend:
             d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, rounds.w_rows[window], row_tok)
             da = grouped_mm(dy, routed.down, offs)
             d_wd = grouped_mm(dy.T, act.a, offs)
-            dgu = mops.moe_swiglu_backward(da, act.gu)
-            inter = routed.gate.shape[1]
-            dg, du = dgu[:, :inter].contiguous(), dgu[:, inter:].contiguous()
+            dg, du = mops.moe_swiglu_backward(da, act.g, act.u)
             # dx = dg @ W_gate + du @ W_up (bf16 add: each term rounded once, then the sum)
             dx_rows = grouped_mm(dg, routed.gate, offs)
             dx_rows = dx_rows.add_(grouped_mm(du, routed.up, offs))
             parts = (grouped_mm(dg.T, act.x_rows, offs), grouped_mm(du.T, act.x_rows, offs), d_wd)
-            empty = _empty_groups(offs)
-            d_w = [_accumulate(total, part, empty) for total, part in zip(d_w, parts)]
+            d_w = [_accumulate(total, part, offs, rounds, r) for total, part in zip(d_w, parts)]
             d_x = mops.moe_combine(
                 dx_rows, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
                 sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
@@ -342,9 +348,10 @@ def _padded_plan(sched: MoKSchedule) -> CudaPlan:
 
 
 def _gather_rows(recv: torch.Tensor, row_tok: torch.Tensor) -> torch.Tensor:
-    """recv: [C_tok, H] → [P, H] in padded row order, zeros on padding."""
-    rows = recv[row_tok.clamp(min=0)]
-    return torch.where((row_tok >= 0)[:, None], rows, 0)
+    """recv: [C_tok, H] → [P, H] in padded row order, zeros on padding (one kernel)."""
+    from mok_megatron.ops import moe as mops
+
+    return mops.moe_gather_rows(recv, row_tok)
 
 
 def _rounds(macrobatch: int, sched: MoKSchedule, plan: CudaPlan, slot_weights) -> Rounds:
@@ -358,18 +365,16 @@ def _rounds(macrobatch: int, sched: MoKSchedule, plan: CudaPlan, slot_weights) -
     if extra:
         row_tok = torch.cat([row_tok, row_tok.new_full((extra,), -1)])
         w_rows = torch.cat([w_rows, w_rows.new_zeros(extra)])
-    return Rounds(count, rows, row_tok, w_rows)
+    padded_rows = (plan.expert_rows + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    start = plan.offs.to(torch.int64) - padded_rows
+    first_round = torch.where(plan.expert_rows > 0, start // rows, -1).to(torch.int32)
+    return Rounds(count, rows, row_tok, w_rows, first_round)
 
 
 def _window_offs(plan: CudaPlan, window: slice) -> torch.Tensor:
     """Group ends of the padded layout, seen from inside one window ([G] int32)."""
     width = window.stop - window.start
     return (plan.offs - window.start).clamp_(0, width).to(torch.int32)
-
-
-def _empty_groups(offs: torch.Tensor) -> torch.Tensor:
-    """[G] bool: groups with no rows in this window (their GEMM outputs are not written)."""
-    return torch.diff(offs, prepend=offs.new_zeros(1)) == 0
 
 
 def _round_accumulator(rounds: Rounds, recv: torch.Tensor) -> torch.Tensor | None:
@@ -381,22 +386,26 @@ def _round_accumulator(rounds: Rounds, recv: torch.Tensor) -> torch.Tensor | Non
 
 def _experts_forward(x_rows: torch.Tensor, routed, offs: torch.Tensor) -> ExpertRows:
     # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of them
-    # (2 * E_l * I * H) every pass; concatenating the [P, I] outputs is far cheaper.
+    # (2 * E_l * I * H) every pass; the SwiGLU kernel reads the two outputs where they are.
     from mok_megatron.ops import moe as mops
 
-    gu = torch.cat(
-        [grouped_mm(x_rows, w.transpose(1, 2), offs) for w in (routed.gate, routed.up)], dim=1
-    )
-    a = mops.moe_swiglu(gu)
+    g = grouped_mm(x_rows, routed.gate.transpose(1, 2), offs)
+    u = grouped_mm(x_rows, routed.up.transpose(1, 2), offs)
+    a = mops.moe_swiglu(g, u)
     y = grouped_mm(a, routed.down.transpose(1, 2), offs)
-    return ExpertRows(x_rows, gu, a, y)
+    return ExpertRows(x_rows, g, u, a, y)
 
 
-def _accumulate(total: torch.Tensor | None, part: torch.Tensor, empty: torch.Tensor):
-    """Add one round's weight gradient to the total, in round order. Experts with no rows in the
-    round contribute an exact zero (whatever an empty group GEMM leaves); in place."""
-    part = part.masked_fill_(empty[:, None, None], 0)
-    return part.contiguous() if total is None else total.add_(part)
+def _accumulate(total, part: torch.Tensor, offs: torch.Tensor, rounds: Rounds, r: int):
+    """Add round r's weight gradient to the total, in round order, touching only the experts
+    that need it (ops.moe.moe_accumulate_groups); round 0's output becomes the total. Experts
+    with no rows get exact zeros (whatever an empty group GEMM leaves)."""
+    from mok_megatron.ops import moe as mops
+
+    part = part.contiguous()
+    total = part if total is None else total
+    mops.moe_accumulate_groups(total, part, offs, rounds.first_round, r)
+    return total
 
 
 def _row_weights(slot_weights: torch.Tensor, sched: MoKSchedule, plan: CudaPlan):
@@ -415,8 +424,9 @@ def _shared_backward(d_out, x, ctx: CudaContext, shared):
     from mok_megatron.ops import moe as mops
 
     da = d_out @ shared.down  # [T, I_s]
-    dgu = mops.moe_swiglu_backward(da.contiguous(), ctx.shared_gu)
     inter = shared.gate.shape[0]
+    gu = ctx.shared_gu
+    dgu = torch.cat(mops.moe_swiglu_backward(da.contiguous(), gu[:, :inter], gu[:, inter:]), 1)
     d_w1 = dgu.T @ x  # [2I_s, H]
     d_sd = d_out.T @ ctx.shared_a
     shared_dx = dgu @ torch.cat([shared.gate, shared.up], dim=0)

@@ -22,9 +22,11 @@ __all__ = [
     "moe_dispatch",
     "moe_combine",
     "moe_combine_slots",
+    "moe_gather_rows",
     "moe_swiglu",
     "moe_swiglu_backward",
     "moe_row_grad",
+    "moe_accumulate_groups",
 ]
 
 #: Region names in the order of ``mok::layout::Region`` (csrc/include/mok/layout/workspace.cuh).
@@ -86,14 +88,31 @@ def moe_combine_slots(row_values, token_rows, recv_token_src, send_to, num_token
     )
 
 
-def moe_swiglu(gu: torch.Tensor) -> torch.Tensor:
-    """gu: [P, 2I] bf16 (gate | up) → silu(gate) * up: [P, I] bf16."""
-    return torch.ops.mok.moe_swiglu(gu)
+def moe_gather_rows(src: torch.Tensor, row_tok: torch.Tensor) -> torch.Tensor:
+    """src: [C, H] bf16, row_tok: [P] int64 → [P, H]: src[row_tok[p]], zeros where it is -1."""
+    return torch.ops.mok.moe_gather_rows(src, row_tok)
 
 
-def moe_swiglu_backward(da: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
-    """da: [P, I], gu: [P, 2I] bf16 → d(gate | up): [P, 2I] bf16."""
-    return torch.ops.mok.moe_swiglu_backward(da, gu)
+def moe_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """g, u: [P, I] bf16 (gate and up outputs; rows may be strided, e.g. the two halves of one
+    [P, 2I] tensor) → silu(g) * u: [P, I] bf16."""
+    return torch.ops.mok.moe_swiglu(g, u)
+
+
+def moe_swiglu_backward(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
+    """da: [P, I], g, u: [P, I] bf16 → (dg, du): [P, I] bf16 each."""
+    return torch.ops.mok.moe_swiglu_backward(da, g, u)
+
+
+def moe_accumulate_groups(total, part, offs, first_round, round_index: int) -> None:
+    """One round's weight gradient into the total, touching only the groups that need it.
+
+    total, part: [G, M, N] bf16 (``part`` may be ``total`` itself); offs: [G] int32 group ends in
+    the round's window; first_round: [G] int32, the round of each group's first row (-1: no
+    rows). In place: groups without rows are zeroed in round 0, a group's first round is copied,
+    later rounds are added (bf16 rounding, round order).
+    """
+    torch.ops.mok.moe_accumulate_groups(total, part, offs, first_round, round_index)
 
 
 # ------------------------------------------------------------------------------------ fakes
@@ -126,12 +145,16 @@ def _combine_slots_fake(row_values, token_rows, recv_token_src, send_to, num_tok
     return row_values.new_empty(num_tokens, token_rows.shape[1])
 
 
-def _swiglu_fake(gu):
-    return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+def _gather_rows_fake(src, row_tok):
+    return src.new_empty(row_tok.shape[0], src.shape[1])
 
 
-def _swiglu_backward_fake(da, gu):
-    return torch.empty_like(gu)
+def _swiglu_fake(g, u):
+    return g.new_empty(g.shape)
+
+
+def _swiglu_backward_fake(da, g, u):
+    return da.new_empty(da.shape), da.new_empty(da.shape)
 
 
 if extension_available() and hasattr(torch.ops.mok, "moe_dispatch"):
@@ -141,6 +164,7 @@ if extension_available() and hasattr(torch.ops.mok, "moe_dispatch"):
         ("moe_dispatch", _dispatch_fake),
         ("moe_combine", _combine_fake),
         ("moe_combine_slots", _combine_slots_fake),
+        ("moe_gather_rows", _gather_rows_fake),
         ("moe_swiglu", _swiglu_fake),
         ("moe_swiglu_backward", _swiglu_backward_fake),
     ):
@@ -169,3 +193,11 @@ def _row_grad_fake(d_rows, y, w_rows, row_tok):
 
 if extension_available() and hasattr(torch.ops.mok, "moe_row_grad"):
     torch.library.register_fake("mok::moe_row_grad")(_row_grad_fake)
+
+
+def _accumulate_groups_fake(total, part, offs, first_round, round_index):
+    return None
+
+
+if extension_available() and hasattr(torch.ops.mok, "moe_accumulate_groups"):
+    torch.library.register_fake("mok::moe_accumulate_groups")(_accumulate_groups_fake)

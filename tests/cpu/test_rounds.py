@@ -52,6 +52,14 @@ def test_round_windows_cover_every_padded_row_once(routing, macrobatch):
     # Each window's group ends give each expert the part of its padded group inside the window.
     ends = plan.offs.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    assert rounds.first_round.dtype == torch.int32
+    # Weight gradients: each expert's first round holds its first row; -1 when it has none.
+    for e in range(e_l):
+        first = int(rounds.first_round[e])
+        if int(plan.expert_rows[e]) == 0:
+            assert first == -1
+        else:
+            assert first * rounds.rows <= int(starts[e]) < (first + 1) * rounds.rows
     covered = torch.zeros(e_l, dtype=torch.int64)
     for r in range(rounds.count):
         window = rounds.window(r)

@@ -56,4 +56,18 @@ __global__ void pull_tokens(WorkspaceLayout lay, const uint64_t* peer_bases,
   for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = row[v];
 }
 
+// One block per padded row p: out[p] = src[row_tok[p]], or zeros where row_tok[p] < 0 (padding).
+// Local (no peer memory): the received tokens in the expert GEMMs' row order.
+__global__ void gather_rows(const __nv_bfloat16* src, const int64_t* row_tok, __nv_bfloat16* out,
+                            int64_t hidden) {
+  const int64_t p = blockIdx.x, tok = row_tok[p], vecs = hidden / 8;
+  uint4* dst = reinterpret_cast<uint4*>(out + p * hidden);
+  if (tok < 0) {
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const uint4* row = reinterpret_cast<const uint4*>(src + tok * hidden);
+  for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = row[v];
+}
+
 }  // namespace mok::roles

@@ -1,6 +1,7 @@
-// SwiGLU between the two expert GEMMs, float32 math, bf16 in and out. The gate/up GEMM writes
-// gu = [g | u] ([P, 2I]); a = silu(g) * u. Backward: dg = da * u * s * (1 + g * (1 - s)),
-// du = da * g * s, with s = sigmoid(g) (the reference's formula, term for term).
+// SwiGLU between the two expert GEMMs, float32 math, bf16 in and out: a = silu(g) * u, with the
+// gate and up outputs g, u [P, I] given as two strided row sets. Backward:
+// dg = da * u * s * (1 + g * (1 - s)), du = da * g * s, with s = sigmoid(g) (the reference's
+// formula, term for term).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,31 +14,82 @@ namespace mok::roles {
 
 MOK_DEVICE float sigmoid_f32(float g) { return 1.0f / (1.0f + __expf(-g)); }
 
-// Grid-stride over [P, I].
-__global__ void swiglu_forward(const __nv_bfloat16* gu, __nv_bfloat16* a, int64_t num_rows,
-                               int64_t inter) {
-  const int64_t n = num_rows * inter;
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const int64_t r = i / inter, c = i % inter;
-    const float g = __bfloat162float(gu[r * 2 * inter + c]);
-    const float u = __bfloat162float(gu[r * 2 * inter + inter + c]);
-    a[i] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(g, sigmoid_f32(g)), u));
+// g, u: [P, I] bf16 with row strides (elements) g_ld, u_ld, so they may be two halves of one
+// [P, 2I] buffer or two separate tensors; a, dg, du likewise. kVec elements per thread step
+// (8 = 16-byte accesses when I and every stride are multiples of 8; else 1).
+struct SwigluParams {
+  const __nv_bfloat16* g;
+  const __nv_bfloat16* u;
+  int64_t g_ld, u_ld;
+  int64_t num_rows, inter;
+};
+
+template <int kVec>
+MOK_DEVICE void load_vec(const __nv_bfloat16* p, float* out) {
+  if constexpr (kVec == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  } else {
+    out[0] = __bfloat162float(*p);
   }
 }
 
-// Grid-stride over [P, I]: dgu = [dg | du].
-__global__ void swiglu_backward(const __nv_bfloat16* da, const __nv_bfloat16* gu,
-                                __nv_bfloat16* dgu, int64_t num_rows, int64_t inter) {
-  const int64_t n = num_rows * inter;
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const int64_t r = i / inter, c = i % inter;
-    const float g = __bfloat162float(gu[r * 2 * inter + c]);
-    const float u = __bfloat162float(gu[r * 2 * inter + inter + c]);
-    const float d = __bfloat162float(da[i]);
-    const float s = sigmoid_f32(g);
-    const float dg = __fmul_rn(__fmul_rn(__fmul_rn(d, u), s), __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
-    dgu[r * 2 * inter + c] = __float2bfloat16_rn(dg);
-    dgu[r * 2 * inter + inter + c] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(d, g), s));
+template <int kVec>
+MOK_DEVICE void store_vec(__nv_bfloat16* p, const float* in) {
+  if constexpr (kVec == 8) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = v;
+  } else {
+    *p = __float2bfloat16_rn(in[0]);
+  }
+}
+
+// Grid-stride over [P, I / kVec]: a = silu(g) * u ([P, I] contiguous).
+template <int kVec>
+__global__ void swiglu_forward(SwigluParams p, __nv_bfloat16* a) {
+  const int64_t per_row = p.inter / kVec, n = p.num_rows * per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = (i % per_row) * kVec;
+    float g[kVec], u[kVec], out[kVec];
+    load_vec<kVec>(p.g + r * p.g_ld + c, g);
+    load_vec<kVec>(p.u + r * p.u_ld + c, u);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out[k] = __fmul_rn(__fmul_rn(g[k], sigmoid_f32(g[k])), u[k]);
+    store_vec<kVec>(a + r * p.inter + c, out);
+  }
+}
+
+// Grid-stride over [P, I / kVec]: dg, du (row strides dg_ld, du_ld) from da [P, I] contiguous.
+template <int kVec>
+__global__ void swiglu_backward(SwigluParams p, const __nv_bfloat16* da, __nv_bfloat16* dg,
+                                int64_t dg_ld, __nv_bfloat16* du, int64_t du_ld) {
+  const int64_t per_row = p.inter / kVec, n = p.num_rows * per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = (i % per_row) * kVec;
+    float g[kVec], u[kVec], d[kVec], out_g[kVec], out_u[kVec];
+    load_vec<kVec>(p.g + r * p.g_ld + c, g);
+    load_vec<kVec>(p.u + r * p.u_ld + c, u);
+    load_vec<kVec>(da + r * p.inter + c, d);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float s = sigmoid_f32(g[k]);
+      out_g[k] = __fmul_rn(__fmul_rn(__fmul_rn(d[k], u[k]), s),
+                           __fadd_rn(1.0f, __fmul_rn(g[k], __fsub_rn(1.0f, s))));
+      out_u[k] = __fmul_rn(__fmul_rn(d[k], g[k]), s);
+    }
+    store_vec<kVec>(dg + r * dg_ld + c, out_g);
+    store_vec<kVec>(du + r * du_ld + c, out_u);
   }
 }
 

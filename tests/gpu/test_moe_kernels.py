@@ -1,0 +1,128 @@
+"""The CUDA backend's local kernels: ``moe_accumulate_groups``, ``moe_gather_rows``,
+``moe_swiglu`` / ``moe_swiglu_backward``.
+
+moe_accumulate_groups (per-expert weight-gradient accumulation over rounds): each group is checked bitwise against what the rule says it must hold: zeros for a group with no
+rows (round 0 only), untouched when it has no rows in the round, a copy of the part in its first
+round, bf16(float(total) + float(part)) in later rounds. Inputs are fresh random values (never
+zeros), so an untouched or wrongly written group shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron import ops
+from mok_megatron.ops.moe import (
+    moe_accumulate_groups,
+    moe_gather_rows,
+    moe_swiglu,
+    moe_swiglu_backward,
+)
+from mok_megatron.testing import relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not ops.has_op("moe_accumulate_groups"),
+        reason="needs a CUDA GPU and mok_megatron._C with the stage-1 moe ops",
+    ),
+]
+
+
+def _random(shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.rand(shape, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(7, 24, 40), (5, 96, 2048), (3, 8, 8)])
+def test_each_group_follows_the_rule(shape):
+    groups = shape[0]
+    # group: rows in this window, first round
+    rows = torch.tensor([0, 5, 0, 8, 3, 0, 16][:groups], dtype=torch.int32, device="cuda")
+    first = torch.tensor([-1, 2, 1, 1, 0, -1, 2][:groups], dtype=torch.int32, device="cuda")
+    offs = torch.cumsum(rows, 0).to(torch.int32)
+    for round_index in (0, 1, 2):
+        total, part = _random(shape, 1 + round_index), _random(shape, 100 + round_index)
+        before = total.clone()
+        moe_accumulate_groups(total, part, offs, first, round_index)
+        for g in range(groups):
+            f, n = int(first[g]), int(rows[g])
+            if f < 0:
+                want = torch.zeros_like(before[g]) if round_index == 0 else before[g]
+            elif n == 0:
+                want = before[g]
+            elif round_index == f:
+                want = part[g]
+            else:
+                want = (before[g].float() + part[g].float()).to(torch.bfloat16)
+            assert torch.equal(total[g], want), (round_index, g, f, n)
+
+
+def test_in_place_first_round_writes_only_empty_groups():
+    """One round with total == part: only groups with no rows are written (zeros)."""
+    shape = (6, 32, 64)
+    rows = torch.tensor([4, 0, 8, 0, 0, 2], dtype=torch.int32, device="cuda")
+    first = torch.where(rows > 0, 0, -1).to(torch.int32)
+    offs = torch.cumsum(rows, 0).to(torch.int32)
+    grad = _random(shape, 7)
+    before = grad.clone()
+    moe_accumulate_groups(grad, grad, offs, first, 0)
+    for g in range(shape[0]):
+        want = before[g] if rows[g] > 0 else torch.zeros_like(before[g])
+        assert torch.equal(grad[g], want), g
+
+
+def test_bad_input_names_the_tensor():
+    grad = _random((2, 8, 8), 3)
+    offs = torch.tensor([1, 2], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="offs"):
+        moe_accumulate_groups(grad, grad, offs.long(), offs, 0)
+    with pytest.raises(RuntimeError, match="total and part"):
+        moe_accumulate_groups(grad, grad[:1], offs, offs, 0)
+
+
+# ------------------------------------------------------------------------------- gather
+@pytest.mark.parametrize("hidden", [8, 72, 2048, 7168])
+def test_gather_rows_matches_indexing_bitwise(hidden):
+    src = _random((50, hidden), hidden) - 1.0  # signed values, never zero
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    row_tok = torch.randint(-1, 50, (333,), generator=g, device="cuda")
+    torch.full((333 * hidden + 4096,), float("nan"), device="cuda")  # poison the allocator
+    out = moe_gather_rows(src, row_tok)
+    want = torch.where((row_tok >= 0)[:, None], src[row_tok.clamp(min=0)], 0)
+    assert torch.equal(out, want)
+    assert torch.equal(moe_gather_rows(src, row_tok[:0]), src[:0])
+
+
+# ------------------------------------------------------------------------------- swiglu
+def _swiglu64(g, u, da):
+    g, u, da = g.double(), u.double(), da.double()
+    s = torch.sigmoid(g)
+    return g * s * u, da * u * s * (1 + g * (1 - s)), da * g * s
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 8), (37, 96), (1000, 768), (129, 12)])
+def test_swiglu_matches_float64_and_strided_equals_contiguous(rows, inter):
+    g = (_random((rows, 2 * inter), inter) - 1.0) * 4  # gate and up halves of one [P, 2I]
+    da = _random((rows, inter), rows) - 1.0
+    gate, up = g[:, :inter], g[:, inter:]
+    a = moe_swiglu(gate, up)
+    dg, du = moe_swiglu_backward(da, gate, up)
+    a64, dg64, du64 = _swiglu64(gate, up, da)
+    for name, got, want in (("a", a, a64), ("dg", dg, dg64), ("du", du, du64)):
+        assert got.is_contiguous() and got.dtype == torch.bfloat16
+        err = relative_error(got.double(), want)
+        assert err < 1e-2, f"{name}: rel err {err:.3e}"
+    # strided halves and contiguous copies give the same bits
+    assert torch.equal(a, moe_swiglu(gate.contiguous(), up.contiguous()))
+    dg2, du2 = moe_swiglu_backward(da, gate.contiguous(), up.contiguous())
+    assert torch.equal(dg, dg2) and torch.equal(du, du2)
+
+
+def test_swiglu_bad_input_names_the_rule():
+    g = _random((4, 16), 1)
+    with pytest.raises(RuntimeError, match="one shape"):
+        moe_swiglu(g, g[:, :8])
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        moe_swiglu(g.T, g.T)
