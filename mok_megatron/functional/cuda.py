@@ -21,7 +21,8 @@ that load and store through peers' symmetric buffers (no collectives, no host sy
              ``ceil(row_capacity / macrobatch_size)`` windows ("macrobatch rounds") of equal,
              fixed size: each round gathers, runs the expert MLP and adds its rows to a float32
              per-token accumulator; the last round pushes. The forward then keeps only the
-             received tokens, and the backward recomputes each round's activations, so no buffer
+             received tokens, and the backward recomputes each round's gate/up and SwiGLU (not
+             the down projection: its gradients need only d_rows @ W_down), so no buffer
              grows with the routed rows beyond one round (the integer schedule aside). The number
              of rounds is fixed by the capacity, not the routing: no host sync, graph-safe.
 
@@ -117,13 +118,14 @@ class Rounds:
 
 @dataclass
 class ExpertRows:
-    """One round's expert activations: x_rows [M, H], g, u, a [M, I], y [M, H] bf16."""
+    """One round's expert activations: x_rows [M, H], g, u, a [M, I], y [M, H] bf16 (y None when
+    the backward recomputes a round: it needs only the others)."""
 
     x_rows: torch.Tensor
     g: torch.Tensor
     u: torch.Tensor
     a: torch.Tensor
-    y: torch.Tensor
+    y: torch.Tensor | None
 
 
 @dataclass
@@ -275,21 +277,32 @@ class CudaBackend:
         for r in range(rounds.count):
             window = rounds.window(r)
             offs = _window_offs(plan, window)
-            row_tok = rounds.row_tok[window]
-            act = ctx.saved
-            if act is None:  # recompute this round's activations from the received tokens
-                act = _experts_forward(_gather_rows(ctx.x_recv, row_tok), routed, offs)
+            row_tok, w_rows = rounds.row_tok[window], rounds.w_rows[window]
             d_rows = _gather_rows(d_recv, row_tok)
-            # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding), dy = w * d_rows
-            d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, rounds.w_rows[window], row_tok)
-            da = grouped_mm(dy, routed.down, offs)
-            d_wd = grouped_mm(dy.T, act.a, offs)
+            if ctx.saved is not None:  # one round: the forward kept every activation
+                act = ctx.saved
+                # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding),
+                # dy = w * d_rows
+                d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
+                da = grouped_mm(dy, routed.down, offs)
+                wgrad_down = (dy, act.a)
+            else:  # rounds: recompute gate/up and SwiGLU from the received tokens (not y:
+                # <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down))
+                act = _experts_forward(
+                    _gather_rows(ctx.x_recv, row_tok), routed, offs, with_down=False
+                )
+                d_row_w[window], da = mops.moe_row_grad(
+                    grouped_mm(d_rows, routed.down, offs), act.a, w_rows, row_tok
+                )
+                wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
             dg, du = mops.moe_swiglu_backward(da, act.g, act.u)
+            del da
             # dx = dg @ W_gate + du @ W_up (bf16 add: each term rounded once, then the sum)
             dx_rows = grouped_mm(dg, routed.gate, offs)
             dx_rows = dx_rows.add_(grouped_mm(du, routed.up, offs))
-            parts = (grouped_mm(dg.T, act.x_rows, offs), grouped_mm(du.T, act.x_rows, offs), d_wd)
-            d_w = [_accumulate(total, part, offs, rounds, r) for total, part in zip(d_w, parts)]
+            # weight gradients one at a time (each part is weight-sized)
+            for i, (rows_t, rows) in enumerate(((dg, act.x_rows), (du, act.x_rows), wgrad_down)):
+                d_w[i] = _accumulate(d_w[i], grouped_mm(rows_t.T, rows, offs), offs, rounds, r)
             d_x = mops.moe_combine(
                 dx_rows, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
                 sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
@@ -384,7 +397,8 @@ def _round_accumulator(rounds: Rounds, recv: torch.Tensor) -> torch.Tensor | Non
     return torch.empty(recv.shape, dtype=torch.float32, device=recv.device)
 
 
-def _experts_forward(x_rows: torch.Tensor, routed, offs: torch.Tensor) -> ExpertRows:
+def _experts_forward(x_rows: torch.Tensor, routed, offs: torch.Tensor, with_down=True):
+    """x_rows [M, H] → ExpertRows (y is None when with_down is False)."""
     # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of them
     # (2 * E_l * I * H) every pass; the SwiGLU kernel reads the two outputs where they are.
     from mok_megatron.ops import moe as mops
@@ -392,7 +406,7 @@ def _experts_forward(x_rows: torch.Tensor, routed, offs: torch.Tensor) -> Expert
     g = grouped_mm(x_rows, routed.gate.transpose(1, 2), offs)
     u = grouped_mm(x_rows, routed.up.transpose(1, 2), offs)
     a = mops.moe_swiglu(g, u)
-    y = grouped_mm(a, routed.down.transpose(1, 2), offs)
+    y = grouped_mm(a, routed.down.transpose(1, 2), offs) if with_down else None
     return ExpertRows(x_rows, g, u, a, y)
 
 
