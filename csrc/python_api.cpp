@@ -83,6 +83,14 @@ TORCH_LIBRARY_FRAGMENT(mok, m) {
       "grouped_gemm_dswiglu_out(Tensor d_y, Tensor w_down, Tensor h, Tensor offs, "
       "Tensor(a!) d_h, Tensor(b!)? act) -> ()");
   m.def("grouped_gemm_tn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out) -> ()");
+  // The forward ops with the per-tile flag wait (csrc/include/mok/scheduler/flag_wait.cuh).
+  m.def(
+      "grouped_gemm_nt_wait_out(Tensor a, Tensor b, Tensor offs, Tensor ready, int rows_per_flag, "
+      "int epoch, int timeout_ms, Tensor(a!) out, Tensor(b!)? error) -> ()");
+  m.def(
+      "grouped_gemm_l1_swiglu_wait_out(Tensor x, Tensor w_gu, Tensor offs, Tensor ready, "
+      "int rows_per_flag, int epoch, int timeout_ms, Tensor(a!) act, Tensor(b!)? h, "
+      "Tensor(c!)? error) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
@@ -91,4 +99,6 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("grouped_gemm_nn_out", &mok::apis::grouped_gemm_nn_out);
   m.impl("grouped_gemm_dswiglu_out", &mok::apis::grouped_gemm_dswiglu_out);
   m.impl("grouped_gemm_tn_out", &mok::apis::grouped_gemm_tn_out);
+  m.impl("grouped_gemm_nt_wait_out", &mok::apis::grouped_gemm_nt_wait_out);
+  m.impl("grouped_gemm_l1_swiglu_wait_out", &mok::apis::grouped_gemm_l1_swiglu_wait_out);
 }

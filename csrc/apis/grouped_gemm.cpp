@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "launch/grouped_gemm.h"
@@ -65,12 +66,9 @@ launch::GroupedGemmArgs base_args(const at::Tensor& a, const at::Tensor& b,
   return args;
 }
 
-}  // namespace
-
-void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
-                                const at::Tensor& offs, const at::Tensor& act,
-                                const std::optional<at::Tensor>& h) {
-  constexpr const char* kOp = "mok::grouped_gemm_l1_swiglu";
+launch::GroupedGemmArgs l1_swiglu_args(const char* kOp, const at::Tensor& x,
+                                       const at::Tensor& w_gu, const at::Tensor& offs,
+                                       const at::Tensor& act, const std::optional<at::Tensor>& h) {
   check_bf16(kOp, "x", x, 2, x);
   check_bf16(kOp, "w_gu", w_gu, 3, x);
   const int64_t rows = x.size(0), hidden = x.size(1), two_i = w_gu.size(1);
@@ -88,12 +86,11 @@ void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
     check_shape(kOp, "h", *h, {rows, two_i});
     args.aux = h->data_ptr();
   }
-  launch_with_workspace(x, args, launch::grouped_gemm_l1_swiglu);
+  return args;
 }
 
-void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out) {
-  constexpr const char* kOp = "mok::grouped_gemm_nt";
+launch::GroupedGemmArgs nt_args(const char* kOp, const at::Tensor& a, const at::Tensor& b,
+                                const at::Tensor& offs, const at::Tensor& out) {
   check_bf16(kOp, "a", a, 2, a);
   check_bf16(kOp, "b", b, 3, a);
   const int64_t k = a.size(1), n = b.size(1);
@@ -106,6 +103,60 @@ void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Ten
   auto args = base_args(a, b, offs, out);
   args.n = static_cast<int>(n);
   args.k = static_cast<int>(k);
+  return args;
+}
+
+// ready: int32 [>= ceil(rows / rows_per_flag)] next to `x`; error: int32 [>= 8], CUDA on x's
+// device or pinned CPU (readable after a trap), or absent.
+launch::FlagWaitArgs flag_wait_args(const char* op, const at::Tensor& x, const at::Tensor& ready,
+                                    int64_t rows_per_flag, int64_t epoch, int64_t timeout_ms,
+                                    const std::optional<at::Tensor>& error) {
+  TORCH_CHECK(ready.device() == x.device(), op, ": ready is on ", ready.device(), ", expected ",
+              x.device());
+  TORCH_CHECK(ready.scalar_type() == at::kInt, op, ": ready.dtype=", ready.scalar_type(),
+              " must be int32 (one counter per block of rows_per_flag rows)");
+  TORCH_CHECK(ready.dim() == 1 && ready.is_contiguous(), op, ": ready.shape=", ready.sizes(),
+              " must be one contiguous dim");
+  TORCH_CHECK(rows_per_flag > 0 && rows_per_flag <= INT32_MAX, op,
+              ": rows_per_flag=", rows_per_flag, " must be a positive int32");
+  const int64_t needed = std::max<int64_t>(1, (x.size(0) + rows_per_flag - 1) / rows_per_flag);
+  TORCH_CHECK(ready.numel() >= needed && ready.numel() <= INT32_MAX, op, ": ready has ",
+              ready.numel(), " flags; ", x.size(0), " rows at rows_per_flag=", rows_per_flag,
+              " need ", needed);
+  TORCH_CHECK(epoch >= INT32_MIN && epoch <= INT32_MAX, op, ": epoch=", epoch,
+              " must fit int32 (flags are int32)");
+  TORCH_CHECK(timeout_ms > 0 && timeout_ms <= int64_t{1} << 31, op, ": timeout_ms=", timeout_ms,
+              " must be positive (a device wait never waits forever)");
+  launch::FlagWaitArgs wait;
+  wait.ready = ready.data_ptr<int32_t>();
+  wait.num_flags = static_cast<int>(ready.numel());
+  wait.rows_per_flag = static_cast<int>(rows_per_flag);
+  wait.epoch = static_cast<int32_t>(epoch);
+  wait.timeout_ns = timeout_ms * 1000000;
+  if (error.has_value() && error->numel() > 0) {
+    const bool on_device = error->device() == x.device();
+    TORCH_CHECK(on_device || (error->is_cpu() && error->is_pinned()), op, ": error is on ",
+                error->device(), "; it must be on ", x.device(), " or in pinned CPU memory");
+    TORCH_CHECK(error->scalar_type() == at::kInt && error->is_contiguous() && error->numel() >= 8,
+                op, ": error must be a contiguous int32 tensor of >= 8 words, got ",
+                error->scalar_type(), " ", error->sizes());
+    wait.error = error->data_ptr<int32_t>();
+  }
+  return wait;
+}
+
+}  // namespace
+
+void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
+                                const at::Tensor& offs, const at::Tensor& act,
+                                const std::optional<at::Tensor>& h) {
+  auto args = l1_swiglu_args("mok::grouped_gemm_l1_swiglu", x, w_gu, offs, act, h);
+  launch_with_workspace(x, args, launch::grouped_gemm_l1_swiglu);
+}
+
+void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out) {
+  auto args = nt_args("mok::grouped_gemm_nt", a, b, offs, out);
   launch_with_workspace(a, args, launch::grouped_gemm_nt);
 }
 
@@ -171,6 +222,31 @@ void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Ten
   args.m = static_cast<int>(m);
   args.n = static_cast<int>(n);
   launch_with_workspace(a, args, launch::grouped_gemm_tn);
+}
+
+void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                              const at::Tensor& ready, int64_t rows_per_flag, int64_t epoch,
+                              int64_t timeout_ms, const at::Tensor& out,
+                              const std::optional<at::Tensor>& error) {
+  constexpr const char* kOp = "mok::grouped_gemm_nt_wait";
+  auto args = nt_args(kOp, a, b, offs, out);
+  const auto wait = flag_wait_args(kOp, a, ready, rows_per_flag, epoch, timeout_ms, error);
+  launch_with_workspace(a, args, [&](const launch::GroupedGemmArgs& gemm, cudaStream_t stream) {
+    launch::grouped_gemm_nt_wait(gemm, wait, stream);
+  });
+}
+
+void grouped_gemm_l1_swiglu_wait_out(const at::Tensor& x, const at::Tensor& w_gu,
+                                     const at::Tensor& offs, const at::Tensor& ready,
+                                     int64_t rows_per_flag, int64_t epoch, int64_t timeout_ms,
+                                     const at::Tensor& act, const std::optional<at::Tensor>& h,
+                                     const std::optional<at::Tensor>& error) {
+  constexpr const char* kOp = "mok::grouped_gemm_l1_swiglu_wait";
+  auto args = l1_swiglu_args(kOp, x, w_gu, offs, act, h);
+  const auto wait = flag_wait_args(kOp, x, ready, rows_per_flag, epoch, timeout_ms, error);
+  launch_with_workspace(x, args, [&](const launch::GroupedGemmArgs& gemm, cudaStream_t stream) {
+    launch::grouped_gemm_l1_swiglu_wait(gemm, wait, stream);
+  });
 }
 
 }  // namespace mok::apis

@@ -38,4 +38,19 @@ void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
 void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                          const at::Tensor& out);
 
+// The same two forward ops with the per-tile flag wait: a tile reading rows [r0, r1) of a / x first
+// waits until ready[f] >= epoch for f in [r0 / rows_per_flag, (r1 - 1) / rows_per_flag];
+// ready: int32 [>= ceil(rows / rows_per_flag)], CUDA. After timeout_ms the kernel writes `error`
+// (int32 [8], CUDA or pinned CPU, optional; layout in csrc/include/mok/scheduler/flag_wait.cuh)
+// and traps.
+void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                              const at::Tensor& ready, int64_t rows_per_flag, int64_t epoch,
+                              int64_t timeout_ms, const at::Tensor& out,
+                              const std::optional<at::Tensor>& error);
+void grouped_gemm_l1_swiglu_wait_out(const at::Tensor& x, const at::Tensor& w_gu,
+                                     const at::Tensor& offs, const at::Tensor& ready,
+                                     int64_t rows_per_flag, int64_t epoch, int64_t timeout_ms,
+                                     const at::Tensor& act, const std::optional<at::Tensor>& h,
+                                     const std::optional<at::Tensor>& error);
+
 }  // namespace mok::apis

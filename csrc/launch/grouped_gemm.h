@@ -50,4 +50,24 @@ void grouped_gemm_dswiglu(const GroupedGemmArgs& args, cudaStream_t stream);
 // rows in a fixed order; a group with no rows gets zeros.
 void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream);
 
+// The per-tile flag wait (csrc/include/mok/scheduler/flag_wait.cuh): before loading the A rows
+// [r0, r1) of an output tile, the kernel waits until ready[f] >= epoch for every flag f covering
+// them, flag f covering global rows [f * rows_per_flag, (f + 1) * rows_per_flag). A tile still
+// waiting after timeout_ns writes `error` (int32 [8], device or pinned host memory, optional)
+// and traps.
+struct FlagWaitArgs {
+  const int32_t* ready = nullptr;  // int32 [num_flags], device
+  int num_flags = 0;
+  int rows_per_flag = 1;
+  int32_t epoch = 1;
+  int64_t timeout_ns = 10'000'000'000;
+  int32_t* error = nullptr;
+};
+
+// grouped_gemm_nt / grouped_gemm_l1_swiglu, each tile first waiting for its rows of `a` / `x`.
+void grouped_gemm_nt_wait(const GroupedGemmArgs& args, const FlagWaitArgs& wait,
+                          cudaStream_t stream);
+void grouped_gemm_l1_swiglu_wait(const GroupedGemmArgs& args, const FlagWaitArgs& wait,
+                                 cudaStream_t stream);
+
 }  // namespace mok::launch

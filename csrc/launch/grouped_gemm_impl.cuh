@@ -11,6 +11,7 @@
 
 #include "launch/grouped_gemm.h"
 #include "mok/common/macros.cuh"
+#include "mok/scheduler/flag_wait.cuh"
 #include "mok/scheduler/grouped_problems.cuh"
 
 namespace mok::launch::detail {
@@ -65,11 +66,38 @@ inline void check_common(const GroupedGemmArgs& args, const char* op) {
                  args.n, args.k);
 }
 
+inline void check_flag_wait(const FlagWaitArgs& wait, const char* op) {
+  MOK_HOST_CHECK(wait.ready != nullptr && wait.num_flags > 0, "%s: ready must hold >= 1 flag", op);
+  MOK_HOST_CHECK(wait.rows_per_flag > 0, "%s: rows_per_flag=%d must be positive", op,
+                 wait.rows_per_flag);
+  MOK_HOST_CHECK(wait.timeout_ns > 0, "%s: the flag-wait timeout must be positive", op);
+}
+
+inline gemm::FlagWaitParams flag_wait_params(const GroupedGemmArgs& args,
+                                             const FlagWaitArgs& wait) {
+  gemm::FlagWaitParams p;
+  p.ready = wait.ready;
+  p.offs = args.offs;
+  p.num_flags = wait.num_flags;
+  p.rows_per_flag = wait.rows_per_flag;
+  p.epoch = wait.epoch;
+  p.timeout_ns = wait.timeout_ns;
+  p.error = wait.error;
+  return p;
+}
+
+// Leaves the tile scheduler's extra arguments at their defaults.
+struct DefaultScheduler {
+  template <class SchedulerArguments>
+  void operator()(SchedulerArguments&) const {}
+};
+
 // Builds the device-side problem arrays, then runs the CUTLASS kernel `Config::Gemm`.
-// `make_epilogue(arrays)` returns the epilogue arguments.
-template <class Config, class MakeEpilogue>
+// `make_epilogue(arrays)` returns the epilogue arguments; `set_scheduler(arguments.scheduler)`
+// fills a custom scheduler's extra arguments (the flag wait's).
+template <class Config, class MakeEpilogue, class SetScheduler = DefaultScheduler>
 void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream_t stream,
-                 MakeEpilogue make_epilogue) {
+                 MakeEpilogue make_epilogue, SetScheduler set_scheduler = {}) {
   using Gemm = typename Config::Gemm;
   using Arrays = gemm::GroupedProblemArrays<typename Config::StrideA, typename Config::StrideB,
                                             typename Config::StrideD>;
@@ -85,9 +113,13 @@ void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStre
   cutlass::KernelHardwareInfo hw_info;
   MOK_CUDA_CHECK(cudaGetDevice(&hw_info.device_id));
   hw_info.sm_count = sm_count_of_current_device();
+  typename Gemm::GemmKernel::ProblemShape problem_shape;
+  problem_shape.num_groups = num_groups;
+  problem_shape.problem_shapes = arrays.problems;
+  problem_shape.host_problem_shapes = nullptr;
   typename Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
-      {num_groups, arrays.problems, nullptr},
+      problem_shape,
       {arrays.ptr_a, arrays.stride_a, arrays.ptr_b, arrays.stride_b},
       make_epilogue(arrays),
       hw_info};
@@ -96,6 +128,7 @@ void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStre
   arguments.scheduler.raster_order =
       tuning.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
   arguments.scheduler.max_swizzle_size = tuning.swizzle;
+  set_scheduler(arguments.scheduler);
   Gemm gemm;
   MOK_HOST_CHECK(gemm.can_implement(arguments) == cutlass::Status::kSuccess,
                  "grouped GEMM: CUTLASS cannot implement this problem");
@@ -129,9 +162,10 @@ void run_plain(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream
                       [](const auto& arrays) { return plain_epilogue<Config>(arrays); });
 }
 
-template <class LayoutA, class LayoutB, class Epilogue, class Schedule = gemm::Cooperative>
+template <class LayoutA, class LayoutB, class Epilogue, class Schedule = gemm::Cooperative,
+          class Shape = gemm::ProblemShape>
 struct Config {
-  using Gemm = typename gemm::GroupedGemm<LayoutA, LayoutB, Epilogue, Schedule>::Gemm;
+  using Gemm = typename gemm::GroupedGemm<LayoutA, LayoutB, Epilogue, Schedule, Shape>::Gemm;
   using StrideA = typename Gemm::GemmKernel::InternalStrideA;
   using StrideB = typename Gemm::GemmKernel::InternalStrideB;
   using StrideD = typename Gemm::GemmKernel::InternalStrideD;

@@ -19,6 +19,10 @@ Ops (shapes per call; ``R`` rows, ``G`` groups, ``H`` hidden, ``I`` intermediate
 ``grouped_gemm_dswiglu``    d_y [R,H], w_down [G,H,I], h [R,2I] -> d_h [R,2I] (+ act [R,I])
 ``grouped_gemm_tn``         a [R,M], b [R,N] -> a_g^T @ b_g [G,M,N]      (weight grads)
 ==========================  =============================================================
+
+``grouped_gemm_nt_wait`` and ``grouped_gemm_l1_swiglu_wait`` are the two forward ops with a
+per-tile *flag wait* (the persistent megakernel's hook, docs/GEMM.md): before a tile loads its
+rows of ``a`` / ``x``, it waits until ``ready[f] >= epoch`` for every flag ``f`` covering them.
 """
 
 from __future__ import annotations
@@ -29,12 +33,20 @@ from mok_megatron.ops._extension import extension_available, has_op
 
 __all__ = [
     "SWIGLU_INTERLEAVE",
+    "DEFAULT_FLAG_WAIT_TIMEOUT_MS",
+    "FLAG_WAIT_ERROR_FIELDS",
+    "check_flag_wait_error",
+    "default_flag_wait_error",
     "deinterleave_gate_up",
+    "flag_wait_available",
+    "flag_wait_error_buffer",
     "grouped_gemm_available",
     "grouped_gemm_dswiglu",
     "grouped_gemm_l1_swiglu",
+    "grouped_gemm_l1_swiglu_wait",
     "grouped_gemm_nn",
     "grouped_gemm_nt",
+    "grouped_gemm_nt_wait",
     "grouped_gemm_tn",
     "interleave_gate_up",
 ]
@@ -119,11 +131,100 @@ def grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
+# ------------------------------------------------------------------------------- flag wait
+#: Words of the flag-wait error record (int32 each); mirrors mok::gemm::FlagWaitError.
+FLAG_WAIT_ERROR_FIELDS = (
+    "timed_out", "flag", "seen", "epoch", "group", "row_begin", "row_end", "timeout_ms",
+)  # fmt: skip
+#: A device wait gives up (error record, message, trap) after this long unless told otherwise.
+DEFAULT_FLAG_WAIT_TIMEOUT_MS = 10_000
+
+
+def flag_wait_available() -> bool:
+    """True when the extension provides the flag-waiting grouped-GEMM ops."""
+    return has_op("grouped_gemm_nt_wait_out") and has_op("grouped_gemm_l1_swiglu_wait_out")
+
+
+def flag_wait_error_buffer() -> torch.Tensor:
+    """A zeroed int32 ``[8]`` error record in pinned CPU memory for the ``*_wait`` ops. The kernel
+    writes it when a wait times out, before it traps; being host memory, it stays readable after
+    the trap has left the CUDA context unusable (read it with :func:`check_flag_wait_error`)."""
+    return torch.zeros(len(FLAG_WAIT_ERROR_FIELDS), dtype=torch.int32, pin_memory=True)
+
+
+_default_error: torch.Tensor | None = None
+
+
+def default_flag_wait_error() -> torch.Tensor:
+    """The process-wide pinned error record the ``*_wait`` wrappers pass when given none. Made on
+    first use (a pinned allocation: call this once before capturing them in a CUDA graph)."""
+    global _default_error
+    if _default_error is None:
+        _default_error = flag_wait_error_buffer()
+    return _default_error
+
+
+def check_flag_wait_error(error: torch.Tensor | None = None) -> None:
+    """Raise RuntimeError naming the flag if ``error`` (default: :func:`default_flag_wait_error`)
+    records a timed-out wait. Call it after a ``*_wait`` launch failed with a CUDA error: for a
+    pinned record it reads host memory only, which still works once the context is lost."""
+    error = default_flag_wait_error() if error is None else error
+    record = dict(zip(FLAG_WAIT_ERROR_FIELDS, error.tolist()))
+    if record["timed_out"]:
+        raise RuntimeError(
+            f"mok grouped GEMM: flag wait timed out after {record['timeout_ms']} ms on flag "
+            f"{record['flag']}: ready[{record['flag']}] = {record['seen']} < epoch "
+            f"{record['epoch']}, needed by the tile of group {record['group']}, rows "
+            f"[{record['row_begin']}, {record['row_end']}). Did the producer of these rows run? "
+            "Raise timeout_ms if it is only slow."
+        )
+
+
+def grouped_gemm_nt_wait(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ready: torch.Tensor,
+    rows_per_flag: int, epoch: int, timeout_ms: int = DEFAULT_FLAG_WAIT_TIMEOUT_MS,
+    error: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`grouped_gemm_nt` whose tiles first wait for their rows of ``a`` to land.
+
+    ready: int32 ``[>= ceil(R / rows_per_flag)]`` on a's device; flag ``f`` covers rows
+    ``[f * rows_per_flag, (f + 1) * rows_per_flag)`` of ``a`` (global rows), and a tile reading
+    rows ``[r0, r1)`` waits until ``ready[f] >= epoch`` for each flag over them (ld.acquire.gpu;
+    the writer sets a flag with release semantics after its rows). A wait still short after
+    ``timeout_ms`` writes the error record ``error`` (default :func:`default_flag_wait_error`) and
+    traps: the launch fails (it never hangs) and :func:`check_flag_wait_error` names the flag.
+    Returns out ``[R, N]``, bitwise equal to :func:`grouped_gemm_nt`."""
+    error = default_flag_wait_error() if error is None else error
+    out = a.new_empty(a.shape[0], b.shape[1])
+    torch.ops.mok.grouped_gemm_nt_wait_out(
+        a, b, offs, ready, rows_per_flag, epoch, timeout_ms, out, error
+    )
+    return out
+
+
+def grouped_gemm_l1_swiglu_wait(
+    x: torch.Tensor, w_gu: torch.Tensor, offs: torch.Tensor, ready: torch.Tensor,
+    rows_per_flag: int, epoch: int, save_h: bool = False,
+    timeout_ms: int = DEFAULT_FLAG_WAIT_TIMEOUT_MS, error: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """:func:`grouped_gemm_l1_swiglu` whose tiles first wait for their rows of ``x`` to land;
+    ``ready``, ``rows_per_flag``, ``epoch``, ``timeout_ms`` and ``error`` as in
+    :func:`grouped_gemm_nt_wait`. Returns (act ``[R, I]``, h ``[R, 2I]`` or None)."""
+    error = default_flag_wait_error() if error is None else error
+    act = x.new_empty(x.shape[0], w_gu.shape[1] // 2)
+    h = x.new_empty(x.shape[0], w_gu.shape[1]) if save_h else None
+    torch.ops.mok.grouped_gemm_l1_swiglu_wait_out(
+        x, w_gu, offs, ready, rows_per_flag, epoch, timeout_ms, act, h, error
+    )
+    return act, h
+
+
 # ------------------------------------------------------------------------------------ fakes
 def _out_fake(*args) -> None:  # every op writes into caller-provided outputs
     return None
 
 
 if extension_available() and grouped_gemm_available():
-    for _name in ("l1_swiglu", "nt", "nn", "dswiglu", "tn"):
-        torch.library.register_fake(f"mok::grouped_gemm_{_name}_out")(_out_fake)
+    for _name in ("l1_swiglu", "nt", "nn", "dswiglu", "tn", "nt_wait", "l1_swiglu_wait"):
+        if has_op(f"grouped_gemm_{_name}_out"):
+            torch.library.register_fake(f"mok::grouped_gemm_{_name}_out")(_out_fake)

@@ -5,11 +5,19 @@ Each op runs on the three benchmark shapes at the EP-2 row count of 8192 tokens 
 (experts with zero rows, counts that are not multiples of the 128-row tile), plus small edge
 shapes checked on every group. Outputs are NaN-poisoned first; repeats must be bitwise equal; the
 error must be < 1e-2 and <= 2x torch's own bf16 pipeline (torch._grouped_mm) + 1e-4.
+
+The flag-waiting ops (``*_wait``) are checked with flags set in advance (bitwise equal to the
+plain ops), set late from another stream (the GEMM waits), and one never set (a clear error in a
+subprocess, since the kernel traps and the CUDA context is lost).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -340,3 +348,221 @@ def test_bad_input_errors():
                            p.offs.long())  # fmt: skip
     with pytest.raises(RuntimeError, match="bfloat16"):
         gg.grouped_gemm_nt(p.x.float(), p.w_gate, p.offs)
+
+
+# ------------------------------------------------------------------------------ flag wait
+needs_flag_wait = pytest.mark.skipif(
+    not gg.flag_wait_available(), reason="mok::grouped_gemm_*_wait not built"
+)
+WAIT_CASES = [  # (case, rows_per_flag): one row per flag, flags across tile/group edges, 1 flag
+    pytest.param(0, 1, id="small0-rpf1"),
+    pytest.param(1, 64, id="small1-rpf64"),
+    pytest.param(1, 1 << 20, id="small1-one-flag"),
+    pytest.param(("qwen3-30b-a3b", 0.25, "skewed"), 48, id="qwen3-x0.25-skewed-rpf48"),
+]
+
+
+def ready_flags(rows: int, rows_per_flag: int, value: int) -> torch.Tensor:
+    num_flags = max(1, -(-rows // rows_per_flag))
+    return torch.full((num_flags,), value, dtype=torch.int32, device="cuda")
+
+
+def landed_flags(rows: int, rows_per_flag: int, epoch: int) -> torch.Tensor:
+    """Every flag landed: = epoch, or past it (every third one) which counts as landed too."""
+    ready = ready_flags(rows, rows_per_flag, epoch)
+    ready[::3] += 2
+    return ready
+
+
+@needs_flag_wait
+@pytest.mark.parametrize("case,rows_per_flag", WAIT_CASES)
+def test_flag_wait_nt_preset(case, rows_per_flag, schedule):
+    p, limit = problem_of(case)
+    rows, epoch = p.x.shape[0], 5
+    a = torch.randn(rows, p.inter, device="cuda", dtype=torch.bfloat16)
+    ready = landed_flags(rows, rows_per_flag, epoch)
+    plain = gg.grouped_gemm_nt(a, p.w_down, p.offs)
+
+    def run():
+        out = poisoned(rows, p.hidden)
+        torch.ops.mok.grouped_gemm_nt_wait_out(
+            a, p.w_down, p.offs, ready, rows_per_flag, epoch, 10_000, out, None
+        )
+        return (out,)
+
+    (out,) = run_twice(run)
+    assert torch.equal(out, plain), "the flag wait changed the result"
+    out_torch = torch._grouped_mm(a, p.w_down.transpose(1, 2), offs=p.offs)
+    for g in groups_to_check(p.counts, limit):
+        r = rows_of(p.counts, g)
+        if r.stop > r.start:
+            check(f"y[{g}]", out[r], a[r].double() @ p.w_down[g].double().T, out_torch[r])
+
+
+@needs_flag_wait
+@pytest.mark.parametrize("case,rows_per_flag", WAIT_CASES)
+def test_flag_wait_l1_swiglu_preset(case, rows_per_flag):
+    p, limit = problem_of(case)
+    rows, inter, epoch = p.x.shape[0], p.inter, 9
+    ready = landed_flags(rows, rows_per_flag, epoch)
+    act_plain, h_plain = gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, save_h=True)
+    err = torch.zeros(8, dtype=torch.int32, device="cuda")
+
+    def run():
+        act, h = poisoned(rows, inter), poisoned(rows, 2 * inter)
+        torch.ops.mok.grouped_gemm_l1_swiglu_wait_out(
+            p.x, p.w_gu, p.offs, ready, rows_per_flag, epoch, 10_000, act, h, err
+        )
+        return act, h
+
+    act, h = run_twice(run)
+    assert torch.equal(act, act_plain) and torch.equal(h, h_plain), "the flag wait changed bits"
+    assert torch.count_nonzero(err) == 0, f"error record written without a timeout: {err}"
+    g_h, u_h = gg.deinterleave_gate_up(h)
+    h_torch = torch._grouped_mm(p.x, torch.cat([p.w_gate, p.w_up], 1).transpose(1, 2), offs=p.offs)
+    act_torch = F.silu(h_torch[:, :inter]) * h_torch[:, inter:]
+    for g in groups_to_check(p.counts, limit):
+        r = rows_of(p.counts, g)
+        if r.stop > r.start:
+            xg = p.x[r].double()
+            gate, up = xg @ p.w_gate[g].double().T, xg @ p.w_up[g].double().T
+            check(f"act[{g}]", act[r], F.silu(gate) * up, act_torch[r])
+            check(f"h.gate[{g}]", g_h[r], gate, h_torch[r, :inter])
+            check(f"h.up[{g}]", u_h[r], up, h_torch[r, inter:])
+
+
+LATE_DELAY_S = 0.3  # how long the host holds back the late flags while the GEMM runs
+
+
+@needs_flag_wait
+@pytest.mark.parametrize("op", ["nt", "l1_swiglu"])
+def test_flag_wait_waits_for_late_flags(op):
+    """Half the flags are set before the launch, the rest LATE_DELAY_S later from a second stream;
+    the GEMM must still be running (waiting) until then, and its result must be exact."""
+    p = big_problem("qwen3-30b-a3b", 0.25, "skewed")
+    rows, rows_per_flag, epoch = p.x.shape[0], 96, 4
+    ready = ready_flags(rows, rows_per_flag, epoch - 1)  # the previous pass's value, not zero
+    early = ready.numel() // 2 + 1
+    ready[:early] = epoch
+    late = torch.full((ready.numel() - early,), epoch, dtype=torch.int32, pin_memory=True)
+    if op == "nt":
+        a = torch.randn(rows, p.inter, device="cuda", dtype=torch.bfloat16)
+        expected = gg.grouped_gemm_nt(a, p.w_down, p.offs)
+        out = poisoned(rows, p.hidden)
+        launch = lambda: torch.ops.mok.grouped_gemm_nt_wait_out(  # noqa: E731
+            a, p.w_down, p.offs, ready, rows_per_flag, epoch, 20_000, out, None)  # fmt: skip
+    else:
+        expected, _ = gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs)
+        out = poisoned(rows, p.inter)
+        launch = lambda: torch.ops.mok.grouped_gemm_l1_swiglu_wait_out(  # noqa: E731
+            p.x, p.w_gu, p.offs, ready, rows_per_flag, epoch, 20_000, out, None, None)  # fmt: skip
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    launch()
+    end.record()
+    time.sleep(LATE_DELAY_S)
+    assert not end.query(), "the GEMM finished before its last flags were set: it did not wait"
+    # NOTE: a copy-engine write from pinned memory needs no SM; the persistent GEMM holds every
+    # SM until it finishes, so a flag-setting kernel could not start until the wait timed out.
+    with torch.cuda.stream(side):
+        ready[early:].copy_(late, non_blocking=True)
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0.5 * LATE_DELAY_S * 1000
+    assert not torch.isnan(out).any() and torch.equal(out, expected)
+
+
+TIMEOUT_SCRIPT = r"""
+import os, sys, time
+import torch
+from mok_megatron.ops import grouped_gemm as gg
+
+op, missing, rows_per_flag, epoch = sys.argv[1], int(sys.argv[2]), 64, 5
+torch.manual_seed(1)
+counts, hidden, inter = [300, 0, 450, 250], 256, 128
+rows = sum(counts)
+offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+bf = dict(device="cuda", dtype=torch.bfloat16)
+ready = torch.full((-(-rows // rows_per_flag),), epoch, dtype=torch.int32, device="cuda")
+ready[missing] = epoch - 1
+err = gg.flag_wait_error_buffer() if op == "l1_swiglu" else None  # nt: the default record
+t0 = time.monotonic()
+try:
+    if op == "nt":
+        a, w = torch.randn(rows, inter, **bf), torch.randn(len(counts), hidden, inter, **bf)
+        gg.grouped_gemm_nt_wait(a, w, offs, ready, rows_per_flag, epoch, timeout_ms=200)
+    else:
+        x, w = torch.randn(rows, hidden, **bf), torch.randn(len(counts), 2 * inter, hidden, **bf)
+        gg.grouped_gemm_l1_swiglu_wait(x, w, offs, ready, rows_per_flag, epoch, timeout_ms=200,
+                                       error=err)
+    torch.cuda.synchronize()
+    print("NO CUDA ERROR", flush=True)
+    os._exit(3)
+except RuntimeError as exc:
+    print("CUDA ERROR:", str(exc).splitlines()[0], flush=True)
+print(f"ELAPSED {time.monotonic() - t0:.3f}", flush=True)
+try:
+    gg.check_flag_wait_error(err)
+except RuntimeError as exc:
+    print("DECODED:", exc, flush=True)
+    os._exit(0)
+print("NO ERROR RECORD", flush=True)
+os._exit(4)
+"""
+
+
+@needs_flag_wait
+@pytest.mark.parametrize("op", ["nt", "l1_swiglu"])
+def test_flag_wait_timeout_names_the_flag(op):
+    """One flag never set: the launch fails after ~200 ms (not a hang) and the error names it.
+    Run in a subprocess: the kernel traps, which leaves that process's CUDA context unusable."""
+    missing = 9  # rows [576, 640), inside group 2 = rows [300, 750)
+    proc = subprocess.run(
+        [sys.executable, "-c", TIMEOUT_SCRIPT, op, str(missing)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ),
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    print(output)
+    assert proc.returncode == 0, output
+    assert "CUDA ERROR:" in output, output
+    decoded = next(line for line in output.splitlines() if line.startswith("DECODED:"))
+    assert f"on flag {missing}: ready[{missing}] = 4 < epoch 5" in decoded, decoded
+    assert "group 2, rows [556, 684)" in decoded, decoded  # group 2's third 128-row tile
+    elapsed = float(next(ln for ln in output.splitlines() if ln.startswith("ELAPSED")).split()[1])
+    assert elapsed < 30, f"the launch took {elapsed:.1f} s to fail for a 200 ms timeout"
+
+
+@needs_flag_wait
+def test_flag_wait_no_host_sync_graph_and_bad_input():
+    p = small_problem(1)
+    rows, rows_per_flag, epoch = p.x.shape[0], 32, 2
+    ready = landed_flags(rows, rows_per_flag, epoch)
+    expected = gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs)[0]
+    gg.default_flag_wait_error()  # the wrappers' pinned error record, made outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        act, _ = gg.grouped_gemm_l1_swiglu_wait(p.x, p.w_gu, p.offs, ready, rows_per_flag, epoch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(act, expected)
+    static_act = poisoned(rows, p.inter)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        torch.ops.mok.grouped_gemm_l1_swiglu_wait_out(
+            p.x, p.w_gu, p.offs, ready, rows_per_flag, epoch, 10_000, static_act, None, None
+        )
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_act, expected)
+
+    a = torch.randn(rows, p.inter, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="int32"):
+        gg.grouped_gemm_nt_wait(a, p.w_down, p.offs, ready.long(), rows_per_flag, epoch)
+    with pytest.raises(RuntimeError, match="need"):
+        gg.grouped_gemm_nt_wait(a, p.w_down, p.offs, ready[:2], rows_per_flag, epoch)
+    with pytest.raises(RuntimeError, match="timeout_ms"):
+        gg.grouped_gemm_nt_wait(a, p.w_down, p.offs, ready, rows_per_flag, epoch, timeout_ms=0)

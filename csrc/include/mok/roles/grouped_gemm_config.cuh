@@ -57,8 +57,11 @@ using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     LayoutD*, kAlignment, Element, LayoutD*, kAlignment, typename Schedule::EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 
-// The mainloop + kernel for one (LayoutA, LayoutB, epilogue, schedule) choice.
-template <class LayoutA, class LayoutB, class CollectiveEpilogue, class Schedule = Cooperative>
+// The mainloop + kernel for one (LayoutA, LayoutB, epilogue, schedule) choice. `Shape` picks the
+// tile scheduler: ProblemShape gets CUTLASS's group scheduler, scheduler/flag_wait.cuh's
+// FlagWaitProblemShape the one with the per-tile flag wait.
+template <class LayoutA, class LayoutB, class CollectiveEpilogue, class Schedule = Cooperative,
+          class Shape = ProblemShape>
 struct GroupedGemm {
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element,
@@ -66,7 +69,7 @@ struct GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, CollectiveEpilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape, Mainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
