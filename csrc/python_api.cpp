@@ -36,7 +36,7 @@ TORCH_LIBRARY(mok, m) {
   m.def(
       "moe_combine(Tensor rows, Tensor token_rows, Tensor recv_token_src, Tensor? slot_weights, "
       "Tensor send_to, Tensor? shared_out, int num_tokens, int[] comm, Tensor(a!)? acc=None, "
-      "int row_begin=0, bool first=True, bool last=True) -> Tensor");
+      "int row_begin=0, bool first=True, bool last=True, Tensor? rows2=None) -> Tensor");
   m.def(
       "moe_combine_slots(Tensor row_values, Tensor token_rows, Tensor recv_token_src, "
       "Tensor send_to, int num_tokens, int[] comm) -> Tensor");

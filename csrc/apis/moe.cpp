@@ -154,7 +154,8 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
                        const std::optional<at::Tensor>& slot_weights, const at::Tensor& send_to,
                        const std::optional<at::Tensor>& shared_out, int64_t num_tokens,
                        at::IntArrayRef comm_ints, const std::optional<at::Tensor>& acc,
-                       int64_t row_begin, bool first, bool last) {
+                       int64_t row_begin, bool first, bool last,
+                       const std::optional<at::Tensor>& rows2) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(rows, "rows", at::kBFloat16, 2);
@@ -177,6 +178,12 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
     TORCH_CHECK(shared_out->size(0) == num_tokens && shared_out->size(1) == lay.hidden,
                 "mok::moe_combine: shared_out must be [T, H]");
     a.shared_out = shared_out->data_ptr();
+  }
+  if (rows2.has_value()) {
+    check(*rows2, "rows2", at::kBFloat16, 2);
+    TORCH_CHECK(rows2->sizes() == rows.sizes(), "mok::moe_combine: rows2 ", rows2->sizes(),
+                " must match rows ", rows.sizes());
+    a.rows2 = rows2->data_ptr();
   }
   TORCH_CHECK(row_begin >= 0, "mok::moe_combine: row_begin must be >= 0");
   a.row_begin = row_begin;

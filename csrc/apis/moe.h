@@ -40,12 +40,14 @@ at::Tensor moe_dispatch(const at::Tensor& x, const at::Tensor& recv_token_src,
 // rows: [P, H] bf16 (padded rows [row_begin, row_begin + P) of the layout); token_rows: [C_tok, K]
 // int64 into the layout -> out [T, H] bf16. Collective on the last round. Macrobatch rounds pass
 // acc [C_tok, H] f32: a round that is not `last` only accumulates into it (returns [0, H]).
+// rows2 (optional, like rows) is added to each row in float32 before the slot sum goes on.
 at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
                        const at::Tensor& recv_token_src,
                        const std::optional<at::Tensor>& slot_weights, const at::Tensor& send_to,
                        const std::optional<at::Tensor>& shared_out, int64_t num_tokens,
                        at::IntArrayRef comm, const std::optional<at::Tensor>& acc,
-                       int64_t row_begin, bool first, bool last);
+                       int64_t row_begin, bool first, bool last,
+                       const std::optional<at::Tensor>& rows2);
 
 // row_values: [P] f32 -> out [T, K] f32 (each slot's value from the rank that holds it).
 at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& token_rows,

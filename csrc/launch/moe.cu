@@ -103,6 +103,7 @@ void moe_combine(const MoeComm& comm, const MoeCombineArgs& a, cudaStream_t stre
     roles::CombineParams p{lay, comm.peer_bases, comm.rank,
                            static_cast<const __nv_bfloat16*>(a.rows), a.token_rows,
                            a.recv_token_src, a.slot_weights, a.num_recv};
+    p.rows2 = static_cast<const __nv_bfloat16*>(a.rows2);
     p.row_begin = a.row_begin;
     p.row_end = a.row_end;
     p.acc_in = a.acc_in;

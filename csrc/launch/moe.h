@@ -42,6 +42,7 @@ void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens,
 
 struct MoeCombineArgs {
   const void* rows = nullptr;             // [P, H] bf16
+  const void* rows2 = nullptr;            // [P, H] bf16 or null: added to rows (float32)
   const int64_t* token_rows = nullptr;    // [C_tok, K] indices into rows, -1 when not here
   const int64_t* recv_token_src = nullptr;// [C_tok]
   const float* slot_weights = nullptr;    // [W * T_max * K] or null (weight 1)

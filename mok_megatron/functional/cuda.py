@@ -297,15 +297,16 @@ class CudaBackend:
                 wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
             dg, du = mops.moe_swiglu_backward(da, act.g, act.u)
             del da
-            # dx = dg @ W_gate + du @ W_up (bf16 add: each term rounded once, then the sum)
-            dx_rows = grouped_mm(dg, routed.gate, offs)
-            dx_rows = dx_rows.add_(grouped_mm(du, routed.up, offs))
+            # dx = dg @ W_gate + du @ W_up: each term rounded to bf16 once, summed in float32 by
+            # the combine (rows2), so no add pass over [rows, H]
+            dx_gate = grouped_mm(dg, routed.gate, offs)
+            dx_up = grouped_mm(du, routed.up, offs)
             # weight gradients one at a time (each part is weight-sized)
             for i, (rows_t, rows) in enumerate(((dg, act.x_rows), (du, act.x_rows), wgrad_down)):
                 d_w[i] = _accumulate(d_w[i], grouped_mm(rows_t.T, rows, offs), offs, rounds, r)
             d_x = mops.moe_combine(
-                dx_rows, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
-                sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
+                dx_gate, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
+                sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1, dx_up,
             )  # fmt: skip
         d_rw = mops.moe_combine_slots(
             d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm

@@ -66,7 +66,8 @@ def moe_dispatch(x: torch.Tensor, recv_token_src: torch.Tensor, comm: list[int])
 
 
 def moe_combine(rows, token_rows, recv_token_src, slot_weights, send_to, shared_out, num_tokens,
-                comm, acc=None, row_begin=0, first=True, last=True) -> torch.Tensor:  # fmt: skip
+                comm, acc=None, row_begin=0, first=True, last=True,
+                rows2=None) -> torch.Tensor:  # fmt: skip
     """rows: [P, H] bf16; token_rows: [C_tok, K] int64 into rows; slot_weights: [W, T_max, K]
     float32 or None; shared_out: [T, H] bf16 or None → out: [T, H] bf16. Collective.
 
@@ -74,10 +75,12 @@ def moe_combine(rows, token_rows, recv_token_src, slot_weights, send_to, shared_
     ([C_tok, H] float32) carries each token's sum from round to round: a round that is not
     ``last`` adds its rows (slot order) to ``acc`` and returns an empty [0, H] tensor; the last
     round adds its rows, pushes and sums at the source (``shared_out`` counts only there).
+    ``rows2`` (optional, shaped like ``rows``) is a second term per row, added in float32 right
+    after ``rows`` (the backward's ``dg @ W_gate`` and ``du @ W_up`` without a bf16 add pass).
     """
     return torch.ops.mok.moe_combine(
         rows, token_rows, recv_token_src, slot_weights, send_to, shared_out, num_tokens, comm,
-        acc, row_begin, first, last,
+        acc, row_begin, first, last, rows2,
     )  # fmt: skip
 
 
@@ -137,7 +140,8 @@ def _dispatch_fake(x, recv_token_src, comm):
 
 
 def _combine_fake(rows, token_rows, recv_token_src, slot_weights, send_to, shared_out,
-                  num_tokens, comm, acc=None, row_begin=0, first=True, last=True):  # fmt: skip
+                  num_tokens, comm, acc=None, row_begin=0, first=True, last=True,
+                  rows2=None):  # fmt: skip
     return rows.new_empty(num_tokens if last else 0, rows.shape[1])
 
 

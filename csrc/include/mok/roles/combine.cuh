@@ -30,6 +30,8 @@ struct CombineParams {
   const int64_t* recv_token_src; // [C_tok]: s * T_max + t, -1 when unused
   const float* slot_weights;     // [W * T_max * K] gathered router weights, or null (weight 1)
   int num_recv;                  // C_tok
+  const __nv_bfloat16* rows2 = nullptr;  // [P, H] or null: a second term per row, added after
+                                         // rows in float32 (d_x = dg W_gate + du W_up)
   int64_t row_begin = 0;         // `rows` holds padded rows [row_begin, row_end)
   int64_t row_end = INT64_MAX;
   const float* acc_in = nullptr; // [C_tok, H] earlier rounds' sums, or null (start from 0)
@@ -78,11 +80,16 @@ __global__ void push_partials(CombineParams p) {
       const int64_t row = slots[k];
       if (row < p.row_begin || row >= p.row_end) continue;  // -1, or another round's row
       const float w = p.slot_weights ? p.slot_weights[src * k_n + k] : 1.0f;
+      const int64_t at = (row - p.row_begin) * hidden + h;
       float y[8];
-      unpack_bf16x8(
-          *reinterpret_cast<const uint4*>(p.rows + (row - p.row_begin) * hidden + h), y);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(p.rows + at), y);
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(y[i], w));  // no FMA
+      if (p.rows2 != nullptr) {
+        unpack_bf16x8(*reinterpret_cast<const uint4*>(p.rows2 + at), y);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(y[i], w));
+      }
     }
     reinterpret_cast<float4*>(dst + h)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     reinterpret_cast<float4*>(dst + h)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
