@@ -10,11 +10,16 @@ CUDA-event samples of 5 calls; printed: medians over 9 rounds and the per-round 
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 
 import torch
 
 from mok_megatron.ops import grouped_gemm as gg
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_grouped_gemm import time_ms  # noqa: E402  (a sibling script, not a package)
 
 SHAPES = {  # name: (hidden, intermediate, local experts, rows, rows_per_flag values)
     "qwen3-30b-a3b": (2048, 768, 64, 65536, (128, 1)),
@@ -24,16 +29,8 @@ SHAPES = {  # name: (hidden, intermediate, local experts, rows, rows_per_flag va
 
 
 def sample(fn, n=10, calls=5) -> float:
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    """Median per-call ms of n CUDA-event samples of `calls` calls (no warm-up: compare does it)."""
+    return time_ms(fn, samples=n, calls=calls, warmup=0)["median_ms"]
 
 
 def compare(plain, wait, rounds=9):

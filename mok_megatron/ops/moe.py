@@ -172,7 +172,9 @@ if extension_available() and hasattr(torch.ops.mok, "moe_dispatch"):
         ("moe_swiglu", _swiglu_fake),
         ("moe_swiglu_backward", _swiglu_backward_fake),
     ):
-        torch.library.register_fake(f"mok::{_name}")(_fake)
+        # NOTE: an older build may lack newer ops; the backend then reports them as missing.
+        if hasattr(torch.ops.mok, _name):
+            torch.library.register_fake(f"mok::{_name}")(_fake)
 
 
 # ------------------------------------------------------------------ fused per-row backward step

@@ -14,6 +14,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "mok/common/bf16x8.cuh"
 #include "mok/common/macros.cuh"
 #include "mok/layout/workspace.cuh"
 
@@ -37,16 +38,6 @@ struct CombineParams {
   const float* acc_in = nullptr; // [C_tok, H] earlier rounds' sums, or null (start from 0)
   float* acc_out = nullptr;      // [C_tok, H]: write the sum here (not the last round), or null
 };
-
-MOK_DEVICE void unpack_bf16x8(uint4 v, float* out) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
 
 // One block per received token; each thread owns 8 consecutive hidden elements at a time.
 // Writes the token's (accumulated) row to the source's combine block, or to acc_out.
@@ -120,10 +111,7 @@ __global__ void reduce_partials(WorkspaceLayout lay, uint64_t my_base, const boo
 #pragma unroll
       for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], sh[q]);
     }
-    __nv_bfloat162 packed[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) packed[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    *reinterpret_cast<uint4*>(out + t * hidden + h) = *reinterpret_cast<uint4*>(packed);
+    *reinterpret_cast<uint4*>(out + t * hidden + h) = pack_bf16x8(acc);
   }
 }
 

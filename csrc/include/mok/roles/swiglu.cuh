@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "mok/common/bf16x8.cuh"
 #include "mok/common/macros.cuh"
 
 namespace mok::roles {
@@ -27,14 +28,7 @@ struct SwigluParams {
 template <int kVec>
 MOK_DEVICE void load_vec(const __nv_bfloat16* p, float* out) {
   if constexpr (kVec == 8) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(h[i]);
-      out[2 * i] = f.x;
-      out[2 * i + 1] = f.y;
-    }
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(p), out);
   } else {
     out[0] = __bfloat162float(*p);
   }
@@ -43,11 +37,7 @@ MOK_DEVICE void load_vec(const __nv_bfloat16* p, float* out) {
 template <int kVec>
 MOK_DEVICE void store_vec(__nv_bfloat16* p, const float* in) {
   if constexpr (kVec == 8) {
-    uint4 v;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = v;
+    *reinterpret_cast<uint4*>(p) = pack_bf16x8(in);
   } else {
     *p = __float2bfloat16_rn(in[0]);
   }
