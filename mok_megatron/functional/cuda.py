@@ -45,21 +45,7 @@ from .schedule import MoKSchedule
 if TYPE_CHECKING:
     from .workspace import MoKWorkspace
 
-__all__ = ["CudaBackend", "CudaContext", "REQUIRED_OPS"]
-
-#: torch.ops.mok ops the stage-1 CUDA pass is built from.
-REQUIRED_OPS = (
-    "moe_gather_routing",
-    "moe_build_schedule",
-    "moe_dispatch",
-    "moe_combine",
-    "moe_combine_slots",
-    "moe_gather_rows",
-    "moe_swiglu",
-    "moe_swiglu_backward",
-    "moe_row_grad",
-    "moe_accumulate_groups",
-)
+__all__ = ["CudaBackend", "CudaContext"]
 
 #: Row alignment of each expert's group in the padded GEMM layout (16 bytes of bf16).
 GROUP_ALIGN = 8
@@ -151,6 +137,7 @@ class CudaBackend:
     @staticmethod
     def unsupported_reasons(ws: MoKWorkspace) -> list[str]:
         from mok_megatron.ops import extension_error, has_op
+        from mok_megatron.ops.moe import CUDA_OPS
 
         reasons = []
         if ws.device.type != "cuda":
@@ -167,7 +154,7 @@ class CudaBackend:
             reasons.append(
                 f"{ws.num_ranks} expert-parallel ranks; the barrier serves <= {MAX_RANKS}"
             )
-        missing = [op for op in REQUIRED_OPS if not has_op(op)]
+        missing = [op for op in CUDA_OPS if not has_op(op)]
         if extension_error() is not None:
             reasons.append(f"mok_megatron._C did not load ({extension_error()})")
         elif missing:
@@ -379,8 +366,8 @@ def _rounds(macrobatch: int, sched: MoKSchedule, plan: CudaPlan, slot_weights) -
     if extra:
         row_tok = torch.cat([row_tok, row_tok.new_full((extra,), -1)])
         w_rows = torch.cat([w_rows, w_rows.new_zeros(extra)])
-    padded_rows = (plan.expert_rows + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
-    start = plan.offs.to(torch.int64) - padded_rows
+    ends = plan.offs.to(torch.int64)
+    start = torch.cat([ends.new_zeros(1), ends[:-1]])  # each expert's first padded row
     first_round = torch.where(plan.expert_rows > 0, start // rows, -1).to(torch.int32)
     return Rounds(count, rows, row_tok, w_rows, first_round)
 

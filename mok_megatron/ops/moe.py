@@ -14,9 +14,9 @@ import torch
 
 from mok_megatron.ops._extension import extension_available
 
-__all__ = [
-    "MoeWorkspaceLayout",
-    "moe_workspace_layout",
+#: The torch.ops.mok ops with CUDA kernels this module wraps (each wrapper has the op's name):
+#: what the CUDA backend needs from mok_megatron._C (besides moe_workspace_layout, host-only).
+CUDA_OPS = (
     "moe_gather_routing",
     "moe_build_schedule",
     "moe_dispatch",
@@ -27,7 +27,9 @@ __all__ = [
     "moe_swiglu_backward",
     "moe_row_grad",
     "moe_accumulate_groups",
-]
+)
+
+__all__ = ["MoeWorkspaceLayout", "moe_workspace_layout", "CUDA_OPS", *CUDA_OPS]
 
 #: Region names in the order of ``mok::layout::Region`` (csrc/include/mok/layout/workspace.cuh).
 REGIONS = ("routing_topk", "routing_weights", "tokens", "combine", "slot_values")
@@ -161,22 +163,6 @@ def _swiglu_backward_fake(da, g, u):
     return da.new_empty(da.shape), da.new_empty(da.shape)
 
 
-if extension_available() and hasattr(torch.ops.mok, "moe_dispatch"):
-    for _name, _fake in (
-        ("moe_gather_routing", _gather_routing_fake),
-        ("moe_build_schedule", _build_schedule_fake),
-        ("moe_dispatch", _dispatch_fake),
-        ("moe_combine", _combine_fake),
-        ("moe_combine_slots", _combine_slots_fake),
-        ("moe_gather_rows", _gather_rows_fake),
-        ("moe_swiglu", _swiglu_fake),
-        ("moe_swiglu_backward", _swiglu_backward_fake),
-    ):
-        # NOTE: an older build may lack newer ops; the backend then reports them as missing.
-        if hasattr(torch.ops.mok, _name):
-            torch.library.register_fake(f"mok::{_name}")(_fake)
-
-
 # ------------------------------------------------------------------ fused per-row backward step
 def moe_row_grad(
     d_rows: torch.Tensor, y: torch.Tensor, w_rows: torch.Tensor, row_tok: torch.Tensor
@@ -197,13 +183,25 @@ def _row_grad_fake(d_rows, y, w_rows, row_tok):
     return d_rows.new_empty(d_rows.shape[0], dtype=torch.float32), d_rows.new_empty(d_rows.shape)
 
 
-if extension_available() and hasattr(torch.ops.mok, "moe_row_grad"):
-    torch.library.register_fake("mok::moe_row_grad")(_row_grad_fake)
-
-
 def _accumulate_groups_fake(total, part, offs, first_round, round_index):
     return None
 
 
-if extension_available() and hasattr(torch.ops.mok, "moe_accumulate_groups"):
-    torch.library.register_fake("mok::moe_accumulate_groups")(_accumulate_groups_fake)
+_FAKES = {
+    "moe_gather_routing": _gather_routing_fake,
+    "moe_build_schedule": _build_schedule_fake,
+    "moe_dispatch": _dispatch_fake,
+    "moe_combine": _combine_fake,
+    "moe_combine_slots": _combine_slots_fake,
+    "moe_gather_rows": _gather_rows_fake,
+    "moe_swiglu": _swiglu_fake,
+    "moe_swiglu_backward": _swiglu_backward_fake,
+    "moe_row_grad": _row_grad_fake,
+    "moe_accumulate_groups": _accumulate_groups_fake,
+}
+
+if extension_available():
+    for _name, _fake in _FAKES.items():
+        # NOTE: an older build may lack newer ops; the backend then reports them as missing.
+        if hasattr(torch.ops.mok, _name):
+            torch.library.register_fake(f"mok::{_name}")(_fake)
