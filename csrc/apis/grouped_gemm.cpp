@@ -89,14 +89,21 @@ launch::GroupedGemmArgs l1_swiglu_args(const char* kOp, const at::Tensor& x,
   return args;
 }
 
-launch::GroupedGemmArgs nt_args(const char* kOp, const at::Tensor& a, const at::Tensor& b,
-                                const at::Tensor& offs, const at::Tensor& out) {
+// out [rows, n] = a [rows, k] @ op(b[g]): b is [G, n, k] (b_transposed: a @ b[g]^T, the NT
+// op) or [G, k, n] (a @ b[g], the NN op).
+launch::GroupedGemmArgs rows_in_m_args(const char* kOp, const at::Tensor& a, const at::Tensor& b,
+                                       const at::Tensor& offs, const at::Tensor& out,
+                                       bool b_transposed) {
   check_bf16(kOp, "a", a, 2, a);
   check_bf16(kOp, "b", b, 3, a);
-  const int64_t k = a.size(1), n = b.size(1);
+  const int64_t k = a.size(1), n = b.size(b_transposed ? 1 : 2);
   check_dim(kOp, "k", k, 8);
   check_dim(kOp, "n", n, 8);
-  check_shape(kOp, "b", b, {b.size(0), n, k});
+  if (b_transposed) {
+    check_shape(kOp, "b", b, {b.size(0), n, k});
+  } else {
+    check_shape(kOp, "b", b, {b.size(0), k, n});
+  }
   check_offs(kOp, offs, b.size(0), a);
   check_bf16(kOp, "out", out, 2, a);
   check_shape(kOp, "out", out, {a.size(0), n});
@@ -156,25 +163,13 @@ void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
 
 void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                          const at::Tensor& out) {
-  auto args = nt_args("mok::grouped_gemm_nt", a, b, offs, out);
+  auto args = rows_in_m_args("mok::grouped_gemm_nt", a, b, offs, out, /*b_transposed=*/true);
   launch_with_workspace(a, args, launch::grouped_gemm_nt);
 }
 
 void grouped_gemm_nn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                          const at::Tensor& out) {
-  constexpr const char* kOp = "mok::grouped_gemm_nn";
-  check_bf16(kOp, "a", a, 2, a);
-  check_bf16(kOp, "b", b, 3, a);
-  const int64_t k = a.size(1), n = b.size(2);
-  check_dim(kOp, "k", k, 8);
-  check_dim(kOp, "n", n, 8);
-  check_shape(kOp, "b", b, {b.size(0), k, n});
-  check_offs(kOp, offs, b.size(0), a);
-  check_bf16(kOp, "out", out, 2, a);
-  check_shape(kOp, "out", out, {a.size(0), n});
-  auto args = base_args(a, b, offs, out);
-  args.n = static_cast<int>(n);
-  args.k = static_cast<int>(k);
+  auto args = rows_in_m_args("mok::grouped_gemm_nn", a, b, offs, out, /*b_transposed=*/false);
   launch_with_workspace(a, args, launch::grouped_gemm_nn);
 }
 
@@ -229,7 +224,7 @@ void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at
                               int64_t timeout_ms, const at::Tensor& out,
                               const std::optional<at::Tensor>& error) {
   constexpr const char* kOp = "mok::grouped_gemm_nt_wait";
-  auto args = nt_args(kOp, a, b, offs, out);
+  auto args = rows_in_m_args(kOp, a, b, offs, out, /*b_transposed=*/true);
   const auto wait = flag_wait_args(kOp, a, ready, rows_per_flag, epoch, timeout_ms, error);
   launch_with_workspace(a, args, [&](const launch::GroupedGemmArgs& gemm, cudaStream_t stream) {
     launch::grouped_gemm_nt_wait(gemm, wait, stream);

@@ -12,14 +12,8 @@ using DSwigluConfig = detail::Config<gemm::RowMajor, gemm::RowMajor, Epilogue>;
 void grouped_gemm_dswiglu(const GroupedGemmArgs& args, cudaStream_t stream) {
   detail::check_common(args, "mok::grouped_gemm_dswiglu");
   MOK_HOST_CHECK(args.aux != nullptr, "mok::grouped_gemm_dswiglu: h (aux) is required");
-  gemm::GroupedProblemDesc desc;
-  desc.offs = args.offs;
-  desc.num_groups = args.num_groups;
-  desc.n = args.n;
-  desc.k = args.k;
-  desc.a = {args.a, args.k, 0};
-  desc.b = {args.b, 0, int64_t{args.n} * args.k};
-  desc.d = {args.out, 2 * int64_t{args.n}, 0};
+  gemm::GroupedProblemDesc desc = detail::rows_in_m_desc(args);
+  desc.d = {args.out, 2 * int64_t{args.n}, 0};  // d_h [rows, 2I]
   desc.aux = {args.aux, 2 * int64_t{args.n}, 0};
   desc.aux2 = {args.aux2, args.n, 0};
   const bool write_act = args.aux2 != nullptr;

@@ -162,6 +162,31 @@ void run_plain(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream
                       [](const auto& arrays) { return plain_epilogue<Config>(arrays); });
 }
 
+// The plain-epilogue GEMM on the schedule MOK_GEMM_* tuning picks; ConfigOf<Schedule> is its
+// Config.
+template <template <class> class ConfigOf>
+void run_plain_tuned(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream_t stream) {
+  if (tuning_from_env().pingpong) {
+    run_plain<ConfigOf<gemm::Pingpong>>(desc, workspace, stream);
+  } else {
+    run_plain<ConfigOf<gemm::Cooperative>>(desc, workspace, stream);
+  }
+}
+
+// A rows-in-M problem (forward, data gradients): group g's rows of A [rows, k] times B[g]
+// (n x k elements per group) into D [rows, n]. Fused epilogues adjust d and set aux / aux2.
+inline gemm::GroupedProblemDesc rows_in_m_desc(const GroupedGemmArgs& args) {
+  gemm::GroupedProblemDesc desc;
+  desc.offs = args.offs;
+  desc.num_groups = args.num_groups;
+  desc.n = args.n;
+  desc.k = args.k;
+  desc.a = {args.a, args.k, 0};
+  desc.b = {args.b, 0, int64_t{args.n} * args.k};
+  desc.d = {args.out, args.n, 0};
+  return desc;
+}
+
 template <class LayoutA, class LayoutB, class Epilogue, class Schedule = gemm::Cooperative,
           class Shape = gemm::ProblemShape>
 struct Config {

@@ -16,14 +16,8 @@ void check_l1(const GroupedGemmArgs& args, const char* op) {
 }
 
 gemm::GroupedProblemDesc l1_desc(const GroupedGemmArgs& args) {
-  gemm::GroupedProblemDesc desc;
-  desc.offs = args.offs;
-  desc.num_groups = args.num_groups;
-  desc.n = args.n;
-  desc.k = args.k;
-  desc.a = {args.a, args.k, 0};
-  desc.b = {args.b, 0, int64_t{args.n} * args.k};
-  desc.d = {args.out, args.n / 2, 0};
+  gemm::GroupedProblemDesc desc = detail::rows_in_m_desc(args);
+  desc.d = {args.out, args.n / 2, 0};  // act [rows, I]
   desc.aux = {args.aux, args.n, 0};
   return desc;
 }

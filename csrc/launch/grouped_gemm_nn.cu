@@ -10,19 +10,7 @@ using NNConfig = detail::Config<gemm::RowMajor, gemm::RowMajor,
 
 void grouped_gemm_nn(const GroupedGemmArgs& args, cudaStream_t stream) {
   detail::check_common(args, "mok::grouped_gemm_nn");
-  gemm::GroupedProblemDesc desc;
-  desc.offs = args.offs;
-  desc.num_groups = args.num_groups;
-  desc.n = args.n;
-  desc.k = args.k;
-  desc.a = {args.a, args.k, 0};
-  desc.b = {args.b, 0, int64_t{args.n} * args.k};
-  desc.d = {args.out, args.n, 0};
-  if (detail::tuning_from_env().pingpong) {
-    detail::run_plain<NNConfig<gemm::Pingpong>>(desc, args.workspace, stream);
-  } else {
-    detail::run_plain<NNConfig<gemm::Cooperative>>(desc, args.workspace, stream);
-  }
+  detail::run_plain_tuned<NNConfig>(detail::rows_in_m_desc(args), args.workspace, stream);
 }
 
 }  // namespace mok::launch

@@ -28,11 +28,7 @@ void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream) {
   gemm::zero_empty_groups<gemm::Element><<<zero_grid, kThreads, 0, stream>>>(
       args.offs, static_cast<gemm::Element*>(args.out), group_elems);
   MOK_CUDA_CHECK(cudaGetLastError());
-  if (detail::tuning_from_env().pingpong) {
-    detail::run_plain<TNConfig<gemm::Pingpong>>(desc, args.workspace, stream);
-  } else {
-    detail::run_plain<TNConfig<gemm::Cooperative>>(desc, args.workspace, stream);
-  }
+  detail::run_plain_tuned<TNConfig>(desc, args.workspace, stream);
 }
 
 }  // namespace mok::launch
