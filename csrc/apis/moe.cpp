@@ -251,7 +251,7 @@ launch::MoeSwigluArgs swiglu_args(const at::Tensor& g, const at::Tensor& u, cons
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->dim() == 2,
                 "mok::", op, ": ", name, " must be a 2-D bfloat16 CUDA tensor, got ",
                 t->scalar_type(), " ", t->sizes(), " on ", t->device());
-    TORCH_CHECK(t->size(0) <= 1 || t->size(1) <= 1 || t->stride(1) == 1, "mok::", op, ": ",
+    TORCH_CHECK(t->size(1) <= 1 || t->stride(1) == 1, "mok::", op, ": ",
                 name, " must have unit column stride (rows may be strided)");
   }
   TORCH_CHECK(g.sizes() == u.sizes(), "mok::", op, ": g ", g.sizes(), " and u ", u.sizes(),

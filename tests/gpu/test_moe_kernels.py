@@ -126,3 +126,5 @@ def test_swiglu_bad_input_names_the_rule():
         moe_swiglu(g, g[:, :8])
     with pytest.raises(RuntimeError, match="unit column stride"):
         moe_swiglu(g.T, g.T)
+    with pytest.raises(RuntimeError, match="unit column stride"):  # one row, strided columns
+        moe_swiglu(g[:1, ::2], g[:1, ::2])
