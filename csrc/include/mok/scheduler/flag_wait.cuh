@@ -30,8 +30,8 @@
 // Cost: the hook is a separate kernel instantiation, selected by the problem-shape type
 // FlagWaitProblemShape; kernels built with the plain ProblemShape use CUTLASS's scheduler
 // unchanged, so the ops without flags compile to exactly the code they had before (same SASS).
-// When used with every flag already set, one H200 measured +1-2% (L1+SwiGLU) and +3.5-7.5% (nt)
-// against the plain ops (docs/GEMM.md, "Per-tile flag wait").
+// When used with every flag already set, one H200 measured +0.7-2.4% (L1+SwiGLU) and
+// +3.5-7.6% (nt) against the plain ops (docs/GEMM.md, "Per-tile flag wait").
 //
 // NOTE: relies on warp 0 being the mainloop TMA producer warp, true of CUTLASS's sm90 ptr-array
 // cooperative and pingpong kernels (producer warpgroup 0, ProducerWarpRole::Mainloop = 0).
