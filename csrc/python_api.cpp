@@ -43,6 +43,8 @@ TORCH_LIBRARY(mok, m) {
   m.def("moe_gather_rows(Tensor src, Tensor row_tok) -> Tensor");
   m.def("moe_swiglu(Tensor g, Tensor u) -> Tensor");
   m.def("moe_swiglu_backward(Tensor da, Tensor g, Tensor u) -> (Tensor, Tensor)");
+  m.def("moe_swiglu_interleaved(Tensor h) -> Tensor");
+  m.def("moe_swiglu_interleaved_backward(Tensor da, Tensor h) -> Tensor");
   m.def(
       "moe_row_grad(Tensor d_rows, Tensor y, Tensor w_rows, Tensor row_tok) -> (Tensor, Tensor)");
   m.def(
@@ -63,6 +65,8 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("moe_gather_rows", &mok::apis::moe_gather_rows);
   m.impl("moe_swiglu", &mok::apis::moe_swiglu);
   m.impl("moe_swiglu_backward", &mok::apis::moe_swiglu_backward);
+  m.impl("moe_swiglu_interleaved", &mok::apis::moe_swiglu_interleaved);
+  m.impl("moe_swiglu_interleaved_backward", &mok::apis::moe_swiglu_interleaved_backward);
   m.impl("moe_row_grad", &mok::apis::moe_row_grad);  // csrc/apis/row_grad.h
   m.impl("moe_accumulate_groups", &mok::apis::moe_accumulate_groups);
 }

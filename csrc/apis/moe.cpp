@@ -289,6 +289,48 @@ std::tuple<at::Tensor, at::Tensor> moe_swiglu_backward(const at::Tensor& da, con
   return {dg, du};
 }
 
+// h: [P, 2I] bf16, gate and up columns interleaved in blocks of 8 (ops.interleave_gate_up).
+launch::MoeSwigluArgs swiglu_interleaved_args(const at::Tensor& h, const char* op) {
+  TORCH_CHECK(h.is_cuda() && h.scalar_type() == at::kBFloat16 && h.dim() == 2, "mok::", op,
+              ": h must be a 2-D bfloat16 CUDA tensor, got ", h.scalar_type(), " ", h.sizes(),
+              " on ", h.device());
+  TORCH_CHECK(h.size(1) % 16 == 0, "mok::", op, ": h has ", h.size(1),
+              " columns; the interleaved gate/up layout needs a multiple of 16 (I % 8 == 0)");
+  TORCH_CHECK(h.size(1) == 0 || h.stride(1) == 1, "mok::", op,
+              ": h must have unit column stride (rows may be strided)");
+  launch::MoeSwigluArgs a;
+  const auto* base = static_cast<const at::BFloat16*>(h.data_ptr());
+  a.g = base;
+  a.u = base + 8;
+  a.g_ld = a.u_ld = h.size(0) > 1 ? h.stride(0) : h.size(1);
+  a.num_rows = h.size(0);
+  a.inter = h.size(1) / 2;
+  a.blk_stride = 16;
+  return a;
+}
+
+at::Tensor moe_swiglu_interleaved(const at::Tensor& h) {
+  const auto a = swiglu_interleaved_args(h, "moe_swiglu_interleaved");
+  c10::cuda::CUDAGuard guard(h.device());
+  auto out = at::empty({a.num_rows, a.inter}, h.options().memory_format(at::MemoryFormat::Contiguous));
+  launch::moe_swiglu_forward(a, out.data_ptr(), stream_of(h));
+  return out;
+}
+
+at::Tensor moe_swiglu_interleaved_backward(const at::Tensor& da, const at::Tensor& h) {
+  constexpr const char* kOp = "moe_swiglu_interleaved_backward";
+  check(da, "da", at::kBFloat16, 2);
+  const auto a = swiglu_interleaved_args(h, kOp);
+  TORCH_CHECK(da.size(0) == a.num_rows && da.size(1) == a.inter, "mok::", kOp, ": da ",
+              da.sizes(), " must be [P, I] = [", a.num_rows, ", ", a.inter, "] for h ", h.sizes());
+  c10::cuda::CUDAGuard guard(h.device());
+  auto d_h = at::empty({a.num_rows, 2 * a.inter}, da.options());
+  auto* out = static_cast<at::BFloat16*>(d_h.data_ptr());
+  launch::moe_swiglu_backward(a, da.data_ptr(), out, 2 * a.inter, out + 8, 2 * a.inter,
+                              stream_of(h));
+  return d_h;
+}
+
 void moe_accumulate_groups(const at::Tensor& total, const at::Tensor& part, const at::Tensor& offs,
                            const at::Tensor& first_round, int64_t round) {
   check(total, "total", at::kBFloat16, 3);

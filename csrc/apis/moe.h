@@ -59,6 +59,9 @@ at::Tensor moe_gather_rows(const at::Tensor& src, const at::Tensor& row_tok);
 
 // g, u: [P, I] bf16 (rows may be strided) -> a [P, I]; backward: (da [P, I], g, u) -> (dg, du).
 at::Tensor moe_swiglu(const at::Tensor& g, const at::Tensor& u);
+// The same on one [P, 2I] tensor whose gate and up columns alternate in blocks of 8.
+at::Tensor moe_swiglu_interleaved(const at::Tensor& h);
+at::Tensor moe_swiglu_interleaved_backward(const at::Tensor& da, const at::Tensor& h);
 std::tuple<at::Tensor, at::Tensor> moe_swiglu_backward(const at::Tensor& da, const at::Tensor& g,
                                                        const at::Tensor& u);
 

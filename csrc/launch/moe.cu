@@ -152,7 +152,10 @@ void moe_gather_rows(const void* src, const int64_t* row_tok, void* out, int64_t
 
 namespace {
 bool vec8(const MoeSwigluArgs& a, std::initializer_list<int64_t> strides) {
-  if (a.inter % 8) return false;
+  if (a.inter % 8 || a.blk_stride % 8) return false;
+  for (const void* ptr : {a.g, a.u}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
+  }
   for (int64_t s : strides) {
     if (s % 8) return false;
   }
@@ -162,7 +165,7 @@ bool vec8(const MoeSwigluArgs& a, std::initializer_list<int64_t> strides) {
 roles::SwigluParams swiglu_params(const MoeSwigluArgs& a) {
   return roles::SwigluParams{static_cast<const __nv_bfloat16*>(a.g),
                              static_cast<const __nv_bfloat16*>(a.u), a.g_ld, a.u_ld, a.num_rows,
-                             a.inter};
+                             a.inter, a.blk_stride};
 }
 }  // namespace
 

@@ -82,9 +82,11 @@ struct MoeSwigluArgs {
   int64_t u_ld = 0;
   int64_t num_rows = 0;
   int64_t inter = 0;
+  int64_t blk_stride = 8;  // 8: contiguous columns; 16: interleaved halves (roles/swiglu.cuh)
 };
 
-// out [P, I] (contiguous) = silu(g) * u; backward: dg, du (row strides dg_ld, du_ld) from da.
+// out [P, I] (contiguous) = silu(g) * u; backward: dg, du (row strides dg_ld, du_ld, the same
+// column layout as g and u) from da.
 void moe_swiglu_forward(const MoeSwigluArgs& args, void* out, cudaStream_t stream);
 void moe_swiglu_backward(const MoeSwigluArgs& args, const void* da, void* dg, int64_t dg_ld,
                          void* du, int64_t du_ld, cudaStream_t stream);

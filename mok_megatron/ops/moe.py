@@ -25,6 +25,8 @@ CUDA_OPS = (
     "moe_gather_rows",
     "moe_swiglu",
     "moe_swiglu_backward",
+    "moe_swiglu_interleaved",
+    "moe_swiglu_interleaved_backward",
     "moe_row_grad",
     "moe_accumulate_groups",
 )
@@ -109,6 +111,17 @@ def moe_swiglu_backward(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     return torch.ops.mok.moe_swiglu_backward(da, g, u)
 
 
+def moe_swiglu_interleaved(h: torch.Tensor) -> torch.Tensor:
+    """h: [P, 2I] bf16, gate and up columns interleaved in blocks of 8 (the output of the fused
+    gate/up weight, ``ops.interleave_gate_up``; rows may be strided) → silu(gate) * up: [P, I]."""
+    return torch.ops.mok.moe_swiglu_interleaved(h)
+
+
+def moe_swiglu_interleaved_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """da: [P, I], h: [P, 2I] interleaved bf16 → d_h: [P, 2I] bf16, interleaved like h."""
+    return torch.ops.mok.moe_swiglu_interleaved_backward(da, h)
+
+
 def moe_accumulate_groups(total, part, offs, first_round, round_index: int) -> None:
     """One round's weight gradient into the total, touching only the groups that need it.
 
@@ -163,6 +176,14 @@ def _swiglu_backward_fake(da, g, u):
     return da.new_empty(da.shape), da.new_empty(da.shape)
 
 
+def _swiglu_interleaved_fake(h):
+    return h.new_empty(h.shape[0], h.shape[1] // 2)
+
+
+def _swiglu_interleaved_backward_fake(da, h):
+    return da.new_empty(h.shape[0], h.shape[1])
+
+
 # ------------------------------------------------------------------ fused per-row backward step
 def moe_row_grad(
     d_rows: torch.Tensor, y: torch.Tensor, w_rows: torch.Tensor, row_tok: torch.Tensor
@@ -196,6 +217,8 @@ _FAKES = {
     "moe_gather_rows": _gather_rows_fake,
     "moe_swiglu": _swiglu_fake,
     "moe_swiglu_backward": _swiglu_backward_fake,
+    "moe_swiglu_interleaved": _swiglu_interleaved_fake,
+    "moe_swiglu_interleaved_backward": _swiglu_interleaved_backward_fake,
     "moe_row_grad": _row_grad_fake,
     "moe_accumulate_groups": _accumulate_groups_fake,
 }

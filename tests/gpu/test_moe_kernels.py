@@ -1,5 +1,5 @@
 """The CUDA backend's local kernels: ``moe_accumulate_groups``, ``moe_gather_rows``,
-``moe_swiglu`` / ``moe_swiglu_backward``.
+``moe_swiglu`` / ``moe_swiglu_backward`` and their interleaved (fused gate/up) twins.
 
 moe_accumulate_groups (per-expert weight-gradient accumulation over rounds): each group is checked bitwise against what the rule says it must hold: zeros for a group with no
 rows (round 0 only), untouched when it has no rows in the round, a copy of the part in its first
@@ -18,6 +18,8 @@ from mok_megatron.ops.moe import (
     moe_gather_rows,
     moe_swiglu,
     moe_swiglu_backward,
+    moe_swiglu_interleaved,
+    moe_swiglu_interleaved_backward,
 )
 from mok_megatron.testing import relative_error
 
@@ -128,3 +130,36 @@ def test_swiglu_bad_input_names_the_rule():
         moe_swiglu(g.T, g.T)
     with pytest.raises(RuntimeError, match="unit column stride"):  # one row, strided columns
         moe_swiglu(g[:1, ::2], g[:1, ::2])
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 8), (37, 96), (1000, 768), (129, 2048)])
+def test_interleaved_swiglu_matches_float64_and_the_split_kernels(rows, inter):
+    """h [P, 2I] with gate and up columns alternating in blocks of 8: the same bits as the split
+    kernels on the de-interleaved halves, d_h interleaved like h; strided rows too."""
+    wide = (_random((rows, 2 * inter + 16), inter + 1) - 1.0) * 4
+    h = wide[:, 16:]  # rows strided, start 32 bytes into each row
+    da = _random((rows, inter), rows + 1) - 1.0
+    gate, up = ops.deinterleave_gate_up(h)
+    a = moe_swiglu_interleaved(h)
+    d_h = moe_swiglu_interleaved_backward(da, h)
+    assert a.shape == (rows, inter) and d_h.shape == (rows, 2 * inter) and d_h.is_contiguous()
+    dg, du = ops.deinterleave_gate_up(d_h)
+    a64, dg64, du64 = _swiglu64(gate, up, da)
+    for name, got, want in (("a", a, a64), ("dg", dg, dg64), ("du", du, du64)):
+        err = relative_error(got.double(), want)
+        assert err < 1e-2, f"{name}: rel err {err:.3e}"
+    assert torch.equal(a, moe_swiglu(gate, up))
+    dg2, du2 = moe_swiglu_backward(da, gate, up)
+    assert torch.equal(dg, dg2) and torch.equal(du, du2)
+    assert torch.equal(d_h, ops.interleave_gate_up(dg2.T, du2.T).T)
+    assert torch.equal(a, moe_swiglu_interleaved(h.contiguous()))
+
+
+def test_interleaved_swiglu_bad_input_names_the_rule():
+    h = _random((4, 48), 2)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        moe_swiglu_interleaved(h[:, :40])
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        moe_swiglu_interleaved(_random((32, 4), 3).T)
+    with pytest.raises(RuntimeError, match=r"must be \[P, I\]"):
+        moe_swiglu_interleaved_backward(_random((4, 16), 4), h)
