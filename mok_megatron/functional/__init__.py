@@ -4,7 +4,7 @@ from .api import backward, build_schedule, check_errors, forward, recompute_forw
 from .autograd import moe
 from .config import MoKConfig
 from .schedule import MoKSchedule
-from .types import ExpertWeights, MoKGradients
+from .types import ExpertWeights, FusedExpertWeights, MoKGradients
 from .workspace import (
     MoKCapacityError,
     MoKWorkspace,
@@ -21,6 +21,7 @@ __all__ = [
     "MoKGradients",
     "MoKCapacityError",
     "ExpertWeights",
+    "FusedExpertWeights",
     "create_workspace",
     "get_workspace",
     "clear_workspace_cache",

@@ -13,7 +13,7 @@ import torch
 
 from .config import MoKConfig
 from .schedule import MoKSchedule
-from .types import ExpertWeights, MoKGradients
+from .types import ExpertWeights, FusedExpertWeights, MoKGradients
 from .workspace import MoKWorkspace
 
 __all__ = ["build_schedule", "forward", "backward", "recompute_forward_context", "check_errors"]
@@ -68,8 +68,10 @@ def forward(
     """out[t] = Σ_k router_weights[t, k] · FFN_{e(t, k)}(x[t]) + FFN_shared(x[t]).
 
     x: [T, H]; router_weights: [T, K], float32; routed weights [E_l, I, H], [E_l, I, H],
-    [E_l, H, I] (tensors or MXFP8 tuples from ``ops.mxfp8_quantize``); shared weights [I_s, H],
-    [I_s, H], [H, I_s] or all None. Returns ``out: [T, H]`` in x's dtype and the backend's context.
+    [E_l, H, I] (tensors or MXFP8 tuples from ``ops.mxfp8_quantize``), or the fused form
+    (gate_up [E_l, 2I, H] interleaved as ``ops.interleave_gate_up`` makes it, None, down): see
+    ``FusedExpertWeights``; shared weights [I_s, H], [I_s, H], [H, I_s] or all None. Returns
+    ``out: [T, H]`` in x's dtype and the backend's context.
     """
     shared, routed = _check_call(config, ws, sched, x, router_weights,
                                  (w_shared_gate, w_shared_up, w_shared_down),
@@ -102,7 +104,9 @@ def backward(
 ) -> MoKGradients:
     """All eight gradients of ``forward`` (``MoKGradients``, unpacks in the documented order).
 
-    d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for MXFP8).
+    d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for MXFP8); with
+    the fused gate/up form, ``d_w_routed_gate`` is gate_up's gradient (same layout) and
+    ``d_w_routed_up`` is None.
     """
     shared_in = (w_shared_gate, w_shared_up, w_shared_down)
     routed_in = (w_routed_gate, w_routed_up, w_routed_down)
@@ -138,7 +142,11 @@ def _check_call(config, ws, sched, x, router_weights, shared_in, routed_in):
             f"topk_experts' [T, K] = [{x.shape[0]}, {ws.topk}]"
         )
     e_l, h, i = ws.num_local_experts, ws.hidden_size, ws.intermediate_size
-    routed = _expert_weights("w_routed", routed_in, ws, x.dtype, [(e_l, i, h)] * 2 + [(e_l, h, i)])
+    if routed_in[1] is None:  # the fused gate/up form
+        routed = _fused_expert_weights(routed_in, ws, x.dtype)
+    else:
+        shapes = [(e_l, i, h)] * 2 + [(e_l, h, i)]
+        routed = _expert_weights("w_routed", routed_in, ws, x.dtype, shapes)
     shared = None
     if any(w is not None for w in shared_in):
         if any(w is None for w in shared_in):
@@ -148,16 +156,37 @@ def _check_call(config, ws, sched, x, router_weights, shared_in, routed_in):
     return shared, routed
 
 
-def _expert_weights(prefix, weights, ws, dtype, shapes) -> ExpertWeights:
+def _fused_expert_weights(routed_in, ws, dtype) -> FusedExpertWeights:
+    from mok_megatron.ops.grouped_gemm import SWIGLU_INTERLEAVE
+
+    e_l, h, i = ws.num_local_experts, ws.hidden_size, ws.intermediate_size
+    gate_up, _, down = routed_in
+    if gate_up is None:
+        raise ValueError(
+            "w_routed_gate and w_routed_up are both None; pass the routed experts' weights"
+        )
+    if i % SWIGLU_INTERLEAVE:
+        raise ValueError(
+            f"the fused gate/up form (w_routed_up=None) needs intermediate_size={i} to be a "
+            f"multiple of {SWIGLU_INTERLEAVE} (its interleave block); pass gate and up separately"
+        )
+    fused = _expert_weights(
+        "w_routed", (gate_up, down), ws, dtype, [(e_l, 2 * i, h), (e_l, h, i)],
+        roles=("gate_up (w_routed_up=None: the fused form)", "down"),
+    )  # fmt: skip
+    return FusedExpertWeights(*fused)
+
+
+def _expert_weights(prefix, weights, ws, dtype, shapes, roles=("gate", "up", "down")) -> tuple:
     dense = []
-    for role, w, shape in zip(("gate", "up", "down"), weights, shapes):
+    for role, w, shape in zip(roles, weights, shapes):
         name = f"{prefix}_{role}"
         w = _dequantize_if_mxfp8(w, dtype)
         _check_tensor(name, w, ws, dtypes=(dtype,), ndim=len(shape))
         if tuple(w.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
         dense.append(w)
-    return ExpertWeights(*dense)
+    return ExpertWeights(*dense) if len(dense) == 3 else tuple(dense)
 
 
 def _dense_shape(w) -> tuple[int, ...]:

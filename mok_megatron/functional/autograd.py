@@ -57,14 +57,18 @@ def moe(
     """The MoE layer as one differentiable call (a collective over the expert-parallel group).
 
     x: [T, H]; topk_experts: [T, K] int64 (-1 = empty slot); router_weights: [T, K] float32;
-    w_routed_gate / w_routed_up: [E_l, I, H]; w_routed_down: [E_l, H, I]; shared: the shared
+    w_routed_gate / w_routed_up: [E_l, I, H]; w_routed_down: [E_l, H, I] (or the fused form:
+    w_routed_gate = gate_up [E_l, 2I, H] interleaved, w_routed_up = None; see
+    ``FusedExpertWeights``); shared: the shared
     expert's (gate [I_s, H], up [I_s, H], down [H, I_s]) or None. Returns out: [T, H].
     Without ``workspace``, a cached one is made for ``group`` (the default group if None) with
     num_local_tokens = T.
     """
     config = config or (workspace.config if workspace is not None else MoKConfig())
     if workspace is None:
-        workspace = _default_workspace(config, group, x, topk_experts, w_routed_gate, shared)
+        workspace = _default_workspace(
+            config, group, x, topk_experts, w_routed_gate, w_routed_up, shared
+        )
     shared = shared if shared is not None else (None, None, None)
     return _MoKFunction.apply(
         config, workspace, x, topk_experts, router_weights, *shared,
@@ -72,9 +76,11 @@ def moe(
     )  # fmt: skip
 
 
-def _default_workspace(config, group, x, topk_experts, w_gate, shared) -> MoKWorkspace:
+def _default_workspace(config, group, x, topk_experts, w_gate, w_up, shared) -> MoKWorkspace:
     num_ranks = dist.get_world_size(group) if dist.is_initialized() else 1
     gate_shape = api._dense_shape(w_gate)
+    if w_up is None:  # the fused gate/up form: [E_l, 2I, H]
+        gate_shape = (gate_shape[0], gate_shape[1] // 2)
     return get_workspace(
         config, group, device=x.device, num_local_tokens=x.shape[0], hidden_size=x.shape[1],
         topk=topk_experts.shape[1], num_experts=gate_shape[0] * num_ranks,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .schedule import MoKSchedule, build_schedule_from_global
-from .types import ExpertWeights, MoKGradients
+from .types import ExpertWeights, FusedExpertWeights, MoKGradients
 
 if TYPE_CHECKING:
     from .workspace import MoKWorkspace
@@ -70,7 +70,7 @@ class ReferenceBackend:
         x_rows = _pull_rows(x.to(cdt), sched, ws)
         w_rows = _row_values(_all_gather(_pad_rows(router_weights, sched.max_tokens, 0), ws), sched)
         w_rows = w_rows.to(cdt)
-        wg, wu, wd = (w.to(cdt) for w in routed)
+        wg, wu, wd = (w.to(cdt) for w in _split_form(routed))
         g = _grouped_linear(x_rows, wg, sched.row_expert)
         u = _grouped_linear(x_rows, wu, sched.row_expert)
         y = _grouped_linear(F.silu(g) * u, wd, sched.row_expert)
@@ -85,7 +85,7 @@ class ReferenceBackend:
 
     def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed):
         cdt = compute_dtype(x.dtype)
-        wg, wu, wd = (w.to(cdt) for w in routed)
+        wg, wu, wd = (w.to(cdt) for w in _split_form(routed))
         d_rows = _pull_rows(d_out.to(cdt), sched, ws)
         d_w_rows = (d_rows * ctx.y_rows).sum(-1)
         dy = d_rows * ctx.w_rows[:, None]
@@ -103,6 +103,10 @@ class ReferenceBackend:
         d_shared = (None, None, None)
         if shared is not None:
             d_x, d_shared = _shared_backward(d_out.to(cdt), x.to(cdt), ctx, shared, d_x, cdt)
+        if isinstance(routed, FusedExpertWeights):
+            from mok_megatron.ops.grouped_gemm import interleave_gate_up
+
+            d_wg, d_wu = interleave_gate_up(d_wg, d_wu), None
         return MoKGradients(
             d_x=d_x.to(x.dtype),
             d_router_weights=d_rw.to(router_weights.dtype),
@@ -118,6 +122,15 @@ class ReferenceBackend:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; everything else is computed in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _split_form(routed) -> ExpertWeights:
+    """The (gate, up, down) weights, de-interleaving the fused gate/up form."""
+    if isinstance(routed, FusedExpertWeights):
+        from mok_megatron.ops.grouped_gemm import deinterleave_gate_up
+
+        return ExpertWeights(*deinterleave_gate_up(routed.gate_up, dim=-2), routed.down)
+    return routed
 
 
 # ----------------------------------------------------------------------------------- math

@@ -104,3 +104,64 @@ def test_mxfp8_weights_are_served_by_dequantizing():
     grads_d = F.backward(cfg, ws, sched, ctx_d, d_out, x, rw, None, None, None, *dense)
     for a, b in zip(grads_q, grads_d):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_fused_gate_up_form_equals_the_split_form():
+    """(gate_up interleaved, None, down) gives the split form's results bit for bit, and the
+    fused weight's gradient is the split gradients interleaved the same way."""
+    from mok_megatron.ops import interleave_gate_up
+
+    problem = random_moe_problem([57], 32, 48, 8, 3, shared_inter=16, dtype=torch.float32)
+    cfg = F.MoKConfig()
+    x, topk, rw, (wg, wu, wd), shared = problem.local(0)
+    ws = problem_workspace(problem, dtype=torch.float32, config=cfg)
+    sched = F.build_schedule(ws, cfg, topk, ws.num_local_experts)
+    split = (*shared, wg, wu, wd)
+    fused = (*shared, interleave_gate_up(wg, wu), None, wd)
+    out_s, ctx_s = F.forward(cfg, ws, sched, x, rw, *split)
+    out_f, ctx_f = F.forward(cfg, ws, sched, x, rw, *fused)
+    assert torch.equal(out_s, out_f)
+    d_out = torch.randn_like(x)
+    g_s = F.backward(cfg, ws, sched, ctx_s, d_out, x, rw, *split)
+    g_f = F.backward(cfg, ws, sched, ctx_f, d_out, x, rw, *fused)
+    assert g_f.d_w_routed_up is None
+    assert torch.equal(
+        g_f.d_w_routed_gate, interleave_gate_up(g_s.d_w_routed_gate, g_s.d_w_routed_up)
+    )
+    for name in ("d_x", "d_router_weights", "d_w_routed_down", "d_w_shared_gate"):
+        assert torch.equal(getattr(g_f, name), getattr(g_s, name)), name
+
+
+def test_moe_autograd_takes_the_fused_gate_up_form():
+    from mok_megatron.ops import deinterleave_gate_up, interleave_gate_up
+
+    problem = random_moe_problem([33], 16, 24, 4, 2, dtype=torch.float64)
+    x, topk, rw, (wg, wu, wd), _ = problem.local(0)
+    gate_up = interleave_gate_up(wg, wu).requires_grad_()
+    down = wd.clone().requires_grad_()
+    out = F.moe(x, topk, rw.double(), gate_up, None, down, config=F.MoKConfig())
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    want = run_oracle(problem, d_out)
+    assert relative_error(out.detach(), want["out"]) < 1e-12
+    d_gate, d_up = deinterleave_gate_up(gate_up.grad, dim=-2)
+    assert relative_error(d_gate, want["d_w_routed_gate"]) < 1e-12
+    assert relative_error(d_up, want["d_w_routed_up"]) < 1e-12
+    assert relative_error(down.grad, want["d_w_routed_down"]) < 1e-12
+
+
+@pytest.mark.parametrize("inter,shape_fix,match", [
+    (24, lambda w: w[:, :-8], r"w_routed_gate_up .* has shape \(4, 40, 16\), expected \(4, 48, 16\)"),
+    (20, None, "multiple of 8"),
+])  # fmt: skip
+def test_fused_gate_up_form_rejects_bad_weights(inter, shape_fix, match):
+    problem = random_moe_problem([9], 16, inter, 4, 2, dtype=torch.float32)
+    cfg = F.MoKConfig()
+    x, topk, rw, (wg, wu, wd), _ = problem.local(0)
+    ws = problem_workspace(problem, dtype=torch.float32, config=cfg)
+    sched = F.build_schedule(ws, cfg, topk, ws.num_local_experts)
+    gate_up = torch.cat([wg, wu], dim=1)  # the interleave itself needs I % 8 == 0
+    if shape_fix is not None:
+        gate_up = shape_fix(gate_up).contiguous()
+    with pytest.raises(ValueError, match=match):
+        F.forward(cfg, ws, sched, x, rw, None, None, None, gate_up, None, wd)
