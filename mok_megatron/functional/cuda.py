@@ -10,7 +10,12 @@ that load and store through peers' symmetric buffers (no collectives, no host sy
              layout: each local expert's rows start at a multiple of 8 (zero rows between),
              which ``torch._grouped_mm`` needs for its 16-byte-aligned groups in the
              weight-gradient GEMMs
-  experts    gate and up grouped GEMMs, the SwiGLU kernel reading both; L2 grouped GEMM
+  experts    with the fused gate/up weight (``FusedExpertWeights``; MoKExperts' form): on Hopper,
+             the expert GEMM engine (``ops.grouped_gemm``: SwiGLU in the L1 GEMM's epilogue,
+             the SwiGLU backward in the L2 dgrad's), ``torch._grouped_mm`` for the GEMMs where
+             the engine does not win (L2 forward, L1 dgrad, weight gradients: docs/GEMM.md);
+             with separate gate and up weights, two grouped GEMMs and the SwiGLU kernel
+             reading both; then the L2 grouped GEMM
   combine    per received token, a slot-ordered float32 sum on the expert side, one row per
              (token, rank) pushed to the source, a rank-ordered float32 sum there (+ shared)
   backward   the same moves in reverse; the per-row router-weight gradient and weighted d_out
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .schedule import MoKSchedule
+from .types import FusedExpertWeights
 
 if TYPE_CHECKING:
     from .workspace import MoKWorkspace
@@ -53,6 +60,8 @@ GROUP_ALIGN = 8
 MAX_RANKS = 32
 #: Device waits give up after this long (env MOK_WAIT_TIMEOUT_MS), reporting rank, phase, flag.
 DEFAULT_WAIT_TIMEOUT_MS = 10_000
+#: Env MOK_EXPERT_GEMM: which GEMMs run the fused gate/up form ("auto": the engine on Hopper).
+EXPERT_GEMM_CHOICES = ("auto", "engine", "torch")
 
 
 @dataclass
@@ -104,14 +113,17 @@ class Rounds:
 
 @dataclass
 class ExpertRows:
-    """One round's expert activations: x_rows [M, H], g, u, a [M, I], y [M, H] bf16 (y None when
-    the backward recomputes a round: it needs only the others)."""
+    """One round's expert activations, bf16: x_rows [M, H], a [M, I], y [M, H] (None when the
+    backward recomputes a round: it needs only the others) and the pre-activation: g, u [M, I]
+    (separate gate and up weights) or h [M, 2I] (fused form: gate and up columns interleaved in
+    blocks of 8; None when only the forward of a round needs it)."""
 
     x_rows: torch.Tensor
-    g: torch.Tensor
-    u: torch.Tensor
     a: torch.Tensor
     y: torch.Tensor | None
+    g: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    h: torch.Tensor | None = None
 
 
 @dataclass
@@ -232,10 +244,12 @@ class CudaBackend:
             shared_a = mops.moe_swiglu(shared_gu[:, :inter], shared_gu[:, inter:])
             shared_out = shared_a @ shared.down.T
         acc = _round_accumulator(rounds, recv)
+        experts = _Experts(routed, x.device)
         for r in range(rounds.count):
             window = rounds.window(r)
             offs = _window_offs(plan, window)
-            act = _experts_forward(_gather_rows(recv, rounds.row_tok[window]), routed, offs)
+            x_rows = _gather_rows(recv, rounds.row_tok[window])
+            act = experts.forward(x_rows, offs, save_pre=rounds.count == 1)
             out = mops.moe_combine(
                 act.y, plan.token_rows, sched.recv_token_src, slot_weights, sched.send_to,
                 shared_out, sched.num_tokens, comm, acc, window.start, r == 0,
@@ -259,7 +273,8 @@ class CudaBackend:
         if shared is not None:
             d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
         d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
-        d_w = [None, None, None]  # gate, up, down
+        experts = _Experts(routed, x.device)
+        d_w = [None, None, None]  # gate (or fused gate_up), up, down
         acc = _round_accumulator(rounds, d_recv)
         for r in range(rounds.count):
             window = rounds.window(r)
@@ -271,29 +286,29 @@ class CudaBackend:
                 # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding),
                 # dy = w * d_rows
                 d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
-                da = grouped_mm(dy, routed.down, offs)
+                d_pre = experts.pre_grads_from_dy(dy, act, offs)
                 wgrad_down = (dy, act.a)
             else:  # rounds: recompute gate/up and SwiGLU from the received tokens (not y:
                 # <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down))
-                act = _experts_forward(
-                    _gather_rows(ctx.x_recv, row_tok), routed, offs, with_down=False
-                )
+                act = experts.forward(_gather_rows(ctx.x_recv, row_tok), offs, save_pre=True,
+                                      with_down=False)  # fmt: skip
                 d_row_w[window], da = mops.moe_row_grad(
                     grouped_mm(d_rows, routed.down, offs), act.a, w_rows, row_tok
                 )
+                d_pre = experts.pre_grads_from_da(da, act)
+                del da
                 wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
-            dg, du = mops.moe_swiglu_backward(da, act.g, act.u)
-            del da
-            # dx = dg @ W_gate + du @ W_up: each term rounded to bf16 once, summed in float32 by
-            # the combine (rows2), so no add pass over [rows, H]
-            dx_gate = grouped_mm(dg, routed.gate, offs)
-            dx_up = grouped_mm(du, routed.up, offs)
+            # dx = Σ d_pre @ W_pre: with separate gate and up, each term rounded to bf16 once
+            # and summed in float32 by the combine (rows2), so no add pass over [rows, H]
+            dx = [grouped_mm(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
             # weight gradients one at a time (each part is weight-sized)
-            for i, (rows_t, rows) in enumerate(((dg, act.x_rows), (du, act.x_rows), wgrad_down)):
+            parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
+            for i, (rows_t, rows) in zip(experts.grad_slots, parts):
                 d_w[i] = _accumulate(d_w[i], grouped_mm(rows_t.T, rows, offs), offs, rounds, r)
             d_x = mops.moe_combine(
-                dx_gate, plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
-                sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1, dx_up,
+                dx[0], plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
+                sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
+                dx[1] if len(dx) > 1 else None,
             )  # fmt: skip
         d_rw = mops.moe_combine_slots(
             d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
@@ -385,17 +400,103 @@ def _round_accumulator(rounds: Rounds, recv: torch.Tensor) -> torch.Tensor | Non
     return torch.empty(recv.shape, dtype=torch.float32, device=recv.device)
 
 
-def _experts_forward(x_rows: torch.Tensor, routed, offs: torch.Tensor, with_down=True):
-    """x_rows [M, H] → ExpertRows (y is None when with_down is False)."""
-    # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of them
-    # (2 * E_l * I * H) every pass; the SwiGLU kernel reads the two outputs where they are.
-    from mok_megatron.ops import moe as mops
+class _Experts:
+    """The routed expert MLP on one round's rows, for either weight form.
 
-    g = grouped_mm(x_rows, routed.gate.transpose(1, 2), offs)
-    u = grouped_mm(x_rows, routed.up.transpose(1, 2), offs)
-    a = mops.moe_swiglu(g, u)
-    y = grouped_mm(a, routed.down.transpose(1, 2), offs) if with_down else None
-    return ExpertRows(x_rows, g, u, a, y)
+    Separate gate/up: two grouped GEMMs and the SwiGLU kernel. Fused gate/up
+    (``FusedExpertWeights``): with the engine, L1 + SwiGLU in one GEMM (``h`` kept when the
+    backward needs it) and the L2 dgrad with the SwiGLU backward fused; with torch GEMMs, one
+    ``torch._grouped_mm`` over both halves and the interleaved SwiGLU kernels. The L2 forward,
+    the dgrads against W_gu and the weight gradients stay on ``torch._grouped_mm`` in both
+    forms: at the benchmark shapes the engine does not beat it there (docs/GEMM.md).
+    """
+
+    def __init__(self, routed, device: torch.device):
+        self.routed = routed
+        self.fused = isinstance(routed, FusedExpertWeights)
+        self.engine = self.fused and _use_engine(device)
+        if self.fused:
+            self.pre_weights = (routed.gate_up,)
+            self.grad_slots = (0, 2)  # d_w_routed_gate holds gate_up's gradient
+        else:
+            self.pre_weights = (routed.gate, routed.up)
+            self.grad_slots = (0, 1, 2)
+
+    def forward(self, x_rows, offs, *, save_pre: bool, with_down: bool = True) -> ExpertRows:
+        """x_rows [M, H] → ExpertRows; the pre-activation is kept only when ``save_pre`` (the
+        separate form always has it: it is the GEMMs' output)."""
+        from mok_megatron.ops import grouped_gemm as gg
+        from mok_megatron.ops import moe as mops
+
+        w = self.routed
+        g = u = h = None
+        if self.engine:
+            a, h = gg.grouped_gemm_l1_swiglu(x_rows, w.gate_up, offs, save_h=save_pre)
+        elif self.fused:
+            h = grouped_mm(x_rows, w.gate_up.transpose(1, 2), offs)
+            a = mops.moe_swiglu_interleaved(h)
+            h = h if save_pre else None
+        else:
+            # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of
+            # them (2 * E_l * I * H) every pass; the SwiGLU kernel reads the two outputs.
+            g = grouped_mm(x_rows, w.gate.transpose(1, 2), offs)
+            u = grouped_mm(x_rows, w.up.transpose(1, 2), offs)
+            a = mops.moe_swiglu(g, u)
+        y = grouped_mm(a, w.down.transpose(1, 2), offs) if with_down else None
+        return ExpertRows(x_rows, a, y, g, u, h)
+
+    def pre_grads_from_dy(self, dy, act: ExpertRows, offs) -> tuple[torch.Tensor, ...]:
+        """dy = w * d_rows [M, H] → the pre-activation gradients (d_g, d_u) or (d_h,)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if self.engine:  # the L2 dgrad with the SwiGLU backward in its epilogue
+            return (gg.grouped_gemm_dswiglu(dy, self.routed.down, act.h, offs)[0],)
+        return self.pre_grads_from_da(grouped_mm(dy, self.routed.down, offs), act)
+
+    def pre_grads_from_da(self, da, act: ExpertRows) -> tuple[torch.Tensor, ...]:
+        """da [M, I] (the gradient of the SwiGLU output) → (d_g, d_u) or (d_h,)."""
+        from mok_megatron.ops import moe as mops
+
+        if self.fused:
+            return (mops.moe_swiglu_interleaved_backward(da, act.h),)
+        return mops.moe_swiglu_backward(da, act.g, act.u)
+
+
+def _use_engine(device: torch.device) -> bool:
+    """Whether the fused gate/up form runs on the expert GEMM engine (env MOK_EXPERT_GEMM)."""
+    from mok_megatron.ops.grouped_gemm import grouped_gemm_available
+
+    choice = os.environ.get("MOK_EXPERT_GEMM", "auto")
+    if choice not in EXPERT_GEMM_CHOICES:
+        raise ValueError(f"MOK_EXPERT_GEMM={choice!r}; choose one of {EXPERT_GEMM_CHOICES}")
+    if choice == "torch":
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    why_not = None
+    if not grouped_gemm_available():
+        why_not = "mok_megatron._C lacks the grouped-GEMM ops"
+    elif (major, minor) != (9, 0):
+        why_not = f"it is built for sm_90a and this GPU is sm_{major}{minor}"
+    if why_not is None:
+        return True
+    if choice == "engine":
+        raise RuntimeError(
+            f"MOK_EXPERT_GEMM=engine but the expert GEMM engine can't run: {why_not}"
+        )
+    _warn_once(
+        f"mok: the fused gate/up experts run on torch._grouped_mm, not the expert GEMM engine: "
+        f"{why_not} (MOK_EXPERT_GEMM=torch chooses this without the warning)"
+    )
+    return False
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _accumulate(total, part: torch.Tensor, offs: torch.Tensor, rounds: Rounds, r: int):

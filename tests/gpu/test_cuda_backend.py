@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mok_megatron import functional as F
 from mok_megatron.functional.schedule import build_schedule_from_global
 from mok_megatron.functional.workspace import MoKCapacityError
+from mok_megatron.ops import deinterleave_gate_up, interleave_gate_up
 from mok_megatron.testing import dense_moe, random_moe_problem, relative_error
 from mok_megatron.testing.runs import GRAD_NAMES, global_d_out, run_oracle
 
@@ -30,6 +31,10 @@ os.environ.setdefault("MOK_WAIT_TIMEOUT_MS", "60000")
 PER_TOKEN = ("out", "d_x", "d_router_weights")
 ROUTED = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
 SHARED = ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
+
+#: Routed-weight forms: separate gate and up; the fused interleaved gate_up (MoKExperts' form) on
+#: the expert GEMM engine; the fused form on torch._grouped_mm (MOK_EXPERT_GEMM=torch).
+FORMS = ("split", "fused", "fused_torch")
 
 # Scaled-down benchmark shapes: (hidden, inter, experts, topk, shared_inter).
 SHAPES = {
@@ -82,10 +87,12 @@ def _poison(ws=None) -> None:
 class Run:
     """One rank's share of a problem on a workspace: inputs on the GPU and the pass's results."""
 
-    def __init__(self, problem, backend, config=None, num_local_tokens=None, seed=0):
+    def __init__(self, problem, backend, config=None, num_local_tokens=None, seed=0, form="split"):
         self.rank, self.world = _world()
-        self.problem, self.config = problem, config or F.MoKConfig()
+        self.problem, self.config, self.form = problem, config or F.MoKConfig(), form
         x, topk, rw, routed, shared = problem.local(self.rank, torch.bfloat16, _device())
+        if form != "split":
+            routed = (interleave_gate_up(routed[0], routed[1]), None, routed[2])
         self.x, self.topk, self.rw, self.routed, self.shared = x, topk, rw, routed, shared
         self.weights = (*(shared or (None, None, None)), *routed)
         d_out = global_d_out(problem, seed)[problem.token_slice(self.rank)]
@@ -103,12 +110,23 @@ class Run:
         return F.build_schedule(self.ws, self.config, self.topk, self.ws.num_local_experts)
 
     def passes(self, sched):
-        out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
-        self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
-        grads = F.backward(
-            self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
-        )
-        return {"out": out, **grads._asdict()}
+        gemm = os.environ.get("MOK_EXPERT_GEMM")
+        os.environ["MOK_EXPERT_GEMM"] = "torch" if self.form == "fused_torch" else "auto"
+        try:
+            out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
+            self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
+            grads = F.backward(
+                self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
+            )._asdict()
+        finally:
+            os.environ.pop("MOK_EXPERT_GEMM")
+            if gemm is not None:
+                os.environ["MOK_EXPERT_GEMM"] = gemm
+        if self.form != "split":  # the fused weight's gradient, split for the checks
+            assert grads["d_w_routed_up"] is None
+            gate_up = grads["d_w_routed_gate"]
+            grads["d_w_routed_gate"], grads["d_w_routed_up"] = deinterleave_gate_up(gate_up, -2)
+        return {"out": out, **grads}
 
     def __call__(self, poison=True):
         if poison:
@@ -234,8 +252,8 @@ def _problem(tokens, shape, seed, **kw):
 
 
 # ========================================================================== one GPU (EP = 1)
-def _check_against_reference(problem, got, config=None) -> list[str]:
-    _, ref = Run(problem, "reference", config=config)()
+def _check_against_reference(problem, got, config=None, form="split") -> list[str]:
+    _, ref = Run(problem, "reference", config=config, form=form)()
     failures = []
     for name in ("out", *GRAD_NAMES):
         if ref[name] is not None and ref[name].numel():
@@ -254,14 +272,15 @@ def _schedule_failures(sched, problem, ws) -> list[str]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_shapes_match_oracle_and_reference(shape):
+def test_shapes_match_oracle_and_reference(shape, form):
     problem = _problem([300], SHAPES[shape], seed=11)
-    run = Run(problem, "cuda")
+    run = Run(problem, "cuda", form=form)
     sched, got = run()
     failures = _schedule_failures(sched, problem, run.ws)
     failures += _check_accuracy(problem, got)
-    failures += _check_against_reference(problem, got)
+    failures += _check_against_reference(problem, got, form=form)
     assert not failures, failures
 
 
@@ -279,11 +298,12 @@ EDGE_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["split", "fused"])
 @pytest.mark.parametrize("case", list(EDGE_CASES))
-def test_edge_cases(case):
+def test_edge_cases(case, form):
     tokens, shape, kwargs, t_max = EDGE_CASES[case]
     problem = _problem(tokens, shape, seed=5, **kwargs)
-    run = Run(problem, "cuda", num_local_tokens=t_max)
+    run = Run(problem, "cuda", num_local_tokens=t_max, form=form)
     sched, got = run()
     _assert_schedule_equal(sched, problem, run.ws)
     failures = _check_accuracy(problem, got)
@@ -303,9 +323,10 @@ def test_schedule_bitwise_many_routings():
 
 
 @pytest.mark.gpu
-def test_bitwise_repeatable_over_10_runs():
+@pytest.mark.parametrize("form", FORMS)
+def test_bitwise_repeatable_over_10_runs(form):
     problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
-    run = Run(problem, "cuda")
+    run = Run(problem, "cuda", form=form)
     _, first = run()
     for i in range(9):
         _, again = run()
@@ -335,8 +356,10 @@ def _graph_check(run: Run) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_matches_eager():
-    _graph_check(Run(_problem([190], SHAPES["qwen3-30b-a3b"], seed=8, shared_inter=64), "cuda"))
+@pytest.mark.parametrize("form", FORMS)
+def test_cuda_graph_replay_matches_eager(form):
+    problem = _problem([190], SHAPES["qwen3-30b-a3b"], seed=8, shared_inter=64)
+    _graph_check(Run(problem, "cuda", form=form))
 
 
 def _no_sync_check(run: Run) -> None:
@@ -352,8 +375,9 @@ def _no_sync_check(run: Run) -> None:
 
 
 @pytest.mark.gpu
-def test_no_host_sync():
-    _no_sync_check(Run(_problem([128], SHAPES["mixtral-8x7b"], seed=4), "cuda"))
+@pytest.mark.parametrize("form", FORMS)
+def test_no_host_sync(form):
+    _no_sync_check(Run(_problem([128], SHAPES["mixtral-8x7b"], seed=4), "cuda", form=form))
 
 
 @pytest.mark.gpu
@@ -378,14 +402,15 @@ def test_workspace_bytes_matches_allocation():
 
 
 @pytest.mark.gpu
-def test_full_width_qwen3():
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_full_width_qwen3(form):
     """Qwen3-30B-A3B's hidden / intermediate / top-k at 2000 tokens (64 experts)."""
     problem = _problem([2000], (2048, 768, 64, 8, 0), seed=17)
-    run = Run(problem, "cuda")
+    run = Run(problem, "cuda", form=form)
     sched, got = run()
     failures = _schedule_failures(sched, problem, run.ws)
     failures += _check_accuracy(problem, got, oracle_device=_device())
-    failures += _check_against_reference(problem, got)
+    failures += _check_against_reference(problem, got, form=form)
     assert not failures, failures
 
 
@@ -406,22 +431,25 @@ ROUND_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", list(ROUND_CASES))
-def test_macrobatch_rounds_match_oracle_and_reference(case):
+def test_macrobatch_rounds_match_oracle_and_reference(case, form):
     tokens, shape, kwargs = ROUND_CASES[case]
     problem = _problem(tokens, shape, seed=23, **kwargs)
-    run = Run(problem, "cuda", config=ROUNDS)
+    run = Run(problem, "cuda", config=ROUNDS, form=form)
     sched, got = run()
     assert run.rounds > 1, f"{case}: expected several rounds, got {run.rounds}"
     failures = _schedule_failures(sched, problem, run.ws)
     failures += _check_accuracy(problem, got)
-    failures += _check_against_reference(problem, got, ROUNDS)
+    failures += _check_against_reference(problem, got, ROUNDS, form=form)
     assert not failures, failures
 
 
 @pytest.mark.gpu
-def test_macrobatch_rounds_bitwise_repeatable_and_graph_safe():
-    run = Run(_problem([260], SHAPES["deepseek-v3"], seed=29), "cuda", config=ROUNDS)
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_macrobatch_rounds_bitwise_repeatable_and_graph_safe(form):
+    problem = _problem([260], SHAPES["deepseek-v3"], seed=29)
+    run = Run(problem, "cuda", config=ROUNDS, form=form)
     _, first = run()
     assert run.rounds > 1
     for i in range(4):
@@ -445,12 +473,13 @@ def _saved_bytes(run: Run) -> int:
 
 
 @pytest.mark.gpu
-def test_macrobatch_rounds_bound_saved_memory():
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_macrobatch_rounds_bound_saved_memory(form):
     """Qwen3 widths, 2000 tokens: one round keeps x, gate|up, act and y for every routed row;
     rounds of 2048 rows keep only the received tokens (the rows are recomputed)."""
     problem = _problem([2000], (2048, 768, 64, 8, 0), seed=31)
-    one = Run(problem, "cuda")
-    rounds = Run(problem, "cuda", config=F.MoKConfig(macrobatch_size=2048))
+    one = Run(problem, "cuda", form=form)
+    rounds = Run(problem, "cuda", config=F.MoKConfig(macrobatch_size=2048), form=form)
     one_bytes, rounds_bytes = _saved_bytes(one), _saved_bytes(rounds)
     rows = one.ws.row_capacity
     per_row = 2 * (2048 + 2 * 768 + 768 + 2048)  # bf16 x_rows, gu, a, y
@@ -530,23 +559,26 @@ EP_CASES = {
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("form", ["split", "fused"])
 @pytest.mark.parametrize("case", list(EP_CASES))
-def test_ep2_matches_oracle(dist_group, case):
+def test_ep2_matches_oracle(dist_group, case, form):
     # NOTE: failures are collected, not raised early, so both ranks run the same collectives.
     tokens, shape, kwargs = EP_CASES[case]
     problem = _problem(tokens, shape, seed=21, **kwargs)
     config = F.MoKConfig(schedule_capacity_multiplier=2.0)  # = EP size: never overflows
-    run = Run(problem, "cuda", config=config)
+    run = Run(problem, "cuda", config=config, form=form)
     sched, got = run()
     failures = _schedule_failures(sched, problem, run.ws)
     failures += _check_accuracy(problem, got)
-    failures += _check_against_reference(problem, got, config)
+    failures += _check_against_reference(problem, got, config, form=form)
     assert not failures, f"rank {dist.get_rank()}: {failures}"
 
 
 @pytest.mark.multigpu
-def test_ep2_bitwise_repeatable_over_10_runs(dist_group):
-    run = Run(_problem([170, 130], SHAPES["qwen3-30b-a3b"], seed=9, shared_inter=64), "cuda")
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_ep2_bitwise_repeatable_over_10_runs(dist_group, form):
+    problem = _problem([170, 130], SHAPES["qwen3-30b-a3b"], seed=9, shared_inter=64)
+    run = Run(problem, "cuda", form=form)
     _, first = run()
     for i in range(9):
         _, again = run()
@@ -555,13 +587,16 @@ def test_ep2_bitwise_repeatable_over_10_runs(dist_group):
 
 
 @pytest.mark.multigpu
-def test_ep2_cuda_graph_replay_matches_eager(dist_group):
-    _graph_check(Run(_problem([150, 110], SHAPES["deepseek-v3"], seed=13), "cuda"))
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_ep2_cuda_graph_replay_matches_eager(dist_group, form):
+    _graph_check(Run(_problem([150, 110], SHAPES["deepseek-v3"], seed=13), "cuda", form=form))
 
 
 @pytest.mark.multigpu
-def test_ep2_no_host_sync(dist_group):
-    _no_sync_check(Run(_problem([128, 100], SHAPES["qwen3-30b-a3b"], seed=6), "cuda"))
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_ep2_no_host_sync(dist_group, form):
+    problem = _problem([128, 100], SHAPES["qwen3-30b-a3b"], seed=6)
+    _no_sync_check(Run(problem, "cuda", form=form))
 
 
 @pytest.mark.multigpu
@@ -576,32 +611,34 @@ def test_ep2_capacity_overflow_raises(dist_group):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("form", ["split", "fused"])
 @pytest.mark.parametrize("case", ["all_to_one_expert", "uneven", "qwen3-30b-a3b"])
-def test_ep2_macrobatch_rounds_match_oracle(dist_group, case):
+def test_ep2_macrobatch_rounds_match_oracle(dist_group, case, form):
     """Rounds of 256 rows with a capacity that never overflows (multiplier = EP size)."""
     tokens, shape, kwargs = EP_CASES[case]
     problem = _problem(tokens, shape, seed=37, **kwargs)
     config = F.MoKConfig(schedule_capacity_multiplier=2.0, minibatch_size=128,
                          macrobatch_size=256)  # fmt: skip
-    run = Run(problem, "cuda", config=config)
+    run = Run(problem, "cuda", config=config, form=form)
     sched, got = run()
     failures = [] if run.rounds > 1 else [f"expected several rounds, got {run.rounds}"]
     failures += _schedule_failures(sched, problem, run.ws)
     failures += _check_accuracy(problem, got)
-    failures += _check_against_reference(problem, got, config)
+    failures += _check_against_reference(problem, got, config, form=form)
     _, again = run()
     failures += [f"repeat differs in {name}" for name in _bitwise_equal(got, again)]
     assert not failures, f"rank {dist.get_rank()}: {failures}"
 
 
 @pytest.mark.multigpu
-def test_ep2_full_width_qwen3(dist_group):
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_ep2_full_width_qwen3(dist_group, form):
     """Qwen3-30B-A3B's hidden / intermediate / top-k, 64 experts, uneven 1500 / 1100 tokens."""
     problem = _problem([1500, 1100], (2048, 768, 64, 8, 0), seed=19)
     config = F.MoKConfig(schedule_capacity_multiplier=2.0)
-    run = Run(problem, "cuda", config=config)
+    run = Run(problem, "cuda", config=config, form=form)
     sched, got = run()
     failures = _schedule_failures(sched, problem, run.ws)
     failures += _check_accuracy(problem, got, oracle_device=_device())
-    failures += _check_against_reference(problem, got, config)
+    failures += _check_against_reference(problem, got, config, form=form)
     assert not failures, f"rank {dist.get_rank()}: {failures}"
