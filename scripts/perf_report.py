@@ -68,6 +68,35 @@ TABLE_HEAD = (
 )
 
 
+def engine_rows(records):
+    """MoK with the expert GEMM engine against MoK with its expert GEMMs on torch._grouped_mm
+    (bench_moe.py --mok-torch-gemm), where a record has both."""
+    for _, record in records:
+        for case in record["cases"]:
+            for label in ("fwd", "fwd_bwd"):
+                r = case.get(label, {})
+                if "engine_speedup" not in r:
+                    continue
+                m, t = r["mok"], r["mok_torch_gemm"]
+                yield (
+                    f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
+                    f"| {case['routing']} | {label.replace('_', '+')} "
+                    f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
+                    f"| {t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f}) "
+                    f"| **{r['engine_speedup']:.2f}x** |"
+                )
+
+
+ENGINE_HEAD = (
+    "## The expert GEMM engine's share\n\n"
+    "MoK as above (fused gate/up weight on the expert GEMM engine: L1 + SwiGLU and L2 dgrad + "
+    "dSwiGLU) against the same layer with `MOK_EXPERT_GEMM=torch` (the same weight layout, its "
+    "expert GEMMs on `torch._grouped_mm` with the interleaved SwiGLU kernels), same process.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | mok ms (p10-p90) | mok, torch GEMMs ms "
+    "(p10-p90) | engine speedup |\n|---|---|---|---|---|---|---|---|"
+)
+
+
 def profile_tables(path, top: int = 10):
     """The heaviest GPU kernels of MoK and of the baseline, per profiled shape."""
     record = json.load(open(path))
@@ -135,6 +164,9 @@ def main(argv=None) -> None:
     parts += ["## Results\n", TABLE_HEAD]
     for _, record in records:
         parts += list(rows(record))
+    engine = list(engine_rows(records))
+    if engine:
+        parts += ["", ENGINE_HEAD, *engine]
     if args.profile:
         parts += ["", *profile_tables(args.profile)]
     if args.notes:
