@@ -5,12 +5,16 @@ group): it takes the local tokens and their routing, not pre-dispatched rows, so
 ``MoKTokenDispatcher`` in fused mode only.
 
 Parameters (per rank, E_l local experts, I = moe_ffn_hidden_size, H = hidden_size):
-``weight_gate`` [E_l, I, H], ``weight_up`` [E_l, I, H], ``weight_down`` [E_l, H, I], each marked
-``allreduce = False`` (expert parameters: Megatron's DDP reduces them over the expert-data-parallel
-group only). Megatron's experts hold ``linear_fc1`` [2I, H] = [gate; up] and ``linear_fc2``
-[H, I] per expert; ``sharded_state_dict`` writes exactly their distributed-checkpoint tensors
-(same keys, shapes, offsets and replica ids), so a checkpoint moves between ``SequentialMLP`` /
-``TEGroupedMLP`` (alltoall) and ``MoKExperts`` (mok) in both directions.
+``weight_gate_up`` [E_l, 2I, H] and ``weight_down`` [E_l, H, I], each marked ``allreduce = False``
+(expert parameters: Megatron's DDP reduces them over the expert-data-parallel group only).
+``weight_gate_up`` holds each expert's gate and up rows interleaved in blocks of 8
+(``ops.interleave_gate_up``): the form ``functional.moe`` takes as ``(gate_up, None, down)``, so
+the CUDA backend runs gate and up as one GEMM with SwiGLU in its epilogue, without copying the
+weight every pass. Megatron's experts hold ``linear_fc1`` [2I, H] = [gate; up] and
+``linear_fc2`` [H, I] per expert; ``sharded_state_dict`` writes exactly their
+distributed-checkpoint tensors (same keys, shapes, offsets and replica ids; the gate/up halves
+de-interleaved on save, re-interleaved on load), so a checkpoint moves between
+``SequentialMLP`` / ``TEGroupedMLP`` (alltoall) and ``MoKExperts`` (mok) in both directions.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
     _get_extra_state_offsets,
     ensure_metadata_has_dp_cp_group,
+)
+
+from mok_megatron.ops.grouped_gemm import (
+    SWIGLU_INTERLEAVE,
+    deinterleave_gate_up,
+    interleave_gate_up,
 )
 
 __all__ = ["MoKExperts", "check_mok_experts_config"]
@@ -47,6 +57,9 @@ def check_mok_experts_config(config) -> None:
         (not (config.fp8 or config.fp4), "fp8/fp4 recipes are not supported yet; use bf16"),
         ((config.expert_tensor_parallel_size or 1) == 1,
          "expert_tensor_parallel_size must be 1 (MoK shards experts over EP only)"),
+        (config.moe_ffn_hidden_size % SWIGLU_INTERLEAVE == 0,
+         f"moe_ffn_hidden_size={config.moe_ffn_hidden_size} must be a multiple of "
+         f"{SWIGLU_INTERLEAVE} (the gate/up interleave block)"),
     ]  # fmt: skip
     for ok, rule in rules:
         if not ok:
@@ -71,8 +84,7 @@ class MoKExperts(MegatronModule):
         self.num_local_experts = num_local_experts
         self.ep_group, self.dp_group = pg_collection.ep, pg_collection.expt_dp
         h, i = config.hidden_size, config.moe_ffn_hidden_size
-        self.weight_gate = self._param((num_local_experts, i, h))
-        self.weight_up = self._param((num_local_experts, i, h))
+        self.weight_gate_up = self._param((num_local_experts, 2 * i, h))  # interleaved
         self.weight_down = self._param((num_local_experts, h, i))
         self.reset_parameters()
         # Set by MoKMoELayer.bind(); plain attributes, not submodules.
@@ -90,11 +102,16 @@ class MoKExperts(MegatronModule):
         under the expert-parallel RNG state when Megatron's RNG tracker is initialised."""
         if not self.config.perform_initialization:
             return
+        gate_up = self.weight_gate_up
+        half = (gate_up.shape[1] // 2, gate_up.shape[2])
+        gate, up = gate_up.new_empty(half), gate_up.new_empty(half)  # [I, H] each
         with _expert_rng():
             for e in range(self.num_local_experts):
-                self.config.init_method(self.weight_gate[e])
-                self.config.init_method(self.weight_up[e])
+                # NOTE: keep this RNG order (gate, up, down per expert): seeded inits stay put.
+                self.config.init_method(gate)
+                self.config.init_method(up)
                 self.config.output_layer_init_method(self.weight_down[e])
+                gate_up[e].copy_(interleave_gate_up(gate, up))
 
     def bind(self, runtime) -> None:
         """Called by ``MoKMoELayer``: ``runtime.run(x, routing, weights)`` does the fused call."""
@@ -114,7 +131,7 @@ class MoKExperts(MegatronModule):
                 f"{tuple(topk_experts.shape)}); build the layer with get_mok_moe_module_spec() or "
                 "use SequentialMLP/TEGroupedMLP with another dispatcher"
             )
-        weights = (self.weight_gate, self.weight_up, self.weight_down)
+        weights = (self.weight_gate_up, None, self.weight_down)  # the fused gate/up form
         return self._layer_runtime.run(x, topk_experts, router_weights, weights), None
 
     def backward_dw(self) -> None:
@@ -129,9 +146,8 @@ class MoKExperts(MegatronModule):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         layout = _ExpertLayout(self, prefix, sharded_offsets, metadata)
         return {
-            f"{prefix}weight_gate": layout.factory(self.weight_gate, "linear_fc1", _GATE),
-            f"{prefix}weight_up": layout.factory(self.weight_up, "linear_fc1", _UP),
-            f"{prefix}weight_down": layout.factory(self.weight_down, "linear_fc2", None),
+            f"{prefix}weight_gate_up": layout.fc1_factory(self.weight_gate_up),
+            f"{prefix}weight_down": layout.fc2_factory(self.weight_down),
             f"{prefix}_extra_state": layout.extra_states(self.num_local_experts),
         }
 
@@ -154,16 +170,33 @@ class _ExpertLayout:
         self.first_global = experts.ep_group.rank() * experts.num_local_experts
         self.replica_id = (0, 0, experts.dp_group.rank())
 
-    def factory(self, param, linear: str, fc1_chunk: int | None) -> ShardedTensorFactory:
-        """A factory whose shards are Megatron's per-expert tensors (or fc1 halves)."""
-        key = f"{self.prefix}experts.{linear}.weight"
+    def fc1_factory(self, gate_up) -> ShardedTensorFactory:
+        """Megatron's fc1 shards from the interleaved [E_l, 2I, H] weight: built from contiguous
+        copies of each expert's gate and up halves, re-interleaved on load."""
 
         def build(key, data, replica_id, flattened_range):
-            if flattened_range is not None:
-                raise NotImplementedError("MoKExperts: flattened (fully-sharded) checkpoint shards")
-            return [self._shard(key, data[e], e, fc1_chunk, replica_id) for e in range(len(data))]
+            _check_not_flattened(flattened_range)
+            halves = deinterleave_gate_up(data, dim=-2)  # (gate, up): chunks _GATE, _UP
+            return [
+                [self._shard(key, half[e], e, chunk, replica_id) for e in range(len(half))]
+                for chunk, half in enumerate(halves)
+            ]
 
-        return ShardedTensorFactory(key, param, build, _stack, self.replica_id)
+        def merge(loaded: list[list[torch.Tensor]]) -> torch.Tensor:
+            return interleave_gate_up(torch.stack(loaded[_GATE]), torch.stack(loaded[_UP]))
+
+        key = f"{self.prefix}experts.linear_fc1.weight"
+        return ShardedTensorFactory(key, gate_up, build, merge, self.replica_id)
+
+    def fc2_factory(self, down) -> ShardedTensorFactory:
+        """Megatron's per-expert fc2 shards: views of the [E_l, H, I] weight."""
+
+        def build(key, data, replica_id, flattened_range):
+            _check_not_flattened(flattened_range)
+            return [self._shard(key, data[e], e, None, replica_id) for e in range(len(data))]
+
+        key = f"{self.prefix}experts.linear_fc2.weight"
+        return ShardedTensorFactory(key, down, build, _stack, self.replica_id)
 
     def extra_states(self, num_local: int) -> list[ShardedObject]:
         """The ``linear_fc{1,2}._extra_state`` objects Megatron's experts write, data None."""
@@ -204,6 +237,11 @@ class _ExpertLayout:
 
 def _stack(loaded: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(loaded)
+
+
+def _check_not_flattened(flattened_range) -> None:
+    if flattened_range is not None:
+        raise NotImplementedError("MoKExperts: flattened (fully-sharded) checkpoint shards")
 
 
 def _default_device():

@@ -99,7 +99,9 @@ class FusedRuntime:
         self.last_workspace = None  # the workspace of the latest call (benchmarks report it)
 
     def run(self, x, topk_experts, router_weights, routed):
-        """x: [T, H]; topk_experts / router_weights: [T, K]; routed: (gate, up, down) weights.
+        """x: [T, H]; topk_experts / router_weights: [T, K]; routed: the routed experts' weights,
+        (gate [E_l, I, H], up [E_l, I, H], down [E_l, H, I]) or the fused form (gate_up
+        [E_l, 2I, H] interleaved, None, down) that ``MoKExperts`` passes.
 
         Returns out: [T, H] = routed experts (+ the shared expert when fused), on local tokens.
         """
@@ -124,12 +126,13 @@ class FusedRuntime:
         from mok_megatron import functional
 
         shared = self.shared_weights()
+        gate_rows = routed[0].shape[1]  # I, or 2I in the fused form (routed[1] is None)
         return functional.get_workspace(
             self.mok_config, self.ep_group, device=x.device,
             num_local_tokens=self._max_tokens(x), hidden_size=x.shape[1],
             topk=topk_experts.shape[1],
             num_experts=routed[0].shape[0] * mcore_utils.get_pg_size(self.ep_group),
-            intermediate_size=routed[0].shape[1],
+            intermediate_size=gate_rows // 2 if routed[1] is None else gate_rows,
             shared_intermediate_size=shared[0].shape[0] if shared else 0,
             dtype=x.dtype, backend=self.backend,
         )  # fmt: skip

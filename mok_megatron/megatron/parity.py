@@ -108,16 +108,19 @@ def build_moe_layer(case: LayerCase, kind: str, ep_size: int):
     return layer.to(case.device)
 
 
-def share_weights(src, dst, directory: str, prefix: str = "mlp.") -> None:
-    """Copy ``src``'s weights into ``dst`` through a distributed checkpoint (a collective)."""
+def share_weights(src, dst, directory: str, prefix: str = "mlp.", metadata=None) -> None:
+    """Copy ``src``'s weights into ``dst`` through a distributed checkpoint (a collective);
+    ``metadata`` goes to both ``sharded_state_dict`` calls (e.g. ``singleton_local_shards``)."""
     import os
 
     from megatron.core import dist_checkpointing
 
     require_checkpoint_writer()
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(src.sharded_state_dict(prefix=prefix), directory)
-    loaded = dist_checkpointing.load(dst.sharded_state_dict(prefix=prefix), directory)
+    dist_checkpointing.save(src.sharded_state_dict(prefix=prefix, metadata=metadata), directory)
+    loaded = dist_checkpointing.load(
+        dst.sharded_state_dict(prefix=prefix, metadata=metadata), directory
+    )
     dst.load_state_dict({k[len(prefix) :]: v for k, v in loaded.items()}, strict=True)
 
 
@@ -129,10 +132,7 @@ def canonical_weights(layer) -> dict[str, torch.Tensor]:
     weights = {"router": layer.router.weight}
     experts = layer.experts
     if isinstance(experts, MoKExperts):
-        for j in range(experts.num_local_experts):
-            weights[f"expert{j}.gate"] = experts.weight_gate[j]
-            weights[f"expert{j}.up"] = experts.weight_up[j]
-            weights[f"expert{j}.down"] = experts.weight_down[j]
+        weights.update(_mok_expert_tensors(experts.weight_gate_up, experts.weight_down))
     else:
         for j, mlp in enumerate(experts.local_experts):
             weights.update(_fc_weights(f"expert{j}", mlp))
@@ -202,16 +202,24 @@ def _expert_grads(experts) -> dict[str, torch.Tensor]:
     from .experts import MoKExperts
 
     if isinstance(experts, MoKExperts):
-        grads = {}
-        for j in range(experts.num_local_experts):
-            grads[f"expert{j}.gate"] = _grad_or_zeros(experts.weight_gate)[j]
-            grads[f"expert{j}.up"] = _grad_or_zeros(experts.weight_up)[j]
-            grads[f"expert{j}.down"] = _grad_or_zeros(experts.weight_down)[j]
-        return grads
+        gate_up, down = (_grad_or_zeros(p) for p in (experts.weight_gate_up, experts.weight_down))
+        return _mok_expert_tensors(gate_up, down)
     grads = {}
     for j, mlp in enumerate(experts.local_experts):  # SequentialMLP
         grads.update(_fc_grads(f"expert{j}", mlp))
     return grads
+
+
+def _mok_expert_tensors(gate_up, down) -> dict[str, torch.Tensor]:
+    """MoKExperts' gate_up [E_l, 2I, H] (interleaved) and down [E_l, H, I] weights or gradients
+    as ``expert{j}.gate|up|down``."""
+    from mok_megatron.ops import deinterleave_gate_up
+
+    gate, up = deinterleave_gate_up(gate_up, dim=-2)
+    tensors = {}
+    for j in range(len(down)):
+        tensors |= {f"expert{j}.gate": gate[j], f"expert{j}.up": up[j], f"expert{j}.down": down[j]}
+    return tensors
 
 
 def _fc_grads(name: str, mlp) -> dict[str, torch.Tensor]:

@@ -2,18 +2,24 @@
 
 MoKExperts' sharded state dict is Megatron's SequentialMLP's, tensor for tensor (keys, global
 shapes, offsets, replica ids, and the per-expert ``_extra_state`` objects), in the default and
-the ``singleton_local_shards`` layouts; alltoall -> mok -> alltoall round trips are exact.
+the ``singleton_local_shards`` layouts; alltoall -> mok -> alltoall round trips are exact in
+both, and the loaded fused gate/up weight is Megatron's fc1 halves interleaved. The fused weight's
+initial values are those of separate gate / up halves drawn in Megatron's per-expert order.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from mok_megatron.ops import interleave_gate_up
 from mok_megatron.testing import run_ranks
+
+LAYOUTS = {"default": None, "singleton": {"singleton_local_shards": True}}
 
 
 def _flat_metadata(layer, metadata=None) -> list[tuple]:
@@ -51,31 +57,29 @@ def _checkpoint_rank(rank, world_size, root) -> dict:
 
     parity.init_megatron_parallel(world_size)
     case = parity.LayerCase(topk=2, shared_ffn=24)
-    original = parity.build_moe_layer(case, "alltoall", world_size)
-    mok = parity.build_moe_layer(case, "mok_fused", world_size)
-    back = parity.build_moe_layer(case, "alltoall", world_size)
-    result = {
-        f"metadata/{name}": (_flat_metadata(original, meta), _flat_metadata(mok, meta))
-        for name, meta in (("default", None), ("singleton", {"singleton_local_shards": True}))
-    }
-    parity.share_weights(original, mok, os.path.join(root, "to_mok"))
-    parity.share_weights(mok, back, os.path.join(root, "from_mok"))
-    result["loaded"] = _loaded_as_megatron(original, mok, case.ffn)
-    result["round_trip"] = _same_state(original.state_dict(), back.state_dict())
+    result = {}
+    for name, meta in LAYOUTS.items():
+        kinds = ("alltoall", "mok_fused", "alltoall")
+        original, mok, back = (parity.build_moe_layer(case, k, world_size) for k in kinds)
+        result[f"metadata/{name}"] = (_flat_metadata(original, meta), _flat_metadata(mok, meta))
+        result[f"fresh_equal/{name}"] = _same_state(original.state_dict(), back.state_dict())
+        parity.share_weights(original, mok, os.path.join(root, name, "to_mok"), metadata=meta)
+        parity.share_weights(mok, back, os.path.join(root, name, "from_mok"), metadata=meta)
+        result[f"loaded/{name}"] = _loaded_as_megatron(original, mok, case.ffn)
+        result[f"round_trip/{name}"] = _same_state(original.state_dict(), back.state_dict())
     result["allreduce"] = {n: p.allreduce for n, p in mok.experts.named_parameters()}
     return result
 
 
 def _loaded_as_megatron(original, mok, ffn: int) -> bool:
-    """MoK's gate / up / down are Megatron's fc1 [gate; up] halves and fc2, expert by expert."""
+    """MoK's gate_up is Megatron's fc1 [gate; up] halves interleaved and its down is fc2, expert
+    by expert."""
     experts = original.experts.local_experts
     fc1 = torch.stack([e.linear_fc1.weight for e in experts])
     fc2 = torch.stack([e.linear_fc2.weight for e in experts])
-    return (
-        torch.equal(mok.experts.weight_gate, fc1[:, :ffn])
-        and torch.equal(mok.experts.weight_up, fc1[:, ffn:])
-        and torch.equal(mok.experts.weight_down, fc2)
-    )
+    gate_up = interleave_gate_up(fc1[:, :ffn], fc1[:, ffn:])
+    same_fc1 = torch.equal(mok.experts.weight_gate_up, gate_up)
+    return same_fc1 and torch.equal(mok.experts.weight_down, fc2)
 
 
 def _same_state(a: dict, b: dict) -> bool:
@@ -89,21 +93,67 @@ def results():
         return run_ranks(_checkpoint_rank, 2, root)
 
 
-@pytest.mark.parametrize("layout", ["default", "singleton"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_state_dict_is_megatrons(results, layout):
     for ref, mok in (r[f"metadata/{layout}"] for r in results):
         assert mok == ref
 
 
-def test_alltoall_checkpoint_loads_into_mok(results):
-    assert all(r["loaded"] for r in results)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_alltoall_checkpoint_loads_into_mok(results, layout):
+    assert all(r[f"loaded/{layout}"] for r in results)
 
 
-def test_checkpoint_round_trip_alltoall_mok_alltoall(results):
-    assert all(r["round_trip"] for r in results)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_checkpoint_round_trip_alltoall_mok_alltoall(results, layout):
+    assert not any(r[f"fresh_equal/{layout}"] for r in results)  # the trip has work to do
+    assert all(r[f"round_trip/{layout}"] for r in results)
 
 
 def test_expert_parameters_are_not_allreduced(results):
     """Megatron's DDP reduces ``allreduce=False`` parameters over expert-data-parallel only."""
-    expected = {"weight_gate": False, "weight_up": False, "weight_down": False}
+    expected = {"weight_gate_up": False, "weight_down": False}
     assert all(r["allreduce"] == expected for r in results)
+
+
+def _experts_config(**overrides):
+    from mok_megatron.megatron import parity
+
+    config = parity.tiny_moe_config(parity.LayerCase(), "mok", ep_size=1)  # CPU init, std 0.1
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    return config
+
+
+def test_reset_parameters_draws_gate_up_down_per_expert(monkeypatch):
+    """Seeded, the fused weight holds what separate gate / up halves held: per expert, gate
+    [I, H] then up [I, H] by init_method, then down [H, I] by output_layer_init_method."""
+    from contextlib import nullcontext
+
+    from mok_megatron.megatron import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_expert_rng", nullcontext)  # the default generator
+    config, num_local = _experts_config(), 3
+    torch.manual_seed(5)
+    experts = experts_module.MoKExperts(
+        num_local, config, pg_collection=SimpleNamespace(ep=None, expt_dp=None)
+    )
+    torch.manual_seed(5)
+    i, h = config.moe_ffn_hidden_size, config.hidden_size
+    gate, up = torch.empty(2, num_local, i, h)
+    down = torch.empty(num_local, h, i)
+    for e in range(num_local):
+        config.init_method(gate[e])
+        config.init_method(up[e])
+        config.output_layer_init_method(down[e])
+    blocks = experts.weight_gate_up.detach().view(num_local, i // 8, 2, 8, h)  # 8 gate, 8 up rows
+    assert torch.equal(blocks[:, :, 0].reshape(num_local, i, h), gate)
+    assert torch.equal(blocks[:, :, 1].reshape(num_local, i, h), up)
+    assert torch.equal(experts.weight_down.detach(), down)
+
+
+def test_intermediate_size_must_fill_interleave_blocks():
+    from mok_megatron.megatron.experts import check_mok_experts_config
+
+    with pytest.raises(ValueError, match="moe_ffn_hidden_size=44 must be a multiple of 8"):
+        check_mok_experts_config(_experts_config(moe_ffn_hidden_size=44))
