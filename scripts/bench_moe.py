@@ -17,6 +17,7 @@ with their spread, effective expert TFLOP/s, NVLink GB/s, speedup, fraction of t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -52,6 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU sanity run)")
     p.add_argument("--no-backward", action="store_true")
+    p.add_argument(
+        "--mok-torch-gemm",
+        action="store_true",
+        help="also time MoK with MOK_EXPERT_GEMM=torch (its expert GEMMs on torch._grouped_mm, "
+        "not the expert GEMM engine), as 'mok_torch_gemm': the engine's share of the speedup",
+    )
     p.add_argument("--out", default=None, help="JSON file to write (rank 0)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
@@ -106,6 +113,7 @@ def build_layers(config, backend: str, max_tokens: int):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     from mok_megatron.megatron import get_mok_moe_module_spec
+    from mok_megatron.ops import interleave_gate_up
     from mok_megatron.testing.baselines import TorchGroupedMLP
 
     pg = get_default_pg_collection()
@@ -119,10 +127,9 @@ def build_layers(config, backend: str, max_tokens: int):
     layer = mok(
         config=dataclasses.replace(config, moe_token_dispatcher_type="mok"), pg_collection=pg
     )
-    inter = config.moe_ffn_hidden_size
     with torch.no_grad():
-        layer.experts.weight_gate.copy_(base.experts.weight_fc1[:, :inter])
-        layer.experts.weight_up.copy_(base.experts.weight_fc1[:, inter:])
+        gate, up = base.experts.weight_fc1.chunk(2, dim=1)  # [E_l, 2I, H]: [gate; up] per expert
+        layer.experts.weight_gate_up.copy_(interleave_gate_up(gate, up))
         layer.experts.weight_down.copy_(base.experts.weight_fc2)
     return base, layer
 
@@ -238,8 +245,12 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         cost = moe_pass_cost(routed_rows=rows, remote_pairs=remote, hidden=hidden, inter=inter,
                              local_experts=experts // world, backward=backward)  # fmt: skip
         result = {"cost": cost}
-        for who, module in (("baseline", base), ("mok", layer)):
-            t = measure(module, sets, args, backward)
+        contenders = [("baseline", base, None), ("mok", layer, None)]
+        if args.mok_torch_gemm:
+            contenders.append(("mok_torch_gemm", layer, "torch"))
+        for who, module, expert_gemm in contenders:
+            with _expert_gemm(expert_gemm):
+                t = measure(module, sets, args, backward)
             module.zero_grad(set_to_none=True)  # one layer's gradients in memory at a time
             ms = t["median_ms_all_ranks_max"]
             t["tflops"] = cost["flops"] / (ms * 1e-3) / 1e12
@@ -248,8 +259,25 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result[who] = t
         result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
                              / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        if args.mok_torch_gemm:  # > 1: the engine makes MoK faster
+            result["engine_speedup"] = (result["mok_torch_gemm"]["median_ms_all_ranks_max"]
+                                        / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
         case[label] = result
     return case
+
+
+@contextlib.contextmanager
+def _expert_gemm(choice: str | None):
+    """MOK_EXPERT_GEMM=choice inside (None: leave it as it is)."""
+    old = os.environ.get("MOK_EXPERT_GEMM")
+    if choice is not None:
+        os.environ["MOK_EXPERT_GEMM"] = choice
+    try:
+        yield
+    finally:
+        os.environ.pop("MOK_EXPERT_GEMM", None)
+        if old is not None:
+            os.environ["MOK_EXPERT_GEMM"] = old
 
 
 def _release_memory() -> None:
@@ -300,9 +328,13 @@ def _report(case, name, tokens, routing) -> None:
         tqdm.write(f"{name} T={tokens} {routing}: skipped: {case['skipped']}")
         return
     fb = case.get("fwd_bwd", case["fwd"])
+    engine = ""
+    if "engine_speedup" in case["fwd"]:
+        engine = (f", engine vs torch GEMMs fwd {case['fwd']['engine_speedup']:.2f}x "
+                  f"fwd+bwd {fb['engine_speedup']:.2f}x")  # fmt: skip
     tqdm.write(
         f"{name} T={tokens} {routing}: fwd speedup {case['fwd']['speedup']:.2f}x, "
-        f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}"
+        f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}" + engine
     )
 
 
