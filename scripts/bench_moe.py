@@ -54,10 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="one tiny shape (CPU sanity run)")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument(
-        "--mok-torch-gemm",
-        action="store_true",
-        help="also time MoK with MOK_EXPERT_GEMM=torch (its expert GEMMs on torch._grouped_mm, "
-        "not the expert GEMM engine), as 'mok_torch_gemm': the engine's share of the speedup",
+        "--mok-expert-gemm",
+        default="",
+        help="comma list of MOK_EXPERT_GEMM settings (torch, engine, l1, dswiglu) to also time "
+        "MoK under, as 'mok_gemm_<setting>', in the same process: which expert GEMMs win",
     )
     p.add_argument("--out", default=None, help="JSON file to write (rank 0)")
     p.add_argument("--seed", type=int, default=1234)
@@ -245,9 +245,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         cost = moe_pass_cost(routed_rows=rows, remote_pairs=remote, hidden=hidden, inter=inter,
                              local_experts=experts // world, backward=backward)  # fmt: skip
         result = {"cost": cost}
+        variants = [v for v in args.mok_expert_gemm.split(",") if v]
         contenders = [("baseline", base, None), ("mok", layer, None)]
-        if args.mok_torch_gemm:
-            contenders.append(("mok_torch_gemm", layer, "torch"))
+        contenders += [(f"mok_gemm_{v}", layer, v) for v in variants]
         for who, module, expert_gemm in contenders:
             with _expert_gemm(expert_gemm):
                 t = measure(module, sets, args, backward)
@@ -259,9 +259,12 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result[who] = t
         result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
                              / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
-        if args.mok_torch_gemm:  # > 1: the engine makes MoK faster
-            result["engine_speedup"] = (result["mok_torch_gemm"]["median_ms_all_ranks_max"]
-                                        / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        # > 1: MoK's default expert GEMMs beat this setting
+        result["default_gemm_speedup"] = {
+            v: result[f"mok_gemm_{v}"]["median_ms_all_ranks_max"]
+            / result["mok"]["median_ms_all_ranks_max"]
+            for v in variants
+        }
         case[label] = result
     return case
 
@@ -328,10 +331,11 @@ def _report(case, name, tokens, routing) -> None:
         tqdm.write(f"{name} T={tokens} {routing}: skipped: {case['skipped']}")
         return
     fb = case.get("fwd_bwd", case["fwd"])
-    engine = ""
-    if "engine_speedup" in case["fwd"]:
-        engine = (f", engine vs torch GEMMs fwd {case['fwd']['engine_speedup']:.2f}x "
-                  f"fwd+bwd {fb['engine_speedup']:.2f}x")  # fmt: skip
+    engine = "".join(
+        f", default vs MOK_EXPERT_GEMM={v}: fwd {x:.2f}x fwd+bwd "
+        f"{fb['default_gemm_speedup'][v]:.2f}x"
+        for v, x in case["fwd"].get("default_gemm_speedup", {}).items()
+    )
     tqdm.write(
         f"{name} T={tokens} {routing}: fwd speedup {case['fwd']['speedup']:.2f}x, "
         f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}" + engine

@@ -69,31 +69,32 @@ TABLE_HEAD = (
 
 
 def engine_rows(records):
-    """MoK with the expert GEMM engine against MoK with its expert GEMMs on torch._grouped_mm
-    (bench_moe.py --mok-torch-gemm), where a record has both."""
+    """MoK with its default expert GEMMs against MoK under other MOK_EXPERT_GEMM settings
+    (bench_moe.py --mok-expert-gemm), where a record has them."""
     for _, record in records:
         for case in record["cases"]:
             for label in ("fwd", "fwd_bwd"):
                 r = case.get(label, {})
-                if "engine_speedup" not in r:
-                    continue
-                m, t = r["mok"], r["mok_torch_gemm"]
-                yield (
-                    f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
-                    f"| {case['routing']} | {label.replace('_', '+')} "
-                    f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
-                    f"| {t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f}) "
-                    f"| **{r['engine_speedup']:.2f}x** |"
-                )
+                for v, ratio in r.get("default_gemm_speedup", {}).items():
+                    m, t = r["mok"], r[f"mok_gemm_{v}"]
+                    yield (
+                        f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
+                        f"| {case['routing']} | {label.replace('_', '+')} | {v} "
+                        f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
+                        f"| {t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f}) "
+                        f"| **{ratio:.2f}x** |"
+                    )
 
 
 ENGINE_HEAD = (
     "## The expert GEMM engine's share\n\n"
-    "MoK as above (fused gate/up weight on the expert GEMM engine: L1 + SwiGLU and L2 dgrad + "
-    "dSwiGLU) against the same layer with `MOK_EXPERT_GEMM=torch` (the same weight layout, its "
-    "expert GEMMs on `torch._grouped_mm` with the interleaved SwiGLU kernels), same process.\n\n"
-    "| shape | EP | tokens/rank | routing | pass | mok ms (p10-p90) | mok, torch GEMMs ms "
-    "(p10-p90) | engine speedup |\n|---|---|---|---|---|---|---|---|"
+    "MoK as above (default `MOK_EXPERT_GEMM=auto`) against the same layer, same process, under "
+    "another `MOK_EXPERT_GEMM` setting: `torch` (every expert GEMM on `torch._grouped_mm`, with "
+    "the interleaved SwiGLU kernels), `engine` (L1 + SwiGLU and L2 dgrad + dSwiGLU on the "
+    "engine), `l1` / `dswiglu` (only that step on the engine). Ratio > 1: the default is "
+    "faster.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | other setting | mok ms (p10-p90) "
+    "| other ms (p10-p90) | ratio |\n|---|---|---|---|---|---|---|---|---|"
 )
 
 

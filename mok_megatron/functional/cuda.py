@@ -60,8 +60,12 @@ GROUP_ALIGN = 8
 MAX_RANKS = 32
 #: Device waits give up after this long (env MOK_WAIT_TIMEOUT_MS), reporting rank, phase, flag.
 DEFAULT_WAIT_TIMEOUT_MS = 10_000
-#: Env MOK_EXPERT_GEMM: which GEMMs run the fused gate/up form ("auto": the engine on Hopper).
-EXPERT_GEMM_CHOICES = ("auto", "engine", "torch")
+#: The fused gate/up form's steps the expert GEMM engine can run (env MOK_EXPERT_GEMM: "auto",
+#: "torch" (none), "engine" (all) or a comma list): "l1" L1 + SwiGLU (forward, and the rounds'
+#: recompute), "dswiglu" the L2 dgrad + SwiGLU backward.
+ENGINE_STEPS = ("l1", "dswiglu")
+#: What "auto" picks on Hopper (measured in the layer: docs/PERF.md, "The expert GEMM engine").
+AUTO_ENGINE_STEPS = ("l1", "dswiglu")
 
 
 @dataclass
@@ -414,7 +418,7 @@ class _Experts:
     def __init__(self, routed, device: torch.device):
         self.routed = routed
         self.fused = isinstance(routed, FusedExpertWeights)
-        self.engine = self.fused and _use_engine(device)
+        self.engine = _engine_steps(device) if self.fused else ()
         if self.fused:
             self.pre_weights = (routed.gate_up,)
             self.grad_slots = (0, 2)  # d_w_routed_gate holds gate_up's gradient
@@ -430,7 +434,7 @@ class _Experts:
 
         w = self.routed
         g = u = h = None
-        if self.engine:
+        if "l1" in self.engine:
             a, h = gg.grouped_gemm_l1_swiglu(x_rows, w.gate_up, offs, save_h=save_pre)
         elif self.fused:
             h = grouped_mm(x_rows, w.gate_up.transpose(1, 2), offs)
@@ -449,7 +453,7 @@ class _Experts:
         """dy = w * d_rows [M, H] → the pre-activation gradients (d_g, d_u) or (d_h,)."""
         from mok_megatron.ops import grouped_gemm as gg
 
-        if self.engine:  # the L2 dgrad with the SwiGLU backward in its epilogue
+        if "dswiglu" in self.engine:  # the L2 dgrad with the SwiGLU backward in its epilogue
             return (gg.grouped_gemm_dswiglu(dy, self.routed.down, act.h, offs)[0],)
         return self.pre_grads_from_da(grouped_mm(dy, self.routed.down, offs), act)
 
@@ -462,15 +466,24 @@ class _Experts:
         return mops.moe_swiglu_backward(da, act.g, act.u)
 
 
-def _use_engine(device: torch.device) -> bool:
-    """Whether the fused gate/up form runs on the expert GEMM engine (env MOK_EXPERT_GEMM)."""
+def _engine_steps(device: torch.device) -> tuple[str, ...]:
+    """The steps of the fused gate/up form that run on the expert GEMM engine (ENGINE_STEPS),
+    from env MOK_EXPERT_GEMM; "auto" is AUTO_ENGINE_STEPS where the engine can run, else none
+    (with a warning that says why)."""
     from mok_megatron.ops.grouped_gemm import grouped_gemm_available
 
     choice = os.environ.get("MOK_EXPERT_GEMM", "auto")
-    if choice not in EXPERT_GEMM_CHOICES:
-        raise ValueError(f"MOK_EXPERT_GEMM={choice!r}; choose one of {EXPERT_GEMM_CHOICES}")
-    if choice == "torch":
-        return False
+    if choice in ("auto", "torch", "engine"):
+        steps = {"auto": AUTO_ENGINE_STEPS, "torch": (), "engine": ENGINE_STEPS}[choice]
+    else:
+        steps = tuple(s.strip() for s in choice.split(","))
+        if not set(steps) <= set(ENGINE_STEPS):
+            raise ValueError(
+                f"MOK_EXPERT_GEMM={choice!r}; choose auto, torch, engine or a comma list of "
+                f"{ENGINE_STEPS}"
+            )
+    if not steps:
+        return ()
     major, minor = torch.cuda.get_device_capability(device)
     why_not = None
     if not grouped_gemm_available():
@@ -478,16 +491,16 @@ def _use_engine(device: torch.device) -> bool:
     elif (major, minor) != (9, 0):
         why_not = f"it is built for sm_90a and this GPU is sm_{major}{minor}"
     if why_not is None:
-        return True
-    if choice == "engine":
+        return steps
+    if choice != "auto":
         raise RuntimeError(
-            f"MOK_EXPERT_GEMM=engine but the expert GEMM engine can't run: {why_not}"
+            f"MOK_EXPERT_GEMM={choice} but the expert GEMM engine can't run: {why_not}"
         )
     _warn_once(
         f"mok: the fused gate/up experts run on torch._grouped_mm, not the expert GEMM engine: "
         f"{why_not} (MOK_EXPERT_GEMM=torch chooses this without the warning)"
     )
-    return False
+    return ()
 
 
 _WARNED: set[str] = set()

@@ -165,3 +165,13 @@ def test_fused_gate_up_form_rejects_bad_weights(inter, shape_fix, match):
         gate_up = shape_fix(gate_up).contiguous()
     with pytest.raises(ValueError, match=match):
         F.forward(cfg, ws, sched, x, rw, None, None, None, gate_up, None, wd)
+
+
+def test_expert_gemm_setting_is_checked(monkeypatch):
+    from mok_megatron.functional import cuda
+
+    monkeypatch.setenv("MOK_EXPERT_GEMM", "torch")
+    assert cuda._engine_steps(torch.device("cpu")) == ()
+    monkeypatch.setenv("MOK_EXPERT_GEMM", "l1,wgrad")
+    with pytest.raises(ValueError, match="comma list of"):
+        cuda._engine_steps(torch.device("cpu"))

@@ -32,9 +32,11 @@ PER_TOKEN = ("out", "d_x", "d_router_weights")
 ROUTED = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
 SHARED = ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
 
-#: Routed-weight forms: separate gate and up; the fused interleaved gate_up (MoKExperts' form) on
-#: the expert GEMM engine; the fused form on torch._grouped_mm (MOK_EXPERT_GEMM=torch).
+#: Routed-weight forms: separate gate and up; the fused interleaved gate_up (MoKExperts' form)
+#: with every engine step (MOK_EXPERT_GEMM=engine), on torch._grouped_mm only (=torch), with the
+#: engine's L1 + SwiGLU only (=l1).
 FORMS = ("split", "fused", "fused_torch")
+EXPERT_GEMM = {"fused": "engine", "fused_torch": "torch", "fused_l1": "l1"}
 
 # Scaled-down benchmark shapes: (hidden, inter, experts, topk, shared_inter).
 SHAPES = {
@@ -111,7 +113,7 @@ class Run:
 
     def passes(self, sched):
         gemm = os.environ.get("MOK_EXPERT_GEMM")
-        os.environ["MOK_EXPERT_GEMM"] = "torch" if self.form == "fused_torch" else "auto"
+        os.environ["MOK_EXPERT_GEMM"] = EXPERT_GEMM.get(self.form, "auto")
         try:
             out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
             self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
@@ -272,7 +274,7 @@ def _schedule_failures(sched, problem, ws) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", [*FORMS, "fused_l1"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_shapes_match_oracle_and_reference(shape, form):
     problem = _problem([300], SHAPES[shape], seed=11)
