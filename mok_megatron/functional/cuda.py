@@ -11,9 +11,9 @@ that load and store through peers' symmetric buffers (no collectives, no host sy
              which ``torch._grouped_mm`` needs for its 16-byte-aligned groups in the
              weight-gradient GEMMs
   experts    with the fused gate/up weight (``FusedExpertWeights``; MoKExperts' form): on Hopper,
-             the expert GEMM engine (``ops.grouped_gemm``: SwiGLU in the L1 GEMM's epilogue,
-             the SwiGLU backward in the L2 dgrad's), ``torch._grouped_mm`` for the GEMMs where
-             the engine does not win (L2 forward, L1 dgrad, weight gradients: docs/GEMM.md);
+             L1 with SwiGLU in its epilogue on the expert GEMM engine (``ops.grouped_gemm``),
+             ``torch._grouped_mm`` for the GEMMs where the engine does not win (env
+             MOK_EXPERT_GEMM picks otherwise; measured in docs/PERF.md);
              with separate gate and up weights, two grouped GEMMs and the SwiGLU kernel
              reading both; then the L2 grouped GEMM
   combine    per received token, a slot-ordered float32 sum on the expert side, one row per
@@ -64,8 +64,10 @@ DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: "torch" (none), "engine" (all) or a comma list): "l1" L1 + SwiGLU (forward, and the rounds'
 #: recompute), "dswiglu" the L2 dgrad + SwiGLU backward.
 ENGINE_STEPS = ("l1", "dswiglu")
-#: What "auto" picks on Hopper (measured in the layer: docs/PERF.md, "The expert GEMM engine").
-AUTO_ENGINE_STEPS = ("l1", "dswiglu")
+#: What "auto" picks on Hopper, measured in the layer at EP 2 (docs/PERF.md, "The expert GEMM
+#: engine's share"): the engine's L1 + SwiGLU beat torch._grouped_mm + the SwiGLU kernel in the
+#: forward; its L2 dgrad + dSwiGLU did not beat torch._grouped_mm + the SwiGLU-backward kernel.
+AUTO_ENGINE_STEPS = ("l1",)
 
 
 @dataclass
@@ -408,11 +410,13 @@ class _Experts:
     """The routed expert MLP on one round's rows, for either weight form.
 
     Separate gate/up: two grouped GEMMs and the SwiGLU kernel. Fused gate/up
-    (``FusedExpertWeights``): with the engine, L1 + SwiGLU in one GEMM (``h`` kept when the
-    backward needs it) and the L2 dgrad with the SwiGLU backward fused; with torch GEMMs, one
-    ``torch._grouped_mm`` over both halves and the interleaved SwiGLU kernels. The L2 forward,
-    the dgrads against W_gu and the weight gradients stay on ``torch._grouped_mm`` in both
-    forms: at the benchmark shapes the engine does not beat it there (docs/GEMM.md).
+    (``FusedExpertWeights``): each step on the expert GEMM engine or on torch GEMMs, as
+    ``_engine_steps`` says: L1 + SwiGLU in one engine GEMM (``h`` kept when the backward needs
+    it) or one ``torch._grouped_mm`` over both halves and the interleaved SwiGLU kernel; the L2
+    dgrad with the SwiGLU backward in one engine GEMM, or ``torch._grouped_mm`` and the
+    interleaved SwiGLU-backward kernel. The L2 forward, the dgrad against W_gu and the weight
+    gradients stay on ``torch._grouped_mm``: the engine's plain GEMMs do not beat it at the
+    benchmark shapes (docs/GEMM.md).
     """
 
     def __init__(self, routed, device: torch.device):
