@@ -86,6 +86,26 @@ def engine_rows(records):
                     )
 
 
+def engine_summary(records):
+    """Per EP, pass and setting: the geometric mean, min and max of the ratios above."""
+    import math
+
+    groups = {}
+    for _, record in records:
+        for case in record["cases"]:
+            for label in ("fwd", "fwd_bwd"):
+                for v, ratio in case.get(label, {}).get("default_gemm_speedup", {}).items():
+                    groups.setdefault((case["ep"], label, v), []).append(ratio)
+    yield "| EP | pass | other setting | cases | geometric mean | min | max |"
+    yield "|---|---|---|---|---|---|---|"
+    for (ep, label, v), xs in sorted(groups.items()):
+        gmean = math.exp(sum(math.log(x) for x in xs) / len(xs))
+        yield (
+            f"| {ep} | {label.replace('_', '+')} | {v} | {len(xs)} | {gmean:.3f} "
+            f"| {min(xs):.2f} | {max(xs):.2f} |"
+        )
+
+
 ENGINE_HEAD = (
     "## The expert GEMM engine's share\n\n"
     "MoK as above (default `MOK_EXPERT_GEMM=auto`) against the same layer, same process, under "
@@ -167,7 +187,8 @@ def main(argv=None) -> None:
         parts += list(rows(record))
     engine = list(engine_rows(records))
     if engine:
-        parts += ["", ENGINE_HEAD, *engine]
+        parts += ["", ENGINE_HEAD, *engine, "", "Summary of the ratios:", "",
+                  *engine_summary(records)]  # fmt: skip
     if args.profile:
         parts += ["", *profile_tables(args.profile)]
     if args.notes:
