@@ -28,7 +28,7 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 TORCH_ARCH_NAMES = {"sm_90a": "9.0a", "sm_100a": "10.0a", "sm_103a": "10.3a"}
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+NVCC_FLAGS = ["-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
 CXX_FLAGS = ["-O3", "-std=c++17"]
 
 
