@@ -56,8 +56,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--mok-expert-gemm",
         default="",
-        help="comma list of MOK_EXPERT_GEMM settings (torch, engine, l1, dswiglu) to also time "
-        "MoK under, as 'mok_gemm_<setting>', in the same process: which expert GEMMs win",
+        help="comma list of MOK_EXPERT_GEMM settings (torch, engine, or engine steps joined by "
+        "'+', e.g. l1+wgrad) to also time MoK under, as 'mok_gemm_<setting>', in the same "
+        "process: which expert GEMMs win",
     )
     p.add_argument("--out", default=None, help="JSON file to write (rank 0)")
     p.add_argument("--seed", type=int, default=1234)

@@ -61,9 +61,11 @@ MAX_RANKS = 32
 #: Device waits give up after this long (env MOK_WAIT_TIMEOUT_MS), reporting rank, phase, flag.
 DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: The fused gate/up form's steps the expert GEMM engine can run (env MOK_EXPERT_GEMM: "auto",
-#: "torch" (none), "engine" (all) or a comma list): "l1" L1 + SwiGLU (forward, and the rounds'
-#: recompute), "dswiglu" the L2 dgrad + SwiGLU backward.
-ENGINE_STEPS = ("l1", "dswiglu")
+#: "torch" (none), "engine" (all) or a list joined by "," or "+"): "l1" L1 + SwiGLU (forward, and the rounds'
+#: recompute), "dswiglu" the L2 dgrad + SwiGLU backward, and the plain GEMMs: "l2" the L2
+#: forward, "dgrad" the dgrads (against W_down without "dswiglu", and against W_gu), "wgrad"
+#: the weight gradients.
+ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
 #: What "auto" picks on Hopper, measured in the layer at EP 2 (docs/PERF.md, "The expert GEMM
 #: engine's share"): the engine's L1 + SwiGLU beat torch._grouped_mm + the SwiGLU kernel in the
 #: forward; its L2 dgrad + dSwiGLU did not beat torch._grouped_mm + the SwiGLU-backward kernel.
@@ -299,18 +301,18 @@ class CudaBackend:
                 act = experts.forward(_gather_rows(ctx.x_recv, row_tok), offs, save_pre=True,
                                       with_down=False)  # fmt: skip
                 d_row_w[window], da = mops.moe_row_grad(
-                    grouped_mm(d_rows, routed.down, offs), act.a, w_rows, row_tok
+                    experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
                 )
                 d_pre = experts.pre_grads_from_da(da, act)
                 del da
                 wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
             # dx = Σ d_pre @ W_pre: with separate gate and up, each term rounded to bf16 once
             # and summed in float32 by the combine (rows2), so no add pass over [rows, H]
-            dx = [grouped_mm(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
+            dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
             # weight gradients one at a time (each part is weight-sized)
             parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
             for i, (rows_t, rows) in zip(experts.grad_slots, parts):
-                d_w[i] = _accumulate(d_w[i], grouped_mm(rows_t.T, rows, offs), offs, rounds, r)
+                d_w[i] = _accumulate(d_w[i], experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
             d_x = mops.moe_combine(
                 dx[0], plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
                 sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
@@ -414,9 +416,8 @@ class _Experts:
     ``_engine_steps`` says: L1 + SwiGLU in one engine GEMM (``h`` kept when the backward needs
     it) or one ``torch._grouped_mm`` over both halves and the interleaved SwiGLU kernel; the L2
     dgrad with the SwiGLU backward in one engine GEMM, or ``torch._grouped_mm`` and the
-    interleaved SwiGLU-backward kernel. The L2 forward, the dgrad against W_gu and the weight
-    gradients stay on ``torch._grouped_mm``: the engine's plain GEMMs do not beat it at the
-    benchmark shapes (docs/GEMM.md).
+    interleaved SwiGLU-backward kernel; the plain GEMMs (L2 forward, dgrads, weight gradients)
+    likewise (``mm_nt``, ``mm_nn``, ``mm_tn``).
     """
 
     def __init__(self, routed, device: torch.device):
@@ -450,7 +451,7 @@ class _Experts:
             g = grouped_mm(x_rows, w.gate.transpose(1, 2), offs)
             u = grouped_mm(x_rows, w.up.transpose(1, 2), offs)
             a = mops.moe_swiglu(g, u)
-        y = grouped_mm(a, w.down.transpose(1, 2), offs) if with_down else None
+        y = self.mm_nt(a, w.down, offs) if with_down else None
         return ExpertRows(x_rows, a, y, g, u, h)
 
     def pre_grads_from_dy(self, dy, act: ExpertRows, offs) -> tuple[torch.Tensor, ...]:
@@ -459,7 +460,7 @@ class _Experts:
 
         if "dswiglu" in self.engine:  # the L2 dgrad with the SwiGLU backward in its epilogue
             return (gg.grouped_gemm_dswiglu(dy, self.routed.down, act.h, offs)[0],)
-        return self.pre_grads_from_da(grouped_mm(dy, self.routed.down, offs), act)
+        return self.pre_grads_from_da(self.mm_nn(dy, self.routed.down, offs), act)
 
     def pre_grads_from_da(self, da, act: ExpertRows) -> tuple[torch.Tensor, ...]:
         """da [M, I] (the gradient of the SwiGLU output) → (d_g, d_u) or (d_h,)."""
@@ -468,6 +469,31 @@ class _Experts:
         if self.fused:
             return (mops.moe_swiglu_interleaved_backward(da, act.h),)
         return mops.moe_swiglu_backward(da, act.g, act.u)
+
+    # The plain GEMMs: the engine's (steps "l2", "dgrad", "wgrad") or torch._grouped_mm.
+    def mm_nt(self, a, b, offs):
+        """a [M, K], b [G, N, K] → a_g @ b[g]^T [M, N] (the L2 forward)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if "l2" in self.engine:
+            return gg.grouped_gemm_nt(a, b, offs)
+        return grouped_mm(a, b.transpose(1, 2), offs)
+
+    def mm_nn(self, a, b, offs):
+        """a [M, K], b [G, K, N] → a_g @ b[g] [M, N] (the dgrads)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if "dgrad" in self.engine:
+            return gg.grouped_gemm_nn(a, b, offs)
+        return grouped_mm(a, b, offs)
+
+    def mm_tn(self, a, b, offs):
+        """a [M, P], b [M, Q] → [G, P, Q], each group's a_g^T @ b_g (the weight gradients)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if "wgrad" in self.engine:
+            return gg.grouped_gemm_tn(a, b, offs)
+        return grouped_mm(a.T, b, offs)
 
 
 def _engine_steps(device: torch.device) -> tuple[str, ...]:
@@ -480,7 +506,7 @@ def _engine_steps(device: torch.device) -> tuple[str, ...]:
     if choice in ("auto", "torch", "engine"):
         steps = {"auto": AUTO_ENGINE_STEPS, "torch": (), "engine": ENGINE_STEPS}[choice]
     else:
-        steps = tuple(s.strip() for s in choice.split(","))
+        steps = tuple(s.strip() for s in choice.replace("+", ",").split(","))
         if not set(steps) <= set(ENGINE_STEPS):
             raise ValueError(
                 f"MOK_EXPERT_GEMM={choice!r}; choose auto, torch, engine or a comma list of "
