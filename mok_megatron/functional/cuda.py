@@ -11,9 +11,9 @@ that load and store through peers' symmetric buffers (no collectives, no host sy
              which ``torch._grouped_mm`` needs for its 16-byte-aligned groups in the
              weight-gradient GEMMs
   experts    with the fused gate/up weight (``FusedExpertWeights``; MoKExperts' form): on Hopper,
-             L1 with SwiGLU in its epilogue on the expert GEMM engine (``ops.grouped_gemm``),
-             ``torch._grouped_mm`` for the GEMMs where the engine does not win (env
-             MOK_EXPERT_GEMM picks otherwise; measured in docs/PERF.md);
+             L1 with SwiGLU in its epilogue and the L2 forward on the expert GEMM engine
+             (``ops.grouped_gemm``), ``torch._grouped_mm`` for the GEMMs where the engine does
+             not win (env MOK_EXPERT_GEMM picks otherwise; docs/GEMM.md, docs/PERF.md);
              with separate gate and up weights, two grouped GEMMs and the SwiGLU kernel
              reading both; then the L2 grouped GEMM
   combine    per received token, a slot-ordered float32 sum on the expert side, one row per
@@ -66,10 +66,13 @@ DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: forward, "dgrad" the dgrads (against W_down without "dswiglu", and against W_gu), "wgrad"
 #: the weight gradients.
 ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
-#: What "auto" picks on Hopper, measured in the layer at EP 2 (docs/PERF.md, "The expert GEMM
-#: engine's share"): the engine's L1 + SwiGLU beat torch._grouped_mm + the SwiGLU kernel in the
-#: forward; its L2 dgrad + dSwiGLU did not beat torch._grouped_mm + the SwiGLU-backward kernel.
-AUTO_ENGINE_STEPS = ("l1",)
+#: What "auto" picks on Hopper: the steps whose engine GEMM beat torch._grouped_mm on every
+#: benchmark shape in the same-process micro-benchmark (docs/GEMM.md, the -DNDEBUG record): L1 +
+#: SwiGLU and the L2 forward. Not the dgrads (the L1 dgrad lost on one shape), the weight
+#: gradients (lost on most) or the fused dSwiGLU (slower than torch + the SwiGLU-backward
+#: kernel). In the layer at EP 2 every setting is within a few percent of the others
+#: (docs/PERF.md, "The expert GEMM engine's share").
+AUTO_ENGINE_STEPS = ("l1", "l2")
 
 
 @dataclass

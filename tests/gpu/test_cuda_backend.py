@@ -33,10 +33,10 @@ ROUTED = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
 SHARED = ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
 
 #: Routed-weight forms: separate gate and up; the fused interleaved gate_up (MoKExperts' form)
-#: with every engine step (MOK_EXPERT_GEMM=engine), on torch._grouped_mm only (=torch), with the
-#: engine's L1 + SwiGLU only (=l1).
+#: with every engine step (MOK_EXPERT_GEMM=engine), on torch._grouped_mm only (=torch), and with
+#: the default choice (=auto).
 FORMS = ("split", "fused", "fused_torch")
-EXPERT_GEMM = {"fused": "engine", "fused_torch": "torch", "fused_l1": "l1"}
+EXPERT_GEMM = {"fused": "engine", "fused_torch": "torch", "fused_auto": "auto"}
 
 # Scaled-down benchmark shapes: (hidden, inter, experts, topk, shared_inter).
 SHAPES = {
@@ -274,7 +274,7 @@ def _schedule_failures(sched, problem, ws) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", [*FORMS, "fused_l1"])
+@pytest.mark.parametrize("form", [*FORMS, "fused_auto"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_shapes_match_oracle_and_reference(shape, form):
     problem = _problem([300], SHAPES[shape], seed=11)
