@@ -59,11 +59,52 @@ def main(path: str) -> None:
                   f"{fmt(b, 'tflops', '.0f')} | "
                   f"{'n/a' if ratio is None else format(ratio, '.2f')}"
                   f"{' (' + err[:60] + ')' if err else ''} |")  # fmt: skip
+    targets_table(by, rows_of)
     sweep_table(doc)
     swiglu = [r for r in doc["results"] if r["impl"] == "torch_swiglu_only" and "median_ms" in r]
     if swiglu:
         print("\ntorch's separate SwiGLU pass alone (ms): " + ", ".join(
             f"{r['model']}/{r['rows']}: {r['median_ms']:.3f}" for r in swiglu))  # fmt: skip
+
+
+# issue 7's targets: (label, op, ours, theirs, what ratio or TFLOP/s must reach)
+TARGETS = [
+    ("L1 + SwiGLU >= 650 TFLOP/s", "l1_swiglu", "mok", None, 650.0),
+    ("L1 + SwiGLU >= 1.15x torch L1 + SwiGLU", "l1_swiglu", "mok", "torch_gemm+swiglu", 1.15),
+    ("L2 >= torch", "l2", "mok", "torch_gemm", 1.0),
+    ("L2 dgrad + dSwiGLU >= torch + dSwiGLU", "l2_dgrad_dswiglu", "mok", "torch_gemm+dswiglu", 1.0),
+    ("L1 dgrad >= torch", "l1_dgrad", "mok", "torch_gemm", 1.0),
+    ("wgrad L1 >= torch", "wgrad_l1", "mok", "torch_gemm", 1.0),
+    ("wgrad L2 >= torch", "wgrad_l2", "mok", "torch_gemm", 1.0),
+]
+
+
+def targets_table(by: dict, rows_of: list) -> None:
+    """Each target at the EP-2 row count (each model's largest rows in the record)."""
+    full = {}
+    for model, rows in rows_of:
+        full.setdefault(model, rows)
+    models = list(full)
+    print("\nTargets (issue 7) at the EP-2 rows (8192 tokens per rank):\n")
+    print("| target | " + " | ".join(f"{m} ({full[m]})" for m in models) + " |")
+    print("|---|" + "---|" * len(models))
+    for label, op, ours, theirs, goal in TARGETS:
+        cells = []
+        for m in models:
+            impls = by.get((m, full[m], op), {})
+            a, b = impls.get(ours), impls.get(theirs) if theirs else None
+            if (
+                a is None
+                or "median_ms" not in a
+                or (theirs and (b is None or "median_ms" not in b))
+            ):
+                cells.append("n/a")
+                continue
+            value = a["tflops"] if theirs is None else b["median_ms"] / a["median_ms"]
+            shown = f"{value:.0f}" if theirs is None else f"{value:.2f}x"
+            verdict = "met" if value >= goal else f"missed by {100 * (1 - value / goal):.1f}%"
+            cells.append(f"{shown}: {verdict}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def sweep_table(doc: dict) -> None:
