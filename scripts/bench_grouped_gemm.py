@@ -33,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
+from mok_megatron.ops import moe  # noqa: E402
 
 MODELS = {  # name: (hidden, intermediate, experts, topk)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -127,6 +128,10 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
             "torch_swiglu_only": lambda: F.silu(gate_t) * up_t,
             "torch_gemm+swiglu": lambda: (lambda hh: F.silu(hh[:, :inter]) * hh[:, inter:])(
                 torch._grouped_mm(x, w_cat.transpose(1, 2), offs=offs)),
+            # the CUDA backend's torch path: one GEMM on the interleaved weight (h kept) and
+            # MoK's interleaved SwiGLU kernel
+            "torch_gemm+mok_swiglu": lambda: moe.moe_swiglu_interleaved(
+                torch._grouped_mm(x, w_gu.transpose(1, 2), offs=offs)),
         }),
         "l2": (l2_flops, {
             "mok": lambda: gg.grouped_gemm_nt(act, w_down, offs),
@@ -138,6 +143,8 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
             "torch_gemm": lambda: torch._grouped_mm(d_y, w_down, offs=offs),
             "torch_gemm+dswiglu": lambda: swiglu_backward(
                 torch._grouped_mm(d_y, w_down, offs=offs), gate_t, up_t),
+            "torch_gemm+mok_dswiglu": lambda: moe.moe_swiglu_interleaved_backward(
+                torch._grouped_mm(d_y, w_down, offs=offs), h),
         }),
         "l1_dgrad": (l1_flops, {
             "mok": lambda: gg.grouped_gemm_nn(h_cat, w_gu, offs),

@@ -109,10 +109,10 @@ def engine_summary(records):
 ENGINE_HEAD = (
     "## The expert GEMM engine's share\n\n"
     "MoK as above (default `MOK_EXPERT_GEMM=auto`) against the same layer, same process, under "
-    "another `MOK_EXPERT_GEMM` setting: `torch` (every expert GEMM on `torch._grouped_mm`, with "
-    "the interleaved SwiGLU kernels), `engine` (L1 + SwiGLU and L2 dgrad + dSwiGLU on the "
-    "engine), `l1` / `dswiglu` (only that step on the engine). Ratio > 1: the default is "
-    "faster.\n\n"
+    "another `MOK_EXPERT_GEMM` setting (the settings in the records: {settings}; `torch` runs "
+    "every expert GEMM on `torch._grouped_mm`, with the interleaved SwiGLU kernels; `engine` runs "
+    'every step the engine has; a list names the engine steps, see docs/GEMM.md, "In the '
+    'backend"). Ratio > 1: the default is faster.\n\n'
     "| shape | EP | tokens/rank | routing | pass | other setting | mok ms (p10-p90) "
     "| other ms (p10-p90) | ratio |\n|---|---|---|---|---|---|---|---|---|"
 )
@@ -187,7 +187,9 @@ def main(argv=None) -> None:
         parts += list(rows(record))
     engine = list(engine_rows(records))
     if engine:
-        parts += ["", ENGINE_HEAD, *engine, "", "Summary of the ratios:", "",
+        settings = sorted({row.split("|")[6].strip() for row in engine})
+        head = ENGINE_HEAD.format(settings=", ".join(f"`{v}`" for v in settings))
+        parts += ["", head, *engine, "", "Summary of the ratios:", "",
                   *engine_summary(records)]  # fmt: skip
     if args.profile:
         parts += ["", *profile_tables(args.profile)]

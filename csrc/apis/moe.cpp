@@ -281,6 +281,8 @@ std::tuple<at::Tensor, at::Tensor> moe_swiglu_backward(const at::Tensor& da, con
   const auto a = swiglu_args(g, u, "moe_swiglu_backward");
   TORCH_CHECK(da.sizes() == g.sizes(), "mok::moe_swiglu_backward: da ", da.sizes(),
               " must match g and u ", g.sizes());
+  TORCH_CHECK(da.device() == g.device() && u.device() == g.device(),
+              "mok::moe_swiglu_backward: da, g and u must be on one device");
   c10::cuda::CUDAGuard guard(g.device());
   auto dg = at::empty(da.sizes(), da.options());
   auto du = at::empty(da.sizes(), da.options());
@@ -323,6 +325,8 @@ at::Tensor moe_swiglu_interleaved_backward(const at::Tensor& da, const at::Tenso
   const auto a = swiglu_interleaved_args(h, kOp);
   TORCH_CHECK(da.size(0) == a.num_rows && da.size(1) == a.inter, "mok::", kOp, ": da ",
               da.sizes(), " must be [P, I] = [", a.num_rows, ", ", a.inter, "] for h ", h.sizes());
+  TORCH_CHECK(da.device() == h.device(), "mok::", kOp, ": da is on ", da.device(), ", h on ",
+              h.device());
   c10::cuda::CUDAGuard guard(h.device());
   auto d_h = at::empty({a.num_rows, 2 * a.inter}, da.options());
   auto* out = static_cast<at::BFloat16*>(d_h.data_ptr());

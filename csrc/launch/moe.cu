@@ -151,9 +151,14 @@ void moe_gather_rows(const void* src, const int64_t* row_tok, void* out, int64_t
 }
 
 namespace {
-bool vec8(const MoeSwigluArgs& a, std::initializer_list<int64_t> strides) {
+// 16-byte accesses need I, every row / block stride and every base pointer 16-byte aligned.
+bool vec8(const MoeSwigluArgs& a, std::initializer_list<int64_t> strides,
+          std::initializer_list<const void*> more_ptrs = {}) {
   if (a.inter % 8 || a.blk_stride % 8) return false;
   for (const void* ptr : {a.g, a.u}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
+  }
+  for (const void* ptr : more_ptrs) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16) return false;
   }
   for (int64_t s : strides) {
@@ -173,7 +178,7 @@ void moe_swiglu_forward(const MoeSwigluArgs& a, void* out, cudaStream_t stream) 
   if (a.num_rows * a.inter == 0) return;
   const auto p = swiglu_params(a);
   auto* dst = static_cast<__nv_bfloat16*>(out);
-  if (vec8(a, {a.g_ld, a.u_ld})) {
+  if (vec8(a, {a.g_ld, a.u_ld}, {out})) {
     roles::swiglu_forward<8><<<grid_for(a.num_rows * a.inter / 8), kThreads, 0, stream>>>(p, dst);
   } else {
     roles::swiglu_forward<1><<<grid_for(a.num_rows * a.inter), kThreads, 0, stream>>>(p, dst);
@@ -188,7 +193,7 @@ void moe_swiglu_backward(const MoeSwigluArgs& a, const void* da, void* dg, int64
   const auto* d = static_cast<const __nv_bfloat16*>(da);
   auto* g = static_cast<__nv_bfloat16*>(dg);
   auto* u = static_cast<__nv_bfloat16*>(du);
-  if (vec8(a, {a.g_ld, a.u_ld, dg_ld, du_ld})) {
+  if (vec8(a, {a.g_ld, a.u_ld, dg_ld, du_ld}, {da, dg, du})) {
     roles::swiglu_backward<8><<<grid_for(a.num_rows * a.inter / 8), kThreads, 0, stream>>>(
         p, d, g, dg_ld, u, du_ld);
   } else {

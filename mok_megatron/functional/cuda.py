@@ -66,12 +66,13 @@ DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: forward, "dgrad" the dgrads (against W_down without "dswiglu", and against W_gu), "wgrad"
 #: the weight gradients.
 ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
-#: What "auto" picks on Hopper: the steps whose engine GEMM beat torch._grouped_mm on every
-#: benchmark shape in the same-process micro-benchmark (docs/GEMM.md, the -DNDEBUG record): L1 +
-#: SwiGLU and the L2 forward. Not the dgrads (the L1 dgrad lost on one shape), the weight
-#: gradients (lost on most) or the fused dSwiGLU (slower than torch + the SwiGLU-backward
-#: kernel). In the layer at EP 2 every setting is within a few percent of the others
-#: (docs/PERF.md, "The expert GEMM engine's share").
+#: What "auto" picks on Hopper. "l2": its engine GEMM beat torch._grouped_mm on all six points of
+#: the same-process micro-benchmark (docs/GEMM.md). "l1" (which also writes h for the backward):
+#: in that micro-benchmark it is compared with torch._grouped_mm + MoK's interleaved SwiGLU
+#: kernel, the backend's alternative (pair "mok_save_h" / "torch_gemm+mok_swiglu"); in the layer
+#: at EP 2 the default's forward was ahead of all-torch GEMMs (docs/PERF.md). Not the dgrads (the
+#: L1 dgrad lost on one shape), the weight gradients (lost on most) or the fused dSwiGLU (its
+#: d_h store is not staged through shared memory; pair "mok" / "torch_gemm+mok_dswiglu").
 AUTO_ENGINE_STEPS = ("l1", "l2")
 
 
@@ -517,11 +518,13 @@ def _engine_steps(device: torch.device) -> tuple[str, ...]:
             )
     if not steps:
         return ()
-    major, minor = torch.cuda.get_device_capability(device)
     why_not = None
     if not grouped_gemm_available():
         why_not = "mok_megatron._C lacks the grouped-GEMM ops"
-    elif (major, minor) != (9, 0):
+    elif device.type != "cuda":
+        why_not = f"the device is {device}, not a CUDA GPU"
+    elif torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
         why_not = f"it is built for sm_90a and this GPU is sm_{major}{minor}"
     if why_not is None:
         return steps

@@ -132,17 +132,27 @@ def test_swiglu_bad_input_names_the_rule():
         moe_swiglu(g[:1, ::2], g[:1, ::2])
 
 
+def _poison_allocator() -> None:
+    """NaN in freed caching-allocator blocks, so an output the kernel skips shows."""
+    junk = torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
+    del junk
+
+
+@pytest.mark.parametrize("offset", [16, 4])  # 16: 16-byte vectors; 4: 8-byte aligned, one by one
 @pytest.mark.parametrize("rows,inter", [(1, 8), (37, 96), (1000, 768), (129, 2048)])
-def test_interleaved_swiglu_matches_float64_and_the_split_kernels(rows, inter):
+def test_interleaved_swiglu_matches_float64_and_the_split_kernels(rows, inter, offset):
     """h [P, 2I] with gate and up columns alternating in blocks of 8: the same bits as the split
-    kernels on the de-interleaved halves, d_h interleaved like h; strided rows too."""
-    wide = (_random((rows, 2 * inter + 16), inter + 1) - 1.0) * 4
-    h = wide[:, 16:]  # rows strided, start 32 bytes into each row
+    kernels on the de-interleaved halves, d_h interleaved like h; strided rows, and rows that
+    start off a 16-byte boundary (the element-by-element path)."""
+    wide = (_random((rows, 2 * inter + 16), inter + offset) - 1.0) * 4
+    h = wide[:, offset : offset + 2 * inter]
     da = _random((rows, inter), rows + 1) - 1.0
     gate, up = ops.deinterleave_gate_up(h)
+    _poison_allocator()
     a = moe_swiglu_interleaved(h)
     d_h = moe_swiglu_interleaved_backward(da, h)
     assert a.shape == (rows, inter) and d_h.shape == (rows, 2 * inter) and d_h.is_contiguous()
+    assert not a.isnan().any() and not d_h.isnan().any()
     dg, du = ops.deinterleave_gate_up(d_h)
     a64, dg64, du64 = _swiglu64(gate, up, da)
     for name, got, want in (("a", a, a64), ("dg", dg, dg64), ("du", du, du64)):
@@ -153,6 +163,19 @@ def test_interleaved_swiglu_matches_float64_and_the_split_kernels(rows, inter):
     assert torch.equal(dg, dg2) and torch.equal(du, du2)
     assert torch.equal(d_h, ops.interleave_gate_up(dg2.T, du2.T).T)
     assert torch.equal(a, moe_swiglu_interleaved(h.contiguous()))
+
+
+def test_swiglu_backward_with_misaligned_da_uses_the_safe_path():
+    """A contiguous da that starts 8 bytes off a 16-byte boundary: no misaligned vector loads."""
+    h = _random((64, 2 * 96), 5) - 1.0
+    da = (_random((64 * 96 + 4,), 6) - 1.0)[4:].view(64, 96)  # contiguous, offset 8 bytes
+    want = moe_swiglu_interleaved_backward(da.clone(), h)
+    torch.cuda.synchronize()
+    assert torch.equal(moe_swiglu_interleaved_backward(da, h), want)
+    gate, up = ops.deinterleave_gate_up(h)
+    dg, du = moe_swiglu_backward(da, gate, up)
+    dg2, du2 = moe_swiglu_backward(da.clone(), gate, up)
+    assert torch.equal(dg, dg2) and torch.equal(du, du2)
 
 
 def test_interleaved_swiglu_bad_input_names_the_rule():
