@@ -244,25 +244,42 @@ at::Tensor moe_gather_rows(const at::Tensor& src, const at::Tensor& row_tok) {
 }
 
 namespace {
+// A [P, C] bf16 CUDA row set with unit column stride (rows may be strided): its row stride.
+int64_t swiglu_rows(const at::Tensor& t, const char* name, const char* op) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.dim() == 2, "mok::", op, ": ",
+              name, " must be a 2-D bfloat16 CUDA tensor, got ", t.scalar_type(), " ", t.sizes(),
+              " on ", t.device());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "mok::", op, ": ", name,
+              " must have unit column stride (rows may be strided)");
+  return t.size(0) > 1 ? t.stride(0) : t.size(1);
+}
+
 // g, u: [P, I] bf16 CUDA, unit column stride, any row stride (e.g. the halves of [P, 2I]).
 launch::MoeSwigluArgs swiglu_args(const at::Tensor& g, const at::Tensor& u, const char* op) {
-  for (const auto* t : {&g, &u}) {
-    const char* name = t == &g ? "g" : "u";
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kBFloat16 && t->dim() == 2,
-                "mok::", op, ": ", name, " must be a 2-D bfloat16 CUDA tensor, got ",
-                t->scalar_type(), " ", t->sizes(), " on ", t->device());
-    TORCH_CHECK(t->size(1) <= 1 || t->stride(1) == 1, "mok::", op, ": ",
-                name, " must have unit column stride (rows may be strided)");
-  }
+  launch::MoeSwigluArgs a;
+  a.g_ld = swiglu_rows(g, "g", op);
+  a.u_ld = swiglu_rows(u, "u", op);
   TORCH_CHECK(g.sizes() == u.sizes(), "mok::", op, ": g ", g.sizes(), " and u ", u.sizes(),
               " must have one shape [P, I]");
-  launch::MoeSwigluArgs a;
   a.g = g.data_ptr();
   a.u = u.data_ptr();
-  a.g_ld = g.size(0) > 1 ? g.stride(0) : g.size(1);
-  a.u_ld = u.size(0) > 1 ? u.stride(0) : u.size(1);
   a.num_rows = g.size(0);
   a.inter = g.size(1);
+  return a;
+}
+
+// h: [P, 2I] bf16, gate and up columns interleaved in blocks of 8 (ops.interleave_gate_up).
+launch::MoeSwigluArgs swiglu_interleaved_args(const at::Tensor& h, const char* op) {
+  launch::MoeSwigluArgs a;
+  a.g_ld = a.u_ld = swiglu_rows(h, "h", op);
+  TORCH_CHECK(h.size(1) % 16 == 0, "mok::", op, ": h has ", h.size(1),
+              " columns; the interleaved gate/up layout needs a multiple of 16 (I % 8 == 0)");
+  const auto* base = static_cast<const at::BFloat16*>(h.data_ptr());
+  a.g = base;
+  a.u = base + 8;
+  a.num_rows = h.size(0);
+  a.inter = h.size(1) / 2;
+  a.blk_stride = 16;
   return a;
 }
 }  // namespace
@@ -291,30 +308,10 @@ std::tuple<at::Tensor, at::Tensor> moe_swiglu_backward(const at::Tensor& da, con
   return {dg, du};
 }
 
-// h: [P, 2I] bf16, gate and up columns interleaved in blocks of 8 (ops.interleave_gate_up).
-launch::MoeSwigluArgs swiglu_interleaved_args(const at::Tensor& h, const char* op) {
-  TORCH_CHECK(h.is_cuda() && h.scalar_type() == at::kBFloat16 && h.dim() == 2, "mok::", op,
-              ": h must be a 2-D bfloat16 CUDA tensor, got ", h.scalar_type(), " ", h.sizes(),
-              " on ", h.device());
-  TORCH_CHECK(h.size(1) % 16 == 0, "mok::", op, ": h has ", h.size(1),
-              " columns; the interleaved gate/up layout needs a multiple of 16 (I % 8 == 0)");
-  TORCH_CHECK(h.size(1) == 0 || h.stride(1) == 1, "mok::", op,
-              ": h must have unit column stride (rows may be strided)");
-  launch::MoeSwigluArgs a;
-  const auto* base = static_cast<const at::BFloat16*>(h.data_ptr());
-  a.g = base;
-  a.u = base + 8;
-  a.g_ld = a.u_ld = h.size(0) > 1 ? h.stride(0) : h.size(1);
-  a.num_rows = h.size(0);
-  a.inter = h.size(1) / 2;
-  a.blk_stride = 16;
-  return a;
-}
-
 at::Tensor moe_swiglu_interleaved(const at::Tensor& h) {
   const auto a = swiglu_interleaved_args(h, "moe_swiglu_interleaved");
   c10::cuda::CUDAGuard guard(h.device());
-  auto out = at::empty({a.num_rows, a.inter}, h.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({a.num_rows, a.inter}, h.options());  // contiguous
   launch::moe_swiglu_forward(a, out.data_ptr(), stream_of(h));
   return out;
 }
