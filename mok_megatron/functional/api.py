@@ -146,13 +146,14 @@ def _check_call(config, ws, sched, x, router_weights, shared_in, routed_in):
         routed = _fused_expert_weights(routed_in, ws, x.dtype)
     else:
         shapes = [(e_l, i, h)] * 2 + [(e_l, h, i)]
-        routed = _expert_weights("w_routed", routed_in, ws, x.dtype, shapes)
+        routed = ExpertWeights(*_expert_weights("w_routed", routed_in, ws, x.dtype, shapes))
     shared = None
     if any(w is not None for w in shared_in):
         if any(w is None for w in shared_in):
             raise ValueError("pass all three shared-expert weights or none of them")
         i_s = _dense_shape(shared_in[0])[0]
-        shared = _expert_weights("w_shared", shared_in, ws, x.dtype, [(i_s, h)] * 2 + [(h, i_s)])
+        shapes = [(i_s, h)] * 2 + [(h, i_s)]
+        shared = ExpertWeights(*_expert_weights("w_shared", shared_in, ws, x.dtype, shapes))
     return shared, routed
 
 
@@ -170,14 +171,14 @@ def _fused_expert_weights(routed_in, ws, dtype) -> FusedExpertWeights:
             f"the fused gate/up form (w_routed_up=None) needs intermediate_size={i} to be a "
             f"multiple of {SWIGLU_INTERLEAVE} (its interleave block); pass gate and up separately"
         )
-    fused = _expert_weights(
+    return FusedExpertWeights(*_expert_weights(
         "w_routed", (gate_up, down), ws, dtype, [(e_l, 2 * i, h), (e_l, h, i)],
         roles=("gate_up (w_routed_up=None: the fused form)", "down"),
-    )  # fmt: skip
-    return FusedExpertWeights(*fused)
+    ))  # fmt: skip
 
 
-def _expert_weights(prefix, weights, ws, dtype, shapes, roles=("gate", "up", "down")) -> tuple:
+def _expert_weights(prefix, weights, ws, dtype, shapes, roles=("gate", "up", "down")) -> list:
+    """Each weight checked against its shape (MXFP8 tuples dequantized), in order."""
     dense = []
     for role, w, shape in zip(roles, weights, shapes):
         name = f"{prefix}_{role}"
@@ -186,7 +187,7 @@ def _expert_weights(prefix, weights, ws, dtype, shapes, roles=("gate", "up", "do
         if tuple(w.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
         dense.append(w)
-    return ExpertWeights(*dense) if len(dense) == 3 else tuple(dense)
+    return dense
 
 
 def _dense_shape(w) -> tuple[int, ...]:

@@ -61,10 +61,10 @@ MAX_RANKS = 32
 #: Device waits give up after this long (env MOK_WAIT_TIMEOUT_MS), reporting rank, phase, flag.
 DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: The fused gate/up form's steps the expert GEMM engine can run (env MOK_EXPERT_GEMM: "auto",
-#: "torch" (none), "engine" (all) or a list joined by "," or "+"): "l1" L1 + SwiGLU (forward, and the rounds'
-#: recompute), "dswiglu" the L2 dgrad + SwiGLU backward, and the plain GEMMs: "l2" the L2
-#: forward, "dgrad" the dgrads (against W_down without "dswiglu", and against W_gu), "wgrad"
-#: the weight gradients.
+#: "torch" (none), "engine" (all) or a list joined by "," or "+"): "l1" L1 + SwiGLU (forward,
+#: and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU backward, and the plain GEMMs:
+#: "l2" the L2 forward, "dgrad" the dgrads (against W_down without "dswiglu", and against W_gu),
+#: "wgrad" the weight gradients.
 ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
 #: What "auto" picks on Hopper. "l2": its engine GEMM beat torch._grouped_mm on all six points of
 #: the same-process micro-benchmark (docs/GEMM.md). "l1" (which also writes h for the backward):
