@@ -50,7 +50,7 @@ def main(path: str) -> None:
         for op, ours, theirs in PAIRS:
             impls = by.get((model, rows, op), {})
             a, b = impls.get(ours), impls.get(theirs)
-            if a is None and b is None:
+            if a is None or b is None:  # not in this record (a failed run is a row with "error")
                 continue
             ratio = (b["median_ms"] / a["median_ms"]) if a and b and "median_ms" in a and \
                 "median_ms" in b else None  # fmt: skip

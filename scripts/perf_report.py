@@ -187,7 +187,10 @@ def main(argv=None) -> None:
         parts += list(rows(record))
     engine = list(engine_rows(records))
     if engine:
-        settings = sorted({row.split("|")[6].strip() for row in engine})
+        settings = sorted(
+            {v for _, rec in records for c in rec["cases"] for label in ("fwd", "fwd_bwd")
+             for v in c.get(label, {}).get("default_gemm_speedup", {})}
+        )  # fmt: skip
         head = ENGINE_HEAD.format(settings=", ".join(f"`{v}`" for v in settings))
         parts += ["", head, *engine, "", "Summary of the ratios:", "",
                   *engine_summary(records)]  # fmt: skip
