@@ -247,6 +247,15 @@ def _bitwise_equal(a: dict, b: dict) -> list[str]:
     return bad
 
 
+def _assert_repeats_bitwise(run, first: dict, repeats: int) -> None:
+    """Run ``repeats`` more passes (inputs re-poisoned each time); each must equal ``first``."""
+    who = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+    for i in range(repeats):
+        _, again = run()
+        bad = _bitwise_equal(first, again)
+        assert not bad, f"{who}run {i + 2} differs from run 1 in {bad}"
+
+
 def _problem(tokens, shape, seed, **kw):
     hidden, inter, experts, topk, shared = shape
     kw.setdefault("shared_inter", shared)
@@ -330,10 +339,7 @@ def test_bitwise_repeatable_over_10_runs(form):
     problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
     run = Run(problem, "cuda", form=form)
     _, first = run()
-    for i in range(9):
-        _, again = run()
-        bad = _bitwise_equal(first, again)
-        assert not bad, f"run {i + 2} differs from run 1 in {bad}"
+    _assert_repeats_bitwise(run, first, 9)
 
 
 def _graph_check(run: Run) -> None:
@@ -454,10 +460,7 @@ def test_macrobatch_rounds_bitwise_repeatable_and_graph_safe(form):
     run = Run(problem, "cuda", config=ROUNDS, form=form)
     _, first = run()
     assert run.rounds > 1
-    for i in range(4):
-        _, again = run()
-        bad = _bitwise_equal(first, again)
-        assert not bad, f"run {i + 2} differs from run 1 in {bad}"
+    _assert_repeats_bitwise(run, first, 4)
     _graph_check(run)
     _no_sync_check(run)
 
@@ -582,10 +585,7 @@ def test_ep2_bitwise_repeatable_over_10_runs(dist_group, form):
     problem = _problem([170, 130], SHAPES["qwen3-30b-a3b"], seed=9, shared_inter=64)
     run = Run(problem, "cuda", form=form)
     _, first = run()
-    for i in range(9):
-        _, again = run()
-        bad = _bitwise_equal(first, again)
-        assert not bad, f"rank {dist.get_rank()}: run {i + 2} differs in {bad}"
+    _assert_repeats_bitwise(run, first, 9)
 
 
 @pytest.mark.multigpu
