@@ -1,0 +1,107 @@
+// The forward megakernel's shapes, plan records, counters and error record: defined once, used by
+// the plan kernels, the megakernel and the host (Python reads every size through
+// mok::moe_mega_shape; it never recomputes one).
+//
+// Rows. The schedule's C rows are laid out "padded": local expert e's rows start at a multiple of
+// kGroupAlign (zero rows between groups), P = C + kGroupAlign * E_l padded rows in all. They run
+// in R = max(1, ceil(C / macrobatch_rows)) rounds; round r holds padded rows
+// [r * ring_rows, (r + 1) * ring_rows) in the ring (ring_rows = P for one round, else
+// ceil(P / R) rounded up to kGroupAlign). This is exactly stage 1's row layout and round windows,
+// so one plan serves both paths.
+//
+// Tiles. A round's rows are cut into m-tiles: at most kBlockM rows of one expert, in row order;
+// `MegaTile` names one (ring rows [row_begin, row_end)). An L1 task is (m-tile, n-tile of 2I), an
+// L2 task (m-tile, n-tile of H); both tile widths are kBlockN.
+//
+// Counters (int32, in the workspace's counters region; zero when the workspace is made, never
+// reset): a pass increments `epoch`; round r of a pass works with generation
+// gen = epoch * R + r, which grows from pass to pass, so a flag "is set" when >= gen.
+//   word kEpoch                 passes so far (the plan kernel adds 1 before the megakernel)
+//   words kGridBar, +1          the round barrier: arrivals, released generation
+//   arrive[num_minibatches]     minibatch mb of the ring holds round r's rows: = gen
+//   l1_done[max_tiles * l1_ntiles]  L1 task (tile, n) of round r is stored: = gen
+#pragma once
+
+#include <cstdint>
+
+#include "mok/common/macros.cuh"
+
+namespace mok::layout {
+
+constexpr int kGroupAlign = 8;   // rows: each expert's padded group starts at a multiple of this
+constexpr int kBlockM = 128;     // rows of one GEMM tile (the minibatch granularity too)
+constexpr int kBlockN = 256;     // columns of one GEMM tile
+
+// Counter words before the flag arrays.
+constexpr int kEpoch = 0;
+constexpr int kGridBar = 1;      // kGridBar: arrivals; kGridBar + 1: released generation
+constexpr int kCounterHeader = 32;
+
+struct MegaTile {
+  int32_t expert;     // local expert
+  int32_t row_begin;  // ring rows [row_begin, row_end), row_end - row_begin <= kBlockM
+  int32_t row_end;
+  int32_t reserved;
+};
+
+struct MegaShape {
+  int64_t row_capacity;      // C
+  int64_t num_local_experts; // E_l
+  int64_t hidden;            // H
+  int64_t inter;             // I
+  int64_t minibatch_rows;    // MoKConfig.minibatch_size
+  int64_t macrobatch_rows;   // MoKConfig.macrobatch_size
+
+  MOK_HOST_DEVICE static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+  MOK_HOST_DEVICE int64_t padded_rows() const {
+    return row_capacity + kGroupAlign * num_local_experts;
+  }
+  MOK_HOST_DEVICE int64_t num_rounds() const {
+    const int64_t r = ceil_div(row_capacity, macrobatch_rows);
+    return r > 1 ? r : 1;
+  }
+  MOK_HOST_DEVICE int64_t ring_rows() const {
+    const int64_t rounds = num_rounds();
+    if (rounds == 1) return padded_rows();
+    return ceil_div(ceil_div(padded_rows(), rounds), kGroupAlign) * kGroupAlign;
+  }
+  MOK_HOST_DEVICE int64_t num_minibatches() const { return ceil_div(ring_rows(), minibatch_rows); }
+  MOK_HOST_DEVICE int64_t max_tiles() const {
+    return ceil_div(ring_rows(), kBlockM) + num_local_experts;
+  }
+  MOK_HOST_DEVICE int64_t l1_ntiles() const { return ceil_div(2 * inter, kBlockN); }
+  MOK_HOST_DEVICE int64_t l2_ntiles() const { return ceil_div(hidden, kBlockN); }
+
+  MOK_HOST_DEVICE int64_t arrive_word() const { return kCounterHeader; }
+  MOK_HOST_DEVICE int64_t l1_done_word() const { return kCounterHeader + num_minibatches(); }
+  MOK_HOST_DEVICE int64_t counter_words() const {
+    return l1_done_word() + max_tiles() * l1_ntiles();
+  }
+};
+
+// Which wait of the megakernel timed out (MegaError::kPhase).
+enum class MegaPhase : int {
+  kNone = 0,
+  kL1WaitRows = 1,    // an L1 task waited for its minibatches to land (counter: arrive)
+  kL2WaitL1 = 2,      // an L2 task waited for its m-tile's L1 tasks (counter: l1_done)
+  kRoundBarrier = 3,  // a CTA waited at the end-of-round barrier (counter: the grid barrier)
+};
+
+// The error record (int32 words, all zero until a wait times out); mirrored in
+// mok_megatron/ops/moe.py (MEGA_ERROR_FIELDS). It lives in pinned host memory, so the host can
+// still read it after the trap has left the CUDA context unusable.
+enum MegaError : int {
+  kMegaErrTimedOut = 0,  // 1 once a wait gave up
+  kMegaErrRank = 1,
+  kMegaErrPhase = 2,     // a MegaPhase
+  kMegaErrRound = 3,
+  kMegaErrIndex = 4,     // minibatch (kL1WaitRows) or m-tile (kL2WaitL1) waited for
+  kMegaErrCounter = 5,   // word index in the counters region
+  kMegaErrSeen = 6,      // its value, last read
+  kMegaErrExpected = 7,  // the generation waited for
+  kMegaErrTimeoutMs = 8,
+  kMegaErrWords = 9,
+};
+
+}  // namespace mok::layout

@@ -1,0 +1,59 @@
+// Torch-free host launcher of the forward megakernel (sm_90a): one persistent launch that pulls
+// routed rows from the source ranks' token buffers into the ring, runs L1 (+ SwiGLU) and L2
+// tiles as their rows land, and stores every result row straight into its source rank's
+// slot_rows region. Layout, plan records and counters: mok/layout/mega.cuh.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "mok/layout/mega.cuh"
+#include "mok/layout/workspace.cuh"
+
+namespace mok::launch {
+
+struct MegaForwardArgs {
+  // ---- where ranks' workspaces are (the symmetric layout)
+  layout::WorkspaceLayout lay;            // slot_rows must be set; counter_words >= shape's
+  const uint64_t* peer_bases = nullptr;   // device [W]: base address of each rank's copy
+  uint64_t my_base = 0;                   // this rank's copy (its counters live here)
+  int rank = 0;
+  int64_t timeout_ns = 0;                 // every device wait gives up after this long
+  int32_t* error = nullptr;               // [kMegaErrWords] record (pinned host memory)
+
+  // ---- shapes and knobs
+  layout::MegaShape shape;                // sizes of the ring, tiles and counters
+  int num_ctas = 0;                       // the grid: every CTA resident (checked)
+  int num_comm_ctas = 0;                  // the first num_comm_ctas CTAs move rows
+
+  // ---- operands (bf16, contiguous)
+  const void* w_gate_up = nullptr;        // [E_l, 2I, H], gate/up rows interleaved in blocks of 8
+  const void* w_down = nullptr;           // [E_l, H, I]
+  void* x_ring = nullptr;                 // [ring_rows, H]: pulled rows (comm CTAs write)
+  void* act_ring = nullptr;               // [ring_rows, I]: L1 + SwiGLU output
+  void* h_ring = nullptr;                 // [ring_rows, 2I] or null: L1's pre-activation
+  void* y_rows = nullptr;                 // [ring_rows, H] or null: L2's output, also kept here
+
+  // ---- the plan (device; the plan kernels write it before the launch)
+  const int64_t* row_src = nullptr;       // [R * ring_rows]: s * T_max + t, -1 (zero row)
+  const int64_t* row_dst = nullptr;       // [R * ring_rows]: (s * T_max + t) * K + k, -1 (none)
+  const int32_t* tile_count = nullptr;    // [R]: m-tiles of each round
+  const layout::MegaTile* tiles = nullptr;  // [R, max_tiles], in row order
+
+  // ---- fault injection (tests only): the comm role never releases this minibatch of round 0
+  int stall_minibatch = -1;
+};
+
+// Dynamic shared memory and threads of one megakernel CTA.
+int megakernel_threads();
+size_t megakernel_smem_bytes();
+
+// CTAs of the megakernel one SM holds at once (>= 1 on sm_90a; 0 where it cannot run).
+int megakernel_ctas_per_sm();
+
+// Enqueue the megakernel. Checks the arguments and that every CTA can be resident
+// (num_ctas <= SMs * megakernel_ctas_per_sm()); throws mok::Error naming the rule otherwise.
+void moe_forward_megakernel(const MegaForwardArgs& args, cudaStream_t stream);
+
+}  // namespace mok::launch
