@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "apis/comm.h"
 #include "apis/moe.h"
 #include "apis/mxfp8.h"
 #include "apis/row_grad.h"
@@ -26,8 +27,15 @@ TORCH_LIBRARY(mok, m) {
       "Tensor(b!) row_scales, Tensor(c!) col_data, Tensor(d!) col_scales) -> ()");
   // ---- moe (stage-1 expert-parallel MoE): csrc/apis/moe.h; fakes in mok_megatron/ops/moe.py ---
   m.set_python_module("mok_megatron.ops.moe");
-  m.def("moe_workspace_layout(int num_ranks, int max_tokens, int topk, int hidden) -> int[]",
-        &mok::apis::moe_workspace_layout);
+  m.def(
+      "moe_workspace_layout(int num_ranks, int max_tokens, int topk, int hidden, int slot_rows, "
+      "int counter_words) -> int[]",
+      &mok::apis::moe_workspace_layout);
+  m.def(
+      "moe_mega_shape(int row_capacity, int num_local_experts, int hidden, int inter, "
+      "int minibatch_rows, int macrobatch_rows) -> int[]",
+      &mok::apis::moe_mega_shape);
+  m.def("moe_comm_fields() -> str[]", &mok::apis::moe_comm_fields);
   m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
   m.def(
       "moe_build_schedule(Tensor global_topk, int rank, int num_experts, int row_capacity, "

@@ -6,7 +6,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include "apis/comm.h"
 #include "launch/moe.h"
+#include "mok/layout/mega.cuh"
 
 namespace mok::apis {
 namespace {
@@ -24,23 +26,6 @@ void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t 
   TORCH_CHECK(t.is_contiguous(), "mok::moe: ", name, " must be contiguous");
 }
 
-launch::MoeComm comm_of(at::IntArrayRef c) {
-  TORCH_CHECK(c.size() == 9, "mok::moe: comm must hold 9 ints, got ", c.size());
-  launch::MoeComm comm;
-  comm.peer_bases = reinterpret_cast<const uint64_t*>(c[0]);
-  comm.signal_pads = reinterpret_cast<const uint64_t*>(c[1]);
-  comm.my_base = static_cast<uint64_t>(c[2]);
-  comm.rank = static_cast<int>(c[3]);
-  comm.lay = layout::WorkspaceLayout{c[4], c[5], c[6], c[7]};
-  comm.timeout_ns = c[8] * 1000000;
-  TORCH_CHECK(comm.peer_bases != nullptr && comm.my_base != 0, "mok::moe: null workspace");
-  TORCH_CHECK(comm.lay.num_ranks == 1 || comm.signal_pads != nullptr,
-              "mok::moe: more than one rank needs signal pads");
-  TORCH_CHECK(comm.lay.hidden % 8 == 0, "mok::moe: hidden=", comm.lay.hidden,
-              " must be a multiple of 8 (16-byte rows)");
-  return comm;
-}
-
 at::TensorOptions opts(const at::Tensor& like, at::ScalarType dtype) {
   return like.options().dtype(dtype);
 }
@@ -48,15 +33,33 @@ at::TensorOptions opts(const at::Tensor& like, at::ScalarType dtype) {
 }  // namespace
 
 std::vector<int64_t> moe_workspace_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk,
-                                          int64_t hidden) {
-  TORCH_CHECK(num_ranks >= 1 && max_tokens >= 0 && topk >= 1 && hidden >= 1,
+                                          int64_t hidden, int64_t slot_rows,
+                                          int64_t counter_words) {
+  TORCH_CHECK(num_ranks >= 1 && max_tokens >= 0 && topk >= 1 && hidden >= 1 &&
+                  (slot_rows == 0 || slot_rows == 1) && counter_words >= 0,
               "mok::moe_workspace_layout: bad shape");
-  const layout::WorkspaceLayout lay{num_ranks, max_tokens, topk, hidden};
-  std::vector<int64_t> out{lay.total_bytes()};
-  for (int r = 0; r < static_cast<int>(layout::Region::kNumRegions); ++r) {
-    out.push_back(lay.offset(static_cast<layout::Region>(r)));
+  const layout::WorkspaceLayout lay{num_ranks, max_tokens, topk, hidden, slot_rows, counter_words};
+  constexpr int kRegions = static_cast<int>(layout::Region::kNumRegions);
+  std::vector<int64_t> out{lay.total_bytes(), layout::WorkspaceLayout::kGuardBytes};
+  for (int r = 0; r < kRegions; ++r) out.push_back(lay.offset(static_cast<layout::Region>(r)));
+  for (int r = 0; r < kRegions; ++r) {
+    out.push_back(lay.guard_offset(static_cast<layout::Region>(r)));
   }
   return out;
+}
+
+std::vector<int64_t> moe_mega_shape(int64_t row_capacity, int64_t num_local_experts,
+                                    int64_t hidden, int64_t inter, int64_t minibatch_rows,
+                                    int64_t macrobatch_rows) {
+  TORCH_CHECK(row_capacity >= 1 && num_local_experts >= 1 && hidden >= 8 && inter >= 8 &&
+                  minibatch_rows >= 1 && macrobatch_rows >= minibatch_rows,
+              "mok::moe_mega_shape: bad shape (C=", row_capacity, ", E_l=", num_local_experts,
+              ", H=", hidden, ", I=", inter, ", minibatch=", minibatch_rows, ", macrobatch=",
+              macrobatch_rows, ")");
+  const layout::MegaShape s{row_capacity, num_local_experts, hidden,
+                            inter,        minibatch_rows,    macrobatch_rows};
+  return {s.padded_rows(), s.num_rounds(),  s.ring_rows(),  s.num_minibatches(),
+          s.max_tiles(),   s.l1_ntiles(),   s.l2_ntiles(), s.counter_words()};
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,

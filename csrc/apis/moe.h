@@ -2,9 +2,7 @@
 // python_api.cpp; fakes in mok_megatron/ops/moe.py). Each checks its tensors, builds the
 // torch-free launch arguments and enqueues work on the current stream; none syncs the host.
 //
-// `comm` (int[9]) names the symmetric workspace: [peer_bases_dev, signal_pads_dev, my_base, rank,
-// num_ranks, max_tokens, topk, hidden, timeout_ms]; the two *_dev entries are device addresses of
-// [W] uint64 tables (signal_pads_dev is 0 for one rank).
+// `comm` (int[]) names the symmetric workspace; its fields are defined once in apis/comm.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,9 +13,17 @@
 
 namespace mok::apis {
 
-// [total_bytes, offset of each layout::Region in order].
+// [total_bytes, guard_bytes, offset of each layout::Region in order, then each region's guard
+// offset in order].
 std::vector<int64_t> moe_workspace_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk,
-                                          int64_t hidden);
+                                          int64_t hidden, int64_t slot_rows,
+                                          int64_t counter_words);
+
+// The megakernel's sizes (layout::MegaShape): [padded_rows, num_rounds, ring_rows,
+// num_minibatches, max_tiles, l1_ntiles, l2_ntiles, counter_words].
+std::vector<int64_t> moe_mega_shape(int64_t row_capacity, int64_t num_local_experts,
+                                    int64_t hidden, int64_t inter, int64_t minibatch_rows,
+                                    int64_t macrobatch_rows);
 
 // topk: [T, K] int64; weights: [T, K] f32 -> (global_topk [W, T_max, K] int64,
 // global_weights [W, T_max, K] f32). Collective.

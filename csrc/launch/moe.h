@@ -21,6 +21,7 @@ struct MoeComm {
   uint64_t my_base = 0;                   // this rank's copy (host value)
   int rank = 0;
   int64_t timeout_ns = 0;
+  int32_t* error_record = nullptr;        // the megakernel's pinned error record (or null)
 };
 
 // A cross-rank barrier (no-op for one rank); `phase` is a mok::comm::Phase, printed on timeout.

@@ -1,6 +1,13 @@
 """Layer 2: the MoK functional API, its config and workspace, and the backends behind them."""
 
-from .api import backward, build_schedule, check_errors, forward, recompute_forward_context
+from .api import (
+    backward,
+    build_schedule,
+    check_errors,
+    forward,
+    poll_errors,
+    recompute_forward_context,
+)
 from .autograd import moe
 from .config import MoKConfig
 from .schedule import MoKSchedule
@@ -9,6 +16,7 @@ from .workspace import (
     MoKCapacityError,
     MoKWorkspace,
     clear_workspace_cache,
+    create_virtual_workspaces,
     create_workspace,
     get_workspace,
     workspace_bytes,
@@ -23,6 +31,7 @@ __all__ = [
     "ExpertWeights",
     "FusedExpertWeights",
     "create_workspace",
+    "create_virtual_workspaces",
     "get_workspace",
     "clear_workspace_cache",
     "workspace_bytes",
@@ -31,5 +40,6 @@ __all__ = [
     "backward",
     "recompute_forward_context",
     "check_errors",
+    "poll_errors",
     "moe",
 ]

@@ -14,9 +14,13 @@ import torch
 from .config import MoKConfig
 from .schedule import MoKSchedule
 from .types import ExpertWeights, FusedExpertWeights, MoKGradients
-from .workspace import MoKWorkspace
+from .workspace import MoKWorkspace, check_all_errors
+from .workspace import poll_errors as poll_all_errors
 
-__all__ = ["build_schedule", "forward", "backward", "recompute_forward_context", "check_errors"]
+__all__ = [
+    "build_schedule", "forward", "backward", "recompute_forward_context", "check_errors",
+    "poll_errors",
+]  # fmt: skip
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -26,10 +30,13 @@ def build_schedule(
     config: MoKConfig,
     topk_experts: torch.Tensor,
     num_local_experts: int | None = None,
+    router_weights: torch.Tensor | None = None,
 ) -> MoKSchedule:
     """Gather every rank's routing and plan this rank's rows; no host sync.
 
     topk_experts: [T, K], int64 global expert ids, -1 = empty slot; T <= ws.num_local_tokens.
+    router_weights (optional): [T, K] float32, gathered in the same collective; ``forward`` then
+    reuses them when it is given this same tensor (unchanged), instead of gathering again.
     An expert id out of range, or routing over the schedule's capacity, raises at the next
     host-visible point (at once on CPU).
     """
@@ -46,8 +53,17 @@ def build_schedule(
             f"topk_experts has {topk_experts.shape[1]} slots per token but the workspace was made "
             f"for topk={ws.topk}"
         )
+    if router_weights is not None:
+        _check_tensor(
+            "router_weights", router_weights, ws, dtypes=(torch.float32, torch.float64), ndim=2
+        )
+        if router_weights.shape != topk_experts.shape:
+            raise ValueError(
+                f"router_weights has shape {tuple(router_weights.shape)}; it must match "
+                f"topk_experts' {tuple(topk_experts.shape)}"
+            )
     ws.monitor.poll()
-    sched = ws.backend.build_schedule(ws, topk_experts)
+    sched = ws.backend.build_schedule(ws, topk_experts, router_weights)
     ws.monitor.submit(sched.error_flags, "mok build_schedule")
     return sched
 
@@ -118,9 +134,20 @@ def backward(
     return _cast_weight_grads(grads, shared_in, routed_in, x.dtype)
 
 
-def check_errors(ws: MoKWorkspace) -> None:
-    """Wait for the device-side error flags of earlier calls and raise if any is set."""
-    ws.check_errors()
+def check_errors(ws: MoKWorkspace | None = None) -> None:
+    """Wait for the device and raise if an earlier call recorded an error (a capacity overflow
+    or a bad expert id), on ``ws`` or, when None, on every live workspace. A host sync."""
+    if ws is None:
+        check_all_errors()
+    else:
+        ws.check_errors()
+
+
+def poll_errors() -> None:
+    """Raise for any error that a finished pass (eager or a CUDA-graph replay) recorded on any
+    live workspace; never blocks. Call it where the host syncs anyway, e.g. once per training
+    step after the loss is on the host (``mok_megatron.megatron``'s trainers and launcher do)."""
+    poll_all_errors()
 
 
 # ------------------------------------------------------------------------------ validation

@@ -17,7 +17,7 @@ __all__ = ["moe"]
 class _MoKFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, config, ws, x, topk_experts, router_weights, *weights):
-        sched = api.build_schedule(ws, config, topk_experts)
+        sched = api.build_schedule(ws, config, topk_experts, router_weights=router_weights)
         out, backend_ctx = api.forward(config, ws, sched, x, router_weights, *weights)
         fctx.config, fctx.ws, fctx.sched, fctx.backend_ctx = config, ws, sched, backend_ctx
         fctx.weights = weights

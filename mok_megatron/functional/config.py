@@ -1,8 +1,11 @@
 """``MoKConfig``: the five knobs of the MoK layer, and how they are validated and stored.
 
 Every field carries its documentation in ``metadata["help"]``: Megatron's ``--mok-*`` flags and the
-YAML loader are generated from it, so the dataclass is the one source of truth. The C++ side mirrors
-the same rules in ``csrc/include/mok/layout/config.cuh``.
+YAML loader are generated from it, so the dataclass is the one source of truth. The C++ launchers
+check what their kernels need of these values again (MOK_HOST_CHECK), naming the same rule.
+
+Not every backend uses every knob (``KNOB_USERS``); a non-default value that the chosen backend
+ignores is reported once with a warning when the workspace is made.
 """
 
 from __future__ import annotations
@@ -17,11 +20,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoKConfig", "BWD_SCHEDULES", "MOK_ROW_ALIGN"]
+__all__ = ["MoKConfig", "BWD_SCHEDULES", "MOK_ROW_ALIGN", "KNOB_USERS", "warn_ignored_knobs"]
 
 #: Row tile height of the expert GEMMs: minibatches and macrobatches are multiples of it.
 MOK_ROW_ALIGN = 128
-BWD_SCHEDULES = ("macrobatch", "minibatch")
+#: Backward schedules that are implemented ("minibatch", the finer-overlap non-bitwise mode of
+#: DESIGN.md, is rejected until the backward megakernel offers it).
+BWD_SCHEDULES = ("macrobatch",)
+#: Every backward schedule the design names (flags accept these; MoKConfig says which run).
+KNOWN_BWD_SCHEDULES = ("macrobatch", "minibatch")
+#: Which backend (and CUDA path) uses each knob whose effect depends on it; the README's knob
+#: table says the same. ``schedule_capacity_multiplier`` sizes every backend's schedule.
+KNOB_USERS = {
+    "fwd_num_comm_sms": ("cuda/megakernel",),
+    "bwd_num_comm_sms": (),
+    "minibatch_size": ("cuda/megakernel",),
+    "macrobatch_size": ("cuda/stage1", "cuda/megakernel"),
+}
 
 
 def _knob(default: Any, help: str) -> Any:
@@ -54,8 +69,8 @@ class MoKConfig:
     )
     bwd_schedule: str = _knob(
         "macrobatch",
-        "Backward schedule: 'macrobatch' (deterministic, default) or 'minibatch' (finer overlap, "
-        "weight-gradient order not fixed).",
+        "Backward schedule: 'macrobatch' (deterministic, the only one implemented; 'minibatch', "
+        "finer overlap with a weight-gradient order that is not fixed, is not built yet).",
     )
 
     def __post_init__(self) -> None:
@@ -82,6 +97,12 @@ class MoKConfig:
                 "schedule holds at least a balanced load); try 2.0"
             )
         object.__setattr__(self, "schedule_capacity_multiplier", float(cap))
+        if self.bwd_schedule == "minibatch":
+            raise ValueError(
+                "MoKConfig.bwd_schedule='minibatch' is not implemented: no backend has the "
+                "finer-overlap backward yet; 'macrobatch' (deterministic) is the one implemented, "
+                "use it"
+            )
         if self.bwd_schedule not in BWD_SCHEDULES:
             raise ValueError(
                 f"MoKConfig.bwd_schedule={self.bwd_schedule!r} must be one of {BWD_SCHEDULES}; "
@@ -146,6 +167,31 @@ class MoKConfig:
                 f"MoKConfig differs across the ranks of the expert-parallel group (this rank: "
                 f"{self.to_dict()}); every rank must use the same config (same YAML / flags)"
             )
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_ignored_knobs(config: MoKConfig, path: str) -> list[str]:
+    """Warn once per (knob, path) for each knob set away from its default that ``path`` (a
+    backend, or "cuda/<path>") does not use; returns the names of those knobs."""
+    import warnings
+
+    defaults = MoKConfig()
+    ignored = []
+    for name, users in KNOB_USERS.items():
+        if getattr(config, name) == getattr(defaults, name) or path in users:
+            continue
+        ignored.append(name)
+        if (name, path) not in _WARNED:
+            _WARNED.add((name, path))
+            where = ", ".join(users) if users else "no backend yet"
+            warnings.warn(
+                f"MoKConfig.{name}={getattr(config, name)} has no effect on the {path} backend "
+                f"(used by: {where}); it is carried but changes nothing here",
+                stacklevel=3,
+            )
+    return ignored
 
 
 def _check_multiple(name: str, value: int, multiple: int, what: str) -> None:

@@ -53,9 +53,12 @@ class ReferenceBackend:
     def allocate(self, ws: MoKWorkspace) -> None:
         return None
 
-    def build_schedule(self, ws: MoKWorkspace, topk_experts: torch.Tensor) -> MoKSchedule:
+    def build_schedule(
+        self, ws: MoKWorkspace, topk_experts: torch.Tensor, router_weights=None
+    ) -> MoKSchedule:
+        """Gather the routing (with the router weights when given: one gather) and plan."""
         padded = _pad_rows(topk_experts, ws.num_local_tokens, -1)
-        return build_schedule_from_global(
+        sched = build_schedule_from_global(
             _all_gather(padded, ws),
             rank=ws.rank,
             num_tokens=topk_experts.shape[0],
@@ -64,12 +67,19 @@ class ReferenceBackend:
             row_capacity=ws.row_capacity,
             token_capacity=ws.token_capacity,
         )
+        if router_weights is not None:
+            sched.global_weights = _gather_weights(router_weights, sched, ws)
+            sched.weights_source = (router_weights, router_weights._version)
+        return sched
 
     def forward(self, ws, sched, x, router_weights, shared, routed):
         cdt = compute_dtype(x.dtype)
         x_rows = _pull_rows(x.to(cdt), sched, ws)
-        w_rows = _row_values(_all_gather(_pad_rows(router_weights, sched.max_tokens, 0), ws), sched)
-        w_rows = w_rows.to(cdt)
+        if sched.gathered_weights_match(router_weights):
+            global_weights = sched.global_weights
+        else:
+            global_weights = _gather_weights(router_weights, sched, ws)
+        w_rows = _row_values(global_weights, sched).to(cdt)
         wg, wu, wd = (w.to(cdt) for w in _split_form(routed))
         g = _grouped_linear(x_rows, wg, sched.row_expert)
         u = _grouped_linear(x_rows, wu, sched.row_expert)
@@ -212,6 +222,11 @@ def _push_slot_values(row_values: torch.Tensor, sched: MoKSchedule, ws: MoKWorks
     for d in range(sched.num_ranks):
         out = out + received[d]
     return out
+
+
+def _gather_weights(router_weights: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace):
+    """Every rank's router weights, [W, T_max, K], 0 padded."""
+    return _all_gather(_pad_rows(router_weights, sched.max_tokens, 0), ws)
 
 
 def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:

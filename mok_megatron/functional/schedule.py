@@ -52,6 +52,8 @@ class MoKSchedule:
       global_topk:     [W, T_max, K]  every rank's routing, -1 padded
       send_to:         [T_max, W] bool  token t has at least one slot on rank d
       error_flags:     [] int32 (0-dim)  ``MOK_ERR_*`` bits
+    Gathered with the routing when ``build_schedule`` was given the router weights:
+      global_weights:  [W, T_max, K] float32 every rank's router weights, 0 padded (or None)
     """
 
     rank: int
@@ -76,6 +78,15 @@ class MoKSchedule:
     token_rows: torch.Tensor
     send_to: torch.Tensor
     error_flags: torch.Tensor
+    global_weights: torch.Tensor | None = None
+    weights_source: tuple | None = None  # (the router_weights tensor, its _version then)
+
+    def gathered_weights_match(self, router_weights: torch.Tensor) -> bool:
+        """Whether ``global_weights`` were gathered from exactly this tensor, unchanged since."""
+        if self.global_weights is None or self.weights_source is None:
+            return False
+        source, version = self.weights_source
+        return source is router_weights and version == router_weights._version
 
     INTEGER_FIELDS = (
         "global_topk", "row_expert", "row_src_rank", "row_src_token", "row_src_slot",

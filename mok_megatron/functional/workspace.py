@@ -8,13 +8,14 @@ error monitor that turns device-side error flags into host exceptions without a 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .config import MOK_ROW_ALIGN, MoKConfig
+from .config import MOK_ROW_ALIGN, MoKConfig, warn_ignored_knobs
 from .schedule import MOK_ERR_EXPERT_ID, MOK_ERR_ROW_OVERFLOW
 
 __all__ = [
@@ -22,10 +23,13 @@ __all__ = [
     "ErrorMonitor",
     "MoKCapacityError",
     "create_workspace",
+    "create_virtual_workspaces",
     "get_workspace",
     "workspace_bytes",
     "row_capacity",
     "clear_workspace_cache",
+    "poll_errors",
+    "check_all_errors",
 ]
 
 BACKEND_CHOICES = ("auto", "reference", "cuda")
@@ -38,54 +42,53 @@ class MoKCapacityError(RuntimeError):
 class ErrorMonitor:
     """Turns device-side ``error_flags`` into exceptions at the next host-visible point.
 
-    CPU flags are checked at once. CUDA flags are OR-ed into a device word and, outside CUDA-graph
-    capture, also copied into pinned memory behind an event: a later ``poll()`` (each new
-    schedule) reads the copies whose event has completed, never waiting; ``check()`` waits for
-    everything, the device word included (call it where the host syncs anyway, e.g. logging).
+    CPU flags are checked at once. CUDA flags are OR-ed into a device word, and every pass also
+    enqueues a copy of that word into a pinned host word (a graph captures the copy, so each
+    replay refreshes it too). ``poll()`` reads the host word: no CUDA call, so it never blocks
+    and works while a graph is being captured; it raises for whatever the copies have brought
+    back so far (in eager mode the pass before last at the latest; after a sync, everything).
+    ``check()`` waits for the device first. Each workspace calls ``poll()`` when it plans a pass;
+    ``functional.poll_errors()`` polls every live workspace (what a training loop calls where it
+    syncs anyway, e.g. for logging, so a CUDA-graph replay that overflowed is reported too).
     """
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, device: torch.device | None = None) -> None:
         self.num_experts = num_experts
-        self._pending: list[tuple[torch.Tensor, Any, str]] = []
-        self._accum: torch.Tensor | None = None
+        self._accum: torch.Tensor | None = None  # device int32 [1]
+        self._host: torch.Tensor | None = None  # pinned int32 [1]
+        if device is not None and device.type == "cuda":
+            # NOTE: made here, not in a pass: a pinned allocation may wait for the device, which
+            # would deadlock ranks whose passes wait for each other (virtual ranks) or a capture.
+            self._accum = torch.zeros(1, dtype=torch.int32, device=device)
+            self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
     def submit(self, flags: torch.Tensor, where: str) -> None:
         if flags.device.type != "cuda":
             self._raise_for(int(flags.max().item()), where)
             return
         if self._accum is None:
-            self._accum = torch.zeros(1, dtype=torch.int32, device=flags.device)
+            raise RuntimeError("ErrorMonitor got CUDA flags but was made for a CPU workspace")
         self._accum.bitwise_or_(flags.max().reshape(1).to(torch.int32))
-        if torch.cuda.is_current_stream_capturing():
-            return  # a graph replays later: check() reads the device word then
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((host, event, where))
+        self._host.copy_(self._accum, non_blocking=True)
 
     def poll(self) -> None:
-        """Raise for every finished flag copy that recorded an error; never blocks."""
-        if self._pending and torch.cuda.is_current_stream_capturing():
-            return  # querying events is not allowed while a graph is being captured
-        still = []
-        for host, event, where in self._pending:
-            if event.query():
-                self._raise_for(int(host.max()), where)
-            else:
-                still.append((host, event, where))
-        self._pending = still
+        """Raise if a finished copy brought back an error bit; never blocks."""
+        if self._host is not None:
+            bits = int(self._host[0])
+            if bits:
+                self._clear()
+                self._raise_for(bits, "an earlier MoK pass")
 
     def check(self) -> None:
-        """Wait for every pending flag and raise if any recorded an error (a host sync)."""
-        pending, self._pending = self._pending, []
-        for host, event, where in pending:
-            event.synchronize()
-            self._raise_for(int(host.max()), where)
+        """Wait for the device and raise if any pass so far recorded an error (a host sync)."""
         if self._accum is not None:
-            bits = int(self._accum.item())
+            torch.cuda.synchronize(self._accum.device)
+        self.poll()
+
+    def _clear(self) -> None:
+        self._host.zero_()
+        if not torch.cuda.is_current_stream_capturing():
             self._accum.zero_()
-            self._raise_for(bits, "an earlier MoK pass")
 
     def _raise_for(self, bits: int, where: str) -> None:
         if bits & MOK_ERR_EXPERT_ID:
@@ -99,6 +102,23 @@ class ErrorMonitor:
                 "not computed; raise MoKConfig.schedule_capacity_multiplier (--mok-schedule-"
                 "capacity-multiplier); a value >= the expert-parallel size never overflows"
             )
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def poll_errors() -> None:
+    """``ErrorMonitor.poll()`` on every live workspace: raise for any error the device recorded
+    that has reached the host. Never blocks; call it where the host syncs anyway (after a
+    training step's loss reaches the host), so nothing a CUDA-graph replay records goes unseen."""
+    for ws in list(_LIVE):
+        ws.monitor.poll()
+
+
+def check_all_errors() -> None:
+    """``ErrorMonitor.check()`` on every live workspace (waits for the device)."""
+    for ws in list(_LIVE):
+        ws.monitor.check()
 
 
 @dataclass(eq=False)
@@ -205,11 +225,79 @@ def create_workspace(
         num_experts=num_experts, num_local_experts=num_experts // num_ranks,
         intermediate_size=intermediate_size, shared_intermediate_size=shared_intermediate_size,
         dtype=dtype, row_capacity=cap, token_capacity=min(cap, num_ranks * num_local_tokens),
-        backend=None, monitor=ErrorMonitor(num_experts),
+        backend=None, monitor=ErrorMonitor(num_experts, device),
     )  # fmt: skip
     ws.backend = resolve_backend(backend, ws)
     ws.buffers = ws.backend.allocate(ws)
+    warn_ignored_knobs(config, backend_path(ws))
+    _LIVE.add(ws)
     return ws
+
+
+def backend_path(ws: MoKWorkspace) -> str:
+    """What runs a workspace's passes: "reference", or "cuda/<path>" (config.KNOB_USERS)."""
+    path = getattr(ws.backend, "path", None)
+    return f"{ws.backend.name}/{path(ws)}" if path is not None else ws.backend.name
+
+
+def create_virtual_workspaces(
+    config: MoKConfig,
+    num_ranks: int,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+    num_experts: int,
+    intermediate_size: int,
+    shared_intermediate_size: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[MoKWorkspace]:
+    """``num_ranks`` workspaces of one process on one GPU that act as the ranks of one
+    expert-parallel group ("virtual ranks", MEGAKERNEL.md): each rank's peer tables point at
+    the others' buffers, so the CUDA backend's cross-rank protocol (pulls, pushes, barriers,
+    timeouts) runs unchanged. CUDA backend only, no process group. Rank r's calls must be issued
+    on a stream of its own, every rank's before anything waits on the host
+    (``mok_megatron.testing.virtual.run_ranks``); they are for tests of the protocol, not speed.
+    """
+    from .backends import resolve_backend
+
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
+    cap = row_capacity(config, num_ranks, num_local_tokens, topk)
+    workspaces = [
+        MoKWorkspace(
+            config=config,
+            group=None,
+            rank=r,
+            num_ranks=num_ranks,
+            device=device,
+            num_local_tokens=num_local_tokens,
+            hidden_size=hidden_size,
+            topk=topk,
+            num_experts=num_experts,
+            num_local_experts=num_experts // num_ranks,
+            intermediate_size=intermediate_size,
+            shared_intermediate_size=shared_intermediate_size,
+            dtype=dtype,
+            row_capacity=cap,
+            token_capacity=min(cap, num_ranks * num_local_tokens),
+            backend=None,
+            monitor=ErrorMonitor(num_experts, device),
+        )  # fmt: skip
+        for r in range(num_ranks)
+    ]
+    for ws in workspaces:
+        ws.backend = resolve_backend("cuda", ws)
+    for ws, buffers in zip(workspaces, workspaces[0].backend.allocate_virtual(workspaces)):
+        ws.buffers = buffers
+        _LIVE.add(ws)
+    warn_ignored_knobs(config, backend_path(workspaces[0]))
+    return workspaces
 
 
 def _collective_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:

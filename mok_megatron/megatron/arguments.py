@@ -91,7 +91,7 @@ def _config_fields():
 
 def _argparse_type(f: dataclasses.Field, hint) -> dict:
     """argparse kwargs for one field: bool → --x/--no-x; choices from the field's metadata, a
-    Literal type, or (for ``bwd_schedule``) ``functional.config.BWD_SCHEDULES``; else its type."""
+    Literal type, or (for ``bwd_schedule``) ``functional.config.KNOWN_BWD_SCHEDULES``; else its type."""
     if hint is bool:
         return {"action": argparse.BooleanOptionalAction}
     choices = f.metadata.get("choices") or _literal_choices(hint) or _known_choices(f.name)
@@ -108,9 +108,9 @@ def _literal_choices(hint) -> tuple | None:
 
 def _known_choices(name: str) -> tuple | None:
     if name == "bwd_schedule":  # a plain str field whose values functional.config lists
-        from mok_megatron.functional.config import BWD_SCHEDULES
+        from mok_megatron.functional.config import KNOWN_BWD_SCHEDULES
 
-        return BWD_SCHEDULES
+        return KNOWN_BWD_SCHEDULES  # MoKConfig explains the ones not implemented
     return None
 
 

@@ -16,8 +16,10 @@ Megatron-Core assumes a GPU in a few places that a CPU run reaches:
 device, a no-op stream and event, the CPU generator), routes Megatron's two private RNG-state
 helpers to the CPU generator, and makes the dispatcher's host copy of a CPU tensor produce the
 numpy array the GPU path produces; only when ``torch.cuda.is_available()`` is false. On a GPU
-machine it does nothing. Nothing in Megatron's code is changed, so Megatron's
-own alltoall dispatcher runs unmodified on CPU and stays a faithful parity oracle.
+machine it does nothing. It does replace attributes of ``torch.cuda`` and of those Megatron
+modules (``_PATCHED_NAMES`` and the helpers below, the originals kept in ``_ORIGINALS``), for
+the rest of the process; no Megatron function body changes, so Megatron's own alltoall dispatcher runs its own code
+on CPU and stays a faithful parity oracle.
 ``mok_megatron.megatron``'s own modules need none of this: MoKTokenDispatcher and MoKExperts
 allocate on their inputs' device.
 """

@@ -1,7 +1,7 @@
 """Run an unmodified Megatron-LM script with MoK: ``python -m mok_megatron.megatron.launch SCRIPT
 ARGS...`` (under torchrun: ``torchrun ... -m mok_megatron.megatron.launch pretrain_gpt.py ...``).
 
-Before running SCRIPT as ``__main__`` it makes two additions to Megatron-LM, both no-ops unless
+Before running SCRIPT as ``__main__`` it makes three additions to Megatron-LM, all no-ops unless
 the command line says ``--moe-token-dispatcher-type mok``:
 
 1. ``megatron.training.arguments.parse_args`` also calls ``add_mok_args``, so ``mok`` is a valid
@@ -12,6 +12,9 @@ the command line says ``--moe-token-dispatcher-type mok``:
    ``get_gpt_decoder_layer_specs``) return their spec with the MoE layers made MoK layers
    (``mokify_spec``), carrying the ``MoKConfig`` from the flags. So ``gpt_builders.py`` builds a
    MoK model for every spec path it takes (``--spec`` given or not, TE or local, moe_layer_freq).
+3. ``megatron.training.training.training_log``, which runs after every iteration once the loss
+   scale has reached the host, then calls ``functional.poll_errors()``: a capacity overflow that
+   a pass recorded on the device (CUDA-graph replays included) raises there, at no extra sync.
 """
 
 from __future__ import annotations
@@ -79,13 +82,31 @@ def _mokify_spec_builders():
         setattr(gpt_layer_specs, name, wrap(getattr(gpt_layer_specs, name)))
 
 
+def _poll_errors_after_logging():
+    """Make Megatron-LM's per-iteration training_log end with ``functional.poll_errors()``."""
+    from megatron.training import training
+
+    from mok_megatron import functional
+
+    original = training.training_log
+
+    @functools.wraps(original)
+    def training_log(*args, **kwargs):
+        result = original(*args, **kwargs)
+        functional.poll_errors()
+        return result
+
+    training.training_log = training_log
+
+
 def install() -> None:
-    """Apply both additions (idempotent). Call before the script imports ``gpt_builders``."""
+    """Apply the additions (idempotent). Call before the script imports ``gpt_builders``."""
     global _INSTALLED
     if _INSTALLED:
         return
     _chain_arg_providers()
     _mokify_spec_builders()
+    _poll_errors_after_logging()
     _INSTALLED = True
 
 

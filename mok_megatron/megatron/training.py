@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mok_megatron import functional
+
 from . import cpu_shim
 from .yaml_config import MoKRunConfig
 
@@ -296,6 +298,7 @@ def train(
     losses, start = [], time.perf_counter()
     for step in range(run.training.train_iters):
         losses.append(_train_step(run, model, optimizer, step, num_micro))
+        functional.poll_errors()  # the loss is on the host: every pass's error bits are too
         _report(bar, step, losses[-1], run.training.train_iters)
     if bar is not None:
         bar.close()

@@ -1,9 +1,11 @@
-"""Layer 1: thin ``torch.library`` ops over ``mok_megatron._C`` (with fake implementations) and
-their pure-PyTorch references.
+"""Layer 1: thin ``torch.library`` ops over ``mok_megatron._C`` (with fake implementations).
 
-Each op runs its CUDA kernel for CUDA tensors when the extension provides it and falls back to
-the reference otherwise; :func:`extension_available`, :func:`has_op` and
-:func:`extension_error` say what the extension offers.
+The ``moe_*`` and ``grouped_gemm_*`` ops exist only where the extension provides them (CUDA
+tensors); nothing falls back silently: the CUDA backend checks for every op it needs and backend
+selection names what is missing. Only ``mxfp8_quantize`` has a pure-PyTorch path
+(``mxfp8_quantize_reference``), which it uses for CPU tensors or without the extension.
+:func:`extension_available`, :func:`has_op` and :func:`extension_error` say what the extension
+offers.
 """
 
 from mok_megatron.ops import moe  # stage-1 expert-parallel MoE ops (and their fakes)

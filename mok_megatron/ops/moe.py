@@ -1,9 +1,8 @@
 """Thin wrappers over the stage-1 expert-parallel MoE ops (``torch.ops.mok.moe_*``), with fakes.
 
-The ops work on one symmetric workspace described by ``comm`` (9 ints, see
-``csrc/apis/moe.h``): ``[peer_bases_dev, signal_pads_dev, my_base, rank, num_ranks, max_tokens,
-topk, hidden, timeout_ms]``. Those marked *collective* must be called by every rank in the same
-order. None of them synchronises the host.
+The ops work on one symmetric workspace described by ``comm``, a list of ints whose fields are
+defined once in C++ (``csrc/apis/comm.h``) and built here by name (``make_comm``). Those marked
+*collective* must be called by every rank in the same order. None of them synchronises the host.
 """
 
 from __future__ import annotations
@@ -31,24 +30,118 @@ CUDA_OPS = (
     "moe_accumulate_groups",
 )
 
-__all__ = ["MoeWorkspaceLayout", "moe_workspace_layout", "CUDA_OPS", *CUDA_OPS]
+__all__ = [
+    "MoeWorkspaceLayout", "moe_workspace_layout", "MegaShape", "moe_mega_shape", "make_comm",
+    "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "check_mega_error", "CUDA_OPS", *CUDA_OPS,
+]  # fmt: skip
 
 #: Region names in the order of ``mok::layout::Region`` (csrc/include/mok/layout/workspace.cuh).
-REGIONS = ("routing_topk", "routing_weights", "tokens", "combine", "slot_values")
+REGIONS = (
+    "routing_topk", "routing_weights", "tokens", "combine", "slot_values", "slot_rows", "counters",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class MoeWorkspaceLayout:
-    """Byte size of one rank's symmetric workspace and each region's byte offset (from C++)."""
+    """One rank's symmetric workspace as the C++ layout header defines it: its byte size, each
+    region's byte offset, and the guard of ``guard_bytes`` after each region (``guards``: region
+    name -> guard offset), which no kernel writes."""
 
     total_bytes: int
+    guard_bytes: int
     offsets: dict[str, int]
+    guards: dict[str, int]
 
 
-def moe_workspace_layout(num_ranks: int, max_tokens: int, topk: int, hidden: int):
+def moe_workspace_layout(
+    num_ranks: int, max_tokens: int, topk: int, hidden: int, slot_rows: bool = False,
+    counter_words: int = 0,
+) -> MoeWorkspaceLayout:  # fmt: skip
     """The layout the shared C++ header defines; Python never recomputes an offset."""
-    total, *offsets = torch.ops.mok.moe_workspace_layout(num_ranks, max_tokens, topk, hidden)
-    return MoeWorkspaceLayout(int(total), dict(zip(REGIONS, (int(o) for o in offsets))))
+    total, guard, *rest = torch.ops.mok.moe_workspace_layout(
+        num_ranks, max_tokens, topk, hidden, int(slot_rows), counter_words
+    )
+    n = len(REGIONS)
+    return MoeWorkspaceLayout(
+        int(total), int(guard), dict(zip(REGIONS, map(int, rest[:n]))),
+        dict(zip(REGIONS, map(int, rest[n:]))),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MegaShape:
+    """The megakernel's sizes (``mok::layout::MegaShape``, csrc/include/mok/layout/mega.cuh)."""
+
+    padded_rows: int
+    num_rounds: int
+    ring_rows: int
+    num_minibatches: int
+    max_tiles: int
+    l1_ntiles: int
+    l2_ntiles: int
+    counter_words: int
+
+
+def moe_mega_shape(row_capacity, num_local_experts, hidden, inter, minibatch, macrobatch):
+    """Sizes of the ring, the rounds, the tiles and the counters, from the C++ header."""
+    values = torch.ops.mok.moe_mega_shape(
+        row_capacity, num_local_experts, hidden, inter, minibatch, macrobatch
+    )
+    return MegaShape(*map(int, values))
+
+
+#: Words of the megakernel's error record (int32 each); mirrors mok::layout::MegaError.
+MEGA_ERROR_FIELDS = (
+    "timed_out", "rank", "phase", "round", "index", "counter", "seen", "expected", "timeout_ms",
+)  # fmt: skip
+#: mok::layout::MegaPhase: which wait of the megakernel timed out.
+MEGA_PHASES = {
+    1: ("L1 task waiting for its rows to land", "minibatch", "arrive"),
+    2: ("L2 task waiting for its m-tile's L1 tasks", "m-tile", "l1_done"),
+    3: ("end-of-round barrier", "round", "grid barrier"),
+}
+
+
+def check_mega_error(record: torch.Tensor) -> None:
+    """Raise RuntimeError naming rank, phase, minibatch / tile and counter if the megakernel's
+    pinned error record says a wait timed out. Reads host memory only, so it works after the
+    trap has left the CUDA context unusable."""
+    values = dict(zip(MEGA_ERROR_FIELDS, record.tolist()))
+    if not values["timed_out"]:
+        return
+    what, index_name, counter = MEGA_PHASES.get(values["phase"], ("unknown wait", "index", "?"))
+    raise RuntimeError(
+        f"mok megakernel: rank {values['rank']} timed out after {values['timeout_ms']} ms in "
+        f"phase '{what}' (round {values['round']}, {index_name} {values['index']}): counter "
+        f"{counter} (word {values['counter']}) = {values['seen']} < {values['expected']}. "
+        "Did the comm CTAs run (fwd_num_comm_sms), or is a rank stalled? Raise "
+        "MOK_WAIT_TIMEOUT_MS if it is only slow."
+    )
+
+
+_COMM_FIELDS: tuple[str, ...] | None = None
+
+
+def comm_fields() -> tuple[str, ...]:
+    """The names of ``comm``'s ints in order (defined once in csrc/apis/comm.h)."""
+    global _COMM_FIELDS
+    if _COMM_FIELDS is None:
+        _COMM_FIELDS = tuple(torch.ops.mok.moe_comm_fields())
+    return _COMM_FIELDS
+
+
+def make_comm(**values: int) -> list[int]:
+    """The ``comm`` list from its fields by name; every field must be given, none unknown."""
+    names = comm_fields()
+    missing, unknown = set(names) - set(values), set(values) - set(names)
+    if missing or unknown:
+        raise ValueError(f"make_comm: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    return [int(values[name]) for name in names]
+
+
+def comm_field(comm: list[int], name: str) -> int:
+    """One field of a ``comm`` list, by name."""
+    return comm[comm_fields().index(name)]
 
 
 def moe_gather_routing(topk: torch.Tensor, weights: torch.Tensor, comm: list[int]):
@@ -135,7 +228,7 @@ def moe_accumulate_groups(total, part, offs, first_round, round_index: int) -> N
 
 # ------------------------------------------------------------------------------------ fakes
 def _gather_routing_fake(topk, weights, comm):
-    shape = (comm[4], comm[5], comm[6])
+    shape = tuple(comm_field(comm, f) for f in ("num_ranks", "max_tokens", "topk"))
     return topk.new_empty(shape), weights.new_empty(shape)
 
 

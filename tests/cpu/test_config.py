@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_non_integer_knob_is_a_type_error():
 
 def test_yaml_round_trip_and_unknown_keys(tmp_path):
     config = MoKConfig(fwd_num_comm_sms=24, minibatch_size=512, macrobatch_size=4096,
-                       schedule_capacity_multiplier=3, bwd_schedule="minibatch")  # fmt: skip
+                       schedule_capacity_multiplier=3)  # fmt: skip
     path = tmp_path / "mok.yaml"
     config.to_yaml(path)
     assert "mok:" in path.read_text()
@@ -67,3 +68,56 @@ def test_capacity_is_tile_aligned_and_capped_at_every_row():
     shape = dict(num_ranks=2, num_local_tokens=64, hidden_size=8, topk=2, num_experts=4,
                  intermediate_size=8)  # fmt: skip
     assert workspace_bytes(config, **shape, backend="reference") == 0
+
+
+# ------------------------------------------------------ knobs that a backend does not use
+def test_minibatch_backward_is_rejected_naming_what_is_implemented():
+    with pytest.raises(ValueError, match="bwd_schedule='minibatch' is not implemented.*"
+                                         "'macrobatch'"):  # fmt: skip
+        MoKConfig(bwd_schedule="minibatch")
+
+
+def test_minibatch_backward_flag_reaches_the_same_error():
+    import argparse
+
+    from mok_megatron.megatron.arguments import add_mok_args, mok_config_from_args
+
+    parser = add_mok_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--mok-bwd-schedule", "minibatch"])  # a known name: it parses
+    with pytest.raises(ValueError, match="not implemented"):
+        mok_config_from_args(args)
+
+
+def _tiny_workspace(config):
+    from mok_megatron import functional as F
+
+    return F.create_workspace(config, device="cpu", num_local_tokens=8, hidden_size=16, topk=2,
+                              num_experts=4, intermediate_size=8)  # fmt: skip
+
+
+@pytest.mark.parametrize("knob,value", [("fwd_num_comm_sms", 24), ("bwd_num_comm_sms", 7),
+                                        ("minibatch_size", 512)])  # fmt: skip
+def test_a_knob_the_backend_ignores_warns_once_naming_knob_and_backend(knob, value):
+    from mok_megatron.functional import config as config_module
+
+    config_module._WARNED.clear()
+    config = MoKConfig(**{knob: value})
+    with pytest.warns(UserWarning, match=f"MoKConfig.{knob}={value} has no effect on the "
+                                         "reference backend"):  # fmt: skip
+        _tiny_workspace(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a second workspace says nothing
+        _tiny_workspace(config)
+
+
+def test_default_knobs_and_used_knobs_do_not_warn():
+    from mok_megatron.functional.config import warn_ignored_knobs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _tiny_workspace(MoKConfig())
+        assert warn_ignored_knobs(MoKConfig(macrobatch_size=1024), "cuda/stage1") == []
+    with pytest.warns(UserWarning, match="fwd_num_comm_sms=30 has no effect on the cuda/stage1"):
+        assert warn_ignored_knobs(MoKConfig(fwd_num_comm_sms=30), "cuda/stage1") == [
+            "fwd_num_comm_sms"
+        ]

@@ -168,10 +168,10 @@ def test_fused_gate_up_form_rejects_bad_weights(inter, shape_fix, match):
 
 
 def test_expert_gemm_setting_is_checked(monkeypatch):
-    from mok_megatron.functional import cuda
+    from mok_megatron.functional.cuda.experts import engine_steps
 
     monkeypatch.setenv("MOK_EXPERT_GEMM", "torch")
-    assert cuda._engine_steps(torch.device("cpu")) == ()
+    assert engine_steps(torch.device("cpu")) == ()
     monkeypatch.setenv("MOK_EXPERT_GEMM", "l1,fp8")
     with pytest.raises(ValueError, match="list of"):
-        cuda._engine_steps(torch.device("cpu"))
+        engine_steps(torch.device("cpu"))

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from mok_megatron.functional.cuda import GROUP_ALIGN, _padded_plan, _rounds, _window_offs
+from mok_megatron.functional.cuda.plan import GROUP_ALIGN, make_rounds, padded_plan, window_offs
 from mok_megatron.functional.schedule import build_schedule_from_global
 
 
@@ -38,8 +38,8 @@ def test_round_windows_cover_every_padded_row_once(routing, macrobatch):
     torch.manual_seed(macrobatch)
     world, t_max, k, e_l, cap = 2, 150, 4, 6, 640
     sched, weights = _schedule(world, t_max, k, e_l, cap, rank=1, routing=routing)
-    plan = _padded_plan(sched)
-    rounds = _rounds(macrobatch, sched, plan, weights)
+    plan = padded_plan(sched)
+    rounds = make_rounds(macrobatch, sched, plan, weights)
     padded = plan.row_tok.shape[0]
     assert rounds.count == max(1, math.ceil(cap / macrobatch))
     assert rounds.rows % GROUP_ALIGN == 0 or rounds.count == 1
@@ -63,7 +63,7 @@ def test_round_windows_cover_every_padded_row_once(routing, macrobatch):
     covered = torch.zeros(e_l, dtype=torch.int64)
     for r in range(rounds.count):
         window = rounds.window(r)
-        offs = _window_offs(plan, window)
+        offs = window_offs(plan, window)
         assert offs.dtype == torch.int32
         assert (torch.diff(offs) >= 0).all() and int(offs[-1]) <= rounds.rows
         sizes = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1).to(torch.int64))

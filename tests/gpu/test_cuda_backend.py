@@ -4,9 +4,16 @@ One GPU (``-m "gpu and not multigpu"``): EP = 1, no process group. Two GPUs (``-
 run under ``torchrun --standalone --nproc-per-node 2 -m pytest -m multigpu``; the module makes
 the NCCL process group from torchrun's environment.
 
+Virtual ranks (``F.create_virtual_workspaces``, MEGAKERNEL.md): W = 2 and 4 ranks of one process
+on one GPU, each rank's pass on its own stream, so the cross-rank protocol (pulls, pushes,
+barriers, capacity overflow) is tested on one GPU too.
+
 Tolerances (DESIGN.md): relative error against float64 < 1e-2 and no worse than twice PyTorch's
 own bf16 pipeline on the same inputs (plus 1e-3 for tiny tensors); NaN never passes. Outputs are
-poisoned (NaN caching-allocator blocks, 0xFF symmetric workspace) before every run.
+poisoned before every run in their own dtype and size class (``testing.poison``: every allocation
+of the pass comes from a pool filled with a pattern that is NaN in every float dtype and
+impossible in every integer one, and each output is checked to come from it), and the symmetric
+workspace's data regions hold the same pattern (its guards are checked after overflow).
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from mok_megatron.functional.schedule import build_schedule_from_global
 from mok_megatron.functional.workspace import MoKCapacityError
 from mok_megatron.ops import deinterleave_gate_up, interleave_gate_up
 from mok_megatron.testing import dense_moe, random_moe_problem, relative_error
+from mok_megatron.testing.poison import poison_, poisoned_memory
 from mok_megatron.testing.runs import GRAD_NAMES, global_d_out, run_oracle
+from mok_megatron.testing.virtual import rank_streams, run_ranks
 
 # Generous device-wait budget: ranks also do CPU-side oracle work between passes.
 os.environ.setdefault("MOK_WAIT_TIMEOUT_MS", "60000")
@@ -71,26 +80,47 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _poison(ws=None) -> None:
-    """NaN in freed caching-allocator blocks and 0xFF in the symmetric workspace."""
+#: The symmetric workspace's data regions (poisoned before a run); the counters region keeps the
+#: epochs and flags the megakernel carries from pass to pass.
+DATA_REGIONS = ("routing_topk", "routing_weights", "tokens", "combine", "slot_values", "slot_rows")
+
+
+def _poison_workspace(*workspaces) -> None:
+    """The poison pattern in every data region of each workspace; guards refilled."""
     torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
-    junk = torch.full((64 << 20,), float("nan"), dtype=torch.float32, device=_device())
-    del junk
-    if ws is not None and ws.buffers is not None:
-        ws.buffers.buffer.fill_(0xFF)
+    for ws in workspaces:
+        if ws.buffers is None:
+            continue
+        for name in DATA_REGIONS:
+            region = ws.buffers.region(name)
+            if region.numel():
+                poison_(region)
+        ws.buffers.fill_guards()
     torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
+
+
+def _assert_outputs_poisoned(mem, ws, sched, result) -> None:
+    """Every output (and, on the CUDA backend, every schedule tensor) came from poisoned memory."""
+    outputs = {k: v for k, v in result.items() if isinstance(v, torch.Tensor)}
+    if ws.backend.name == "cuda":
+        outputs.update({f"sched.{f}": getattr(sched, f) for f in sched.INTEGER_FIELDS})
+    mem.assert_covers(**outputs)
 
 
 # ------------------------------------------------------------------------------------ runs
 class Run:
-    """One rank's share of a problem on a workspace: inputs on the GPU and the pass's results."""
+    """One rank's share of a problem on a workspace: inputs on the GPU and the pass's results.
 
-    def __init__(self, problem, backend, config=None, num_local_tokens=None, seed=0, form="split"):
-        self.rank, self.world = _world()
+    ``ws`` (a virtual rank's workspace) gives the rank and the workspace; by default they are
+    torch.distributed's rank and a new workspace on its group."""
+
+    def __init__(self, problem, backend, config=None, num_local_tokens=None, seed=0, form="split",
+                 ws=None):  # fmt: skip
+        self.rank, self.world = (ws.rank, ws.num_ranks) if ws is not None else _world()
         self.problem, self.config, self.form = problem, config or F.MoKConfig(), form
         x, topk, rw, routed, shared = problem.local(self.rank, torch.bfloat16, _device())
         if form != "split":
@@ -99,7 +129,7 @@ class Run:
         self.weights = (*(shared or (None, None, None)), *routed)
         d_out = global_d_out(problem, seed)[problem.token_slice(self.rank)]
         self.d_out = d_out.to(_device(), torch.bfloat16).contiguous()
-        self.ws = F.create_workspace(
+        self.ws = ws or F.create_workspace(
             self.config, dist.group.WORLD if dist.is_initialized() else None, device=_device(),
             num_local_tokens=num_local_tokens or max(max(problem.tokens_per_rank), 1),
             hidden_size=x.shape[1], topk=topk.shape[1], num_experts=problem.w_gate.shape[0],
@@ -109,7 +139,8 @@ class Run:
         )  # fmt: skip
 
     def schedule(self):
-        return F.build_schedule(self.ws, self.config, self.topk, self.ws.num_local_experts)
+        return F.build_schedule(self.ws, self.config, self.topk, self.ws.num_local_experts,
+                                router_weights=self.rw)  # fmt: skip
 
     def passes(self, sched):
         gemm = os.environ.get("MOK_EXPERT_GEMM")
@@ -131,13 +162,55 @@ class Run:
         return {"out": out, **grads}
 
     def __call__(self, poison=True):
-        if poison:
-            _poison(self.ws)
-        sched = self.schedule()
-        result = self.passes(sched)
+        if not poison:
+            sched = self.schedule()
+            return sched, self.passes(sched)
+        _poison_workspace(self.ws)
+        with poisoned_memory() as mem:
+            sched = self.schedule()
+            result = self.passes(sched)
+        _assert_outputs_poisoned(mem, self.ws, sched, result)
         torch.cuda.synchronize()
         self.ws.check_errors()
         return sched, result
+
+
+class VirtualRuns:
+    """W virtual ranks of one problem on one GPU: one ``Run`` per rank, each on its stream."""
+
+    def __init__(self, problem, world, config=None, num_local_tokens=None, seed=0, form="split"):
+        config = config or F.MoKConfig()
+        shared = problem.shared[0].shape[0] if problem.shared else 0
+        self.workspaces = F.create_virtual_workspaces(
+            config, world, device=_device(),
+            num_local_tokens=num_local_tokens or max(max(problem.tokens_per_rank), 1),
+            hidden_size=problem.x.shape[1], topk=problem.topk_experts.shape[1],
+            num_experts=problem.w_gate.shape[0], intermediate_size=problem.w_gate.shape[1],
+            shared_intermediate_size=shared, dtype=torch.bfloat16,
+        )  # fmt: skip
+        self.runs = [Run(problem, "cuda", config, seed=seed, form=form, ws=ws)
+                     for ws in self.workspaces]  # fmt: skip
+        self.streams = rank_streams(world)
+
+    def schedules(self):
+        return run_ranks(lambda r: self.runs[r].schedule(), self.streams)
+
+    def passes(self, scheds):
+        return run_ranks(lambda r: self.runs[r].passes(scheds[r]), self.streams)
+
+    def __call__(self, check_errors=True):
+        """(schedules, results) of one poisoned pass on every rank."""
+        _poison_workspace(*self.workspaces)
+        with poisoned_memory(streams=self.streams) as mem:
+            scheds = self.schedules()
+            results = self.passes(scheds)
+        for ws, sched, result in zip(self.workspaces, scheds, results):
+            _assert_outputs_poisoned(mem, ws, sched, result)
+        torch.cuda.synchronize()
+        if check_errors:
+            for ws in self.workspaces:
+                ws.check_errors()
+        return scheds, results
 
 
 def _torch_bf16(problem, d_out64: torch.Tensor) -> dict:
@@ -188,13 +261,15 @@ def _on_device(problem, device):
     )  # fmt: skip
 
 
-def _check_accuracy(problem, result: dict, seed=0, oracle_device="cpu") -> list[str]:
-    """Every output against float64 and PyTorch bf16; returns failure messages (empty = pass)."""
-    rank, _ = _world()
+def _check_accuracy(problem, result: dict, seed=0, oracle_device="cpu", rank=None) -> list[str]:
+    """Every output against float64 and PyTorch bf16; returns failure messages (empty = pass).
+    ``rank``: a virtual rank (whose shared-weight gradients the caller summed over ranks)."""
     d_out64 = global_d_out(problem, seed).to(oracle_device)
     oracle = run_oracle(_on_device(problem, oracle_device), d_out64)
     torch_bf16 = _torch_bf16(problem, d_out64)
-    result = _summed_shared(result)
+    if rank is None:
+        rank, _ = _world()
+        result = _summed_shared(result)
     failures = []
     for name in ("out", *GRAD_NAMES):
         got = result.get(name)
@@ -216,7 +291,8 @@ def _check_accuracy(problem, result: dict, seed=0, oracle_device="cpu") -> list[
 
 
 def _assert_schedule_equal(sched, problem, ws) -> None:
-    """Every integer field bitwise equal to build_schedule_from_global on the same routing."""
+    """Every integer field bitwise equal to build_schedule_from_global on the same routing
+    (bool fields compared as bytes, so a poisoned byte that is neither 0 nor 1 shows)."""
     t_max = ws.num_local_tokens
     padded = torch.full((ws.num_ranks, t_max, ws.topk), -1, dtype=torch.int64)
     for r in range(ws.num_ranks):
@@ -231,6 +307,8 @@ def _assert_schedule_equal(sched, problem, ws) -> None:
         got, want = getattr(sched, name).cpu(), getattr(expected, name)
         assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        if got.dtype == torch.bool:
+            got, want = got.view(torch.uint8), want.view(torch.uint8)
         assert torch.equal(got, want), f"{name} differs:\n{got}\n{want}"
 
 
@@ -328,8 +406,10 @@ def test_schedule_bitwise_many_routings():
             problem = _problem([173], (64, 32, 24, 3, 0), seed=seed, routing=routing,
                                empty_slot_fraction=empty)  # fmt: skip
             run = Run(problem, "cuda", num_local_tokens=190)
-            _poison(run.ws)
-            sched = run.schedule()
+            _poison_workspace(run.ws)
+            with poisoned_memory() as mem:
+                sched = run.schedule()
+            _assert_outputs_poisoned(mem, run.ws, sched, {})
             _assert_schedule_equal(sched, problem, run.ws)
 
 
@@ -548,6 +628,112 @@ def test_device_wait_times_out_with_rank_phase_and_flag(tmp_path):
     assert "peer 1" in output, output[-4000:]
 
 
+# ============================================== virtual ranks: W ranks of one process, one GPU
+VIRTUAL_CASES = {
+    # name: (tokens per rank, shape, problem kwargs)
+    "qwen3-30b-a3b": ([256, 200], SHAPES["qwen3-30b-a3b"], {}),
+    "deepseek-v3": ([200, 160], SHAPES["deepseek-v3"], {}),
+    "uneven_skewed": ([97, 3], (128, 64, 8, 4, 32), {"routing": "skewed"}),
+    "rank_without_tokens": ([61, 0], (128, 64, 8, 2, 0), {}),
+    "all_to_one_expert": ([120, 90], (128, 64, 8, 2, 0), {"routing": "one_expert"}),
+    "four_ranks": ([70, 0, 33, 81], (128, 64, 16, 4, 0), {"empty_slot_fraction": 0.2}),
+}
+
+
+def _virtual_failures(problem, vruns: VirtualRuns, scheds, results) -> list[str]:
+    """Every rank's schedule and outputs against the plain-Python schedule and the oracle."""
+    total = {}
+    for name in SHARED:  # shared-expert gradients cover local tokens: their sum is global
+        parts = [r[name] for r in results if r[name] is not None]
+        total[name] = torch.stack([p.float() for p in parts]).sum(0) if parts else None
+    failures = []
+    for run, sched, result in zip(vruns.runs, scheds, results):
+        failures += _schedule_failures(sched, problem, run.ws)
+        failures += [f"rank {run.rank}: {f}" for f in
+                     _check_accuracy(problem, {**result, **total}, rank=run.rank)]  # fmt: skip
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["split", "fused"])
+@pytest.mark.parametrize("case", list(VIRTUAL_CASES))
+def test_virtual_ranks_match_oracle(case, form):
+    tokens, shape, kwargs = VIRTUAL_CASES[case]
+    problem = _problem(tokens, shape, seed=41, **kwargs)
+    config = F.MoKConfig(schedule_capacity_multiplier=float(len(tokens)))  # never overflows
+    vruns = VirtualRuns(problem, len(tokens), config=config, form=form)
+    scheds, results = vruns()
+    failures = _virtual_failures(problem, vruns, scheds, results)
+    _, again = vruns()
+    failures += [f"repeat differs in {n}" for a, b in zip(results, again)
+                 for n in _bitwise_equal(a, b)]  # fmt: skip
+    assert not failures, failures
+
+
+def _overflowing_problem(tokens=(256, 256)):
+    # every token on expert 0 of rank 0: rank 0 gets 2x its balanced load, its capacity is 1x
+    return _problem(list(tokens), (128, 64, 8, 2, 0), seed=7, routing="one_expert")
+
+
+@pytest.mark.gpu
+def test_virtual_ranks_capacity_overflow_raises_and_writes_in_bounds():
+    """Routing over the schedule's capacity: the pass finishes, MoKCapacityError names the knob,
+    and no kernel wrote past any workspace region (every guard intact)."""
+    vruns = VirtualRuns(_overflowing_problem(), 2,
+                        config=F.MoKConfig(schedule_capacity_multiplier=1.0))  # fmt: skip
+    vruns(check_errors=False)
+    for ws in vruns.workspaces:
+        assert ws.buffers.damaged_guards() == [], ws.buffers.damaged_guards()
+        with pytest.raises(MoKCapacityError, match="schedule_capacity_multiplier"):
+            ws.check_errors()
+
+
+@pytest.mark.gpu
+def test_guards_show_a_write_past_a_region():
+    """The guard check can fail: one byte written past the tokens region is reported."""
+    run = Run(_problem([16], (64, 32, 4, 2, 0), seed=1), "cuda")
+    bufs = run.ws.buffers
+    assert bufs.damaged_guards() == []
+    end = bufs.layout.guards["tokens"]
+    bufs.buffer[end + 3] = 0
+    assert bufs.damaged_guards() == ["tokens"]
+    bufs.fill_guards()
+
+
+@pytest.mark.gpu
+def test_overflow_in_a_replayed_cuda_graph_is_reported():
+    """A pass captured in a CUDA graph (one graph per virtual rank) and replayed on routing that
+    overflows: the next host-visible points (``poll_errors``, the next eager schedule) raise
+    MoKCapacityError, with no extra sync; before the replay nothing is pending."""
+    problem = _overflowing_problem()
+    balanced = _problem([256, 256], (128, 64, 8, 2, 0), seed=8)
+    vruns = VirtualRuns(balanced, 2, config=F.MoKConfig(schedule_capacity_multiplier=1.0))
+    scheds, _ = vruns()  # eager warm-up: no overflow
+    graphs = [torch.cuda.CUDAGraph() for _ in vruns.runs]
+    for r, (run, graph) in enumerate(zip(vruns.runs, graphs)):
+        with torch.cuda.graph(graph, stream=vruns.streams[r]):
+            captured = run.passes(run.schedule())
+    del captured
+    torch.cuda.synchronize()
+    F.poll_errors()  # nothing recorded yet, on any live workspace
+    for r, run in enumerate(vruns.runs):  # the graphs' input: overflowing routing
+        run.topk.copy_(problem.local(r, torch.bfloat16, _device())[1])
+    for graph, stream in zip(graphs, vruns.streams):
+        with torch.cuda.stream(stream):
+            graph.replay()
+    torch.cuda.synchronize()  # the test's own wait, standing in for the trainer's loss sync
+    with pytest.raises(MoKCapacityError, match="schedule_capacity_multiplier"):
+        vruns.workspaces[0].monitor.poll()  # reads pinned host memory only
+    with pytest.raises(MoKCapacityError, match="schedule_capacity_multiplier"):
+        F.poll_errors()  # the trainers' hook: rank 1's workspace
+    for graph, stream in zip(graphs, vruns.streams):  # once more: the next eager call raises
+        with torch.cuda.stream(stream):
+            graph.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(MoKCapacityError):
+        vruns.runs[1].schedule()
+
+
 # ========================================================================= two GPUs (EP = 2)
 EP_CASES = {
     # name: (tokens per rank, shape, problem kwargs)
@@ -603,11 +789,12 @@ def test_ep2_no_host_sync(dist_group, form):
 
 @pytest.mark.multigpu
 def test_ep2_capacity_overflow_raises(dist_group):
-    problem = _problem([256, 256], (128, 64, 8, 2, 0), seed=7, routing="one_expert")
-    run = Run(problem, "cuda", config=F.MoKConfig(schedule_capacity_multiplier=1.0))
-    sched = run.schedule()
-    run.passes(sched)  # must finish (overflowing rows are dropped, never written out of bounds)
+    run = Run(_overflowing_problem(), "cuda", config=F.MoKConfig(schedule_capacity_multiplier=1.0))
+    _poison_workspace(run.ws)
+    run.passes(run.schedule())  # must finish, writing nothing out of bounds (guards intact)
     torch.cuda.synchronize()
+    dist.barrier()
+    assert run.ws.buffers.damaged_guards() == [], run.ws.buffers.damaged_guards()
     with pytest.raises(MoKCapacityError, match="schedule_capacity_multiplier"):
         run.ws.check_errors()
 

@@ -22,6 +22,7 @@ from mok_megatron.ops.moe import (
     moe_swiglu_interleaved_backward,
 )
 from mok_megatron.testing import relative_error
+from mok_megatron.testing.poison import poisoned_memory
 
 pytestmark = [
     pytest.mark.gpu,
@@ -90,8 +91,9 @@ def test_gather_rows_matches_indexing_bitwise(hidden):
     src = _random((50, hidden), hidden) - 1.0  # signed values, never zero
     g = torch.Generator(device="cuda").manual_seed(hidden)
     row_tok = torch.randint(-1, 50, (333,), generator=g, device="cuda")
-    torch.full((333 * hidden + 4096,), float("nan"), device="cuda")  # poison the allocator
-    out = moe_gather_rows(src, row_tok)
+    with poisoned_memory() as mem:
+        out = moe_gather_rows(src, row_tok)
+    mem.assert_covers(out=out)
     want = torch.where((row_tok >= 0)[:, None], src[row_tok.clamp(min=0)], 0)
     assert torch.equal(out, want)
     assert torch.equal(moe_gather_rows(src, row_tok[:0]), src[:0])
@@ -109,8 +111,10 @@ def test_swiglu_matches_float64_and_strided_equals_contiguous(rows, inter):
     g = (_random((rows, 2 * inter), inter) - 1.0) * 4  # gate and up halves of one [P, 2I]
     da = _random((rows, inter), rows) - 1.0
     gate, up = g[:, :inter], g[:, inter:]
-    a = moe_swiglu(gate, up)
-    dg, du = moe_swiglu_backward(da, gate, up)
+    with poisoned_memory() as mem:
+        a = moe_swiglu(gate, up)
+        dg, du = moe_swiglu_backward(da, gate, up)
+    mem.assert_covers(a=a, dg=dg, du=du)
     a64, dg64, du64 = _swiglu64(gate, up, da)
     for name, got, want in (("a", a, a64), ("dg", dg, dg64), ("du", du, du64)):
         assert got.is_contiguous() and got.dtype == torch.bfloat16
@@ -132,12 +136,6 @@ def test_swiglu_bad_input_names_the_rule():
         moe_swiglu(g[:1, ::2], g[:1, ::2])
 
 
-def _poison_allocator() -> None:
-    """NaN in freed caching-allocator blocks, so an output the kernel skips shows."""
-    junk = torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
-    del junk
-
-
 @pytest.mark.parametrize("offset", [16, 4])  # 16: 16-byte vectors; 4: 8-byte aligned, one by one
 @pytest.mark.parametrize("rows,inter", [(1, 8), (37, 96), (1000, 768), (129, 2048)])
 def test_interleaved_swiglu_matches_float64_and_the_split_kernels(rows, inter, offset):
@@ -148,9 +146,10 @@ def test_interleaved_swiglu_matches_float64_and_the_split_kernels(rows, inter, o
     h = wide[:, offset : offset + 2 * inter]
     da = _random((rows, inter), rows + 1) - 1.0
     gate, up = ops.deinterleave_gate_up(h)
-    _poison_allocator()
-    a = moe_swiglu_interleaved(h)
-    d_h = moe_swiglu_interleaved_backward(da, h)
+    with poisoned_memory() as mem:  # outputs in poisoned memory: a skipped element stays NaN
+        a = moe_swiglu_interleaved(h)
+        d_h = moe_swiglu_interleaved_backward(da, h)
+    mem.assert_covers(a=a, d_h=d_h)
     assert a.shape == (rows, inter) and d_h.shape == (rows, 2 * inter) and d_h.is_contiguous()
     assert not a.isnan().any() and not d_h.isnan().any()
     dg, du = ops.deinterleave_gate_up(d_h)

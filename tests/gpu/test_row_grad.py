@@ -5,7 +5,7 @@ d_row_w: relative error within 1e-5 of a float64 sum (products of bf16 values ar
 float32, only the float32 sum order differs); exactly 0 on padding rows. dy: bitwise equal to
 ``(d_rows.float() * w_rows[:, None]).to(torch.bfloat16)``. Both bitwise identical run after run
 and independent of where a row sits. Fresh random inputs per check (never zeros; padding rows
-carry nonzero d_rows and NaN y); outputs land in NaN-poisoned allocator blocks.
+carry nonzero d_rows and NaN y); outputs land in poisoned memory (``testing.poison``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from mok_megatron import ops
 from mok_megatron.ops.moe import moe_row_grad
+from mok_megatron.testing.poison import poisoned_memory
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,18 +62,11 @@ def expected(d_rows, y, w_rows, row_tok):
 
 
 def poisoned_run(d_rows, y, w_rows, row_tok):
-    """moe_row_grad with its outputs in NaN-filled blocks: NaN tensors of the outputs' sizes are
-    made in the op's allocation order and freed just before the call, so the caching allocator
-    hands the op exactly those blocks (checked by address)."""
-    num_rows, hidden = d_rows.shape
-    torch.cuda.synchronize()
-    junk_w = torch.full((num_rows,), float("nan"), dtype=torch.float32, device="cuda")
-    junk_dy = torch.full((num_rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    addresses = (junk_w.data_ptr(), junk_dy.data_ptr())
-    del junk_w, junk_dy
-    d_row_w, dy = moe_row_grad(d_rows, y, w_rows, row_tok)
-    if num_rows > 0:
-        assert (d_row_w.data_ptr(), dy.data_ptr()) == addresses, "outputs missed the NaN blocks"
+    """moe_row_grad with its outputs in poisoned memory (``testing.poison``: NaN in float32 and
+    bf16 alike, every size class), checked to have come from it."""
+    with poisoned_memory() as mem:
+        d_row_w, dy = moe_row_grad(d_rows, y, w_rows, row_tok)
+    mem.assert_covers(d_row_w=d_row_w, dy=dy)
     return d_row_w, dy
 
 

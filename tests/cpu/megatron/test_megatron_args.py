@@ -50,14 +50,12 @@ def test_plain_parser_gets_the_dispatcher_flag():
 
 def test_defaults_then_file_then_flags(tmp_path):
     path = tmp_path / "knobs.yaml"
-    MoKConfig(minibatch_size=512, macrobatch_size=8192, bwd_schedule="minibatch").to_yaml(path)
+    MoKConfig(minibatch_size=512, macrobatch_size=8192).to_yaml(path)
     args = _plain_parser().parse_args(
         ["--mok-config", str(path), "--mok-macrobatch-size", "4096", "--mok-fwd-num-comm-sms", "8"]
     )
     config = mok_config_from_args(args)
-    assert config == MoKConfig(
-        minibatch_size=512, macrobatch_size=4096, bwd_schedule="minibatch", fwd_num_comm_sms=8
-    )
+    assert config == MoKConfig(minibatch_size=512, macrobatch_size=4096, fwd_num_comm_sms=8)
     assert mok_config_from_args(_plain_parser().parse_args([])) == MoKConfig()
 
 

@@ -272,3 +272,19 @@ def test_launcher_runs_a_megatron_lm_script_with_mok(tmp_path):
     out = _launch(tmp_path, "--moe-token-dispatcher-type", "mok", "--mok-minibatch-size", "512",
                   "--my-flag", "7")  # fmt: skip
     assert "dispatcher mok minibatch 512 my_flag 7 mok_layer True" in out
+
+
+def test_launcher_polls_mok_errors_after_each_training_log(monkeypatch):
+    """Megatron-LM's per-iteration training_log ends with functional.poll_errors() (where a
+    capacity overflow recorded on the device, CUDA-graph replays included, surfaces)."""
+    from megatron.training import training
+
+    from mok_megatron import functional
+    from mok_megatron.megatron import launch
+
+    seen = []
+    monkeypatch.setattr(training, "training_log", lambda *a, **k: seen.append(("log", a)) or 5)
+    monkeypatch.setattr(functional, "poll_errors", lambda: seen.append(("poll",)))
+    launch._poll_errors_after_logging()
+    assert training.training_log(1, 2) == 5
+    assert seen == [("log", (1, 2)), ("poll",)]

@@ -1,0 +1,112 @@
+"""``CudaBackend``: what a CUDA workspace runs, behind the backend interface of ``functional``.
+
+It serves a workspace only when every op it needs is compiled into ``mok_megatron._C``;
+``unsupported_reasons`` says what is missing, and backend selection reports it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..schedule import MoKSchedule
+from . import stage1
+from .buffers import MAX_RANKS, CudaBuffers, allocate, allocate_virtual
+from .plan import GROUP_ALIGN
+
+if TYPE_CHECKING:
+    from ..workspace import MoKWorkspace
+
+__all__ = ["CudaBackend"]
+
+
+class CudaBackend:
+    name = "cuda"
+
+    @staticmethod
+    def unsupported_reasons(ws: MoKWorkspace) -> list[str]:
+        from mok_megatron.ops import extension_error, has_op
+        from mok_megatron.ops.moe import CUDA_OPS
+
+        reasons = []
+        if ws.device.type != "cuda":
+            reasons.append(f"the workspace device is {ws.device}, not a CUDA device")
+        if ws.dtype != torch.bfloat16:
+            reasons.append(f"the CUDA backend takes bfloat16 activations, not {ws.dtype}")
+        for name, size in (
+            ("hidden_size", ws.hidden_size),
+            ("intermediate_size", ws.intermediate_size),
+        ):
+            if size % GROUP_ALIGN:
+                reasons.append(f"{name}={size} is not a multiple of {GROUP_ALIGN} (16-byte rows)")
+        if ws.num_ranks > MAX_RANKS:
+            reasons.append(
+                f"{ws.num_ranks} expert-parallel ranks; the barrier serves <= {MAX_RANKS}"
+            )
+        missing = [op for op in CUDA_OPS if not has_op(op)]
+        if extension_error() is not None:
+            reasons.append(f"mok_megatron._C did not load ({extension_error()})")
+        elif missing:
+            reasons.append(f"mok_megatron._C lacks the ops {missing}")
+        return reasons
+
+    @staticmethod
+    def workspace_bytes(**shape) -> int:
+        from mok_megatron.ops import extension_error
+        from mok_megatron.ops.moe import moe_workspace_layout
+
+        if extension_error() is not None:
+            raise RuntimeError(
+                f"the CUDA backend's workspace layout needs mok_megatron._C ({extension_error()})"
+            )
+        return moe_workspace_layout(
+            shape["num_ranks"], shape["num_local_tokens"], shape["topk"], shape["hidden_size"]
+        ).total_bytes
+
+    def path(self, ws: MoKWorkspace) -> str:
+        """The CUDA path this workspace runs ("stage1")."""
+        return "stage1"
+
+    # ------------------------------------------------------------------------------ workspace
+    def allocate(self, ws: MoKWorkspace) -> CudaBuffers:
+        return allocate(ws)
+
+    def allocate_virtual(self, workspaces: list[MoKWorkspace]) -> list[CudaBuffers]:
+        return allocate_virtual(workspaces)
+
+    # ------------------------------------------------------------------------------- schedule
+    def build_schedule(self, ws: MoKWorkspace, topk_experts, router_weights=None) -> MoKSchedule:
+        """Gather the routing (and the router weights, when given: one gather for both) and
+        plan this rank's rows on the device."""
+        from mok_megatron.ops import moe as mops
+
+        comm = ws.buffers.comm
+        num_tokens = topk_experts.shape[0]
+        weights = router_weights
+        if weights is None:  # gathered as zeros; forward gathers the weights it gets
+            weights = torch.zeros(topk_experts.shape, dtype=torch.float32, device=ws.device)
+        global_topk, global_weights = mops.moe_gather_routing(
+            topk_experts.contiguous(), weights.contiguous(), comm
+        )
+        fields = mops.moe_build_schedule(
+            global_topk, ws.rank, ws.num_experts, ws.row_capacity, ws.token_capacity
+        )
+        names = MoKSchedule.INTEGER_FIELDS[1:]
+        sched = MoKSchedule(
+            rank=ws.rank, num_ranks=ws.num_ranks, num_tokens=num_tokens,
+            max_tokens=ws.num_local_tokens, topk=ws.topk, num_local_experts=ws.num_local_experts,
+            row_capacity=ws.row_capacity, token_capacity=ws.token_capacity,
+            global_topk=global_topk, **dict(zip(names, fields)),
+        )  # fmt: skip
+        if router_weights is not None:
+            sched.global_weights = global_weights
+            sched.weights_source = (router_weights, router_weights._version)
+        return sched
+
+    # -------------------------------------------------------------------------------- passes
+    def forward(self, ws, sched, x, router_weights, shared, routed):
+        return stage1.forward(ws, sched, x, router_weights, shared, routed)
+
+    def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed):
+        return stage1.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed)

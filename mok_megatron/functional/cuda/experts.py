@@ -1,0 +1,213 @@
+"""The routed expert MLP on one round's rows (``_Experts``), for either weight form, and the
+choice of which of its GEMMs run on the expert GEMM engine (env MOK_EXPERT_GEMM)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..types import FusedExpertWeights
+
+__all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "ExpertRows", "Experts", "engine_steps",
+           "grouped_mm", "accumulate"]  # fmt: skip
+
+#: The fused gate/up form's steps the expert GEMM engine can run (env MOK_EXPERT_GEMM: "auto",
+#: "torch" (none), "engine" (all) or a list joined by "," or "+"): "l1" L1 + SwiGLU (forward,
+#: and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU backward, and the plain GEMMs:
+#: "l2" the L2 forward, "dgrad" the dgrads (against W_down without "dswiglu", and against W_gu),
+#: "wgrad" the weight gradients.
+ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
+#: What "auto" picks on Hopper. "l2": its engine GEMM beat torch._grouped_mm on all six points of
+#: the same-process micro-benchmark (docs/GEMM.md). "l1" (which also writes h for the backward):
+#: in that micro-benchmark it is compared with torch._grouped_mm + MoK's interleaved SwiGLU
+#: kernel, the backend's alternative (pair "mok_save_h" / "torch_gemm+mok_swiglu"); in the layer
+#: at EP 2 the default's forward was ahead of all-torch GEMMs (docs/PERF.md). Not the dgrads (the
+#: L1 dgrad lost on one shape), the weight gradients (lost on most) or the fused dSwiGLU (its
+#: d_h store is not staged through shared memory; pair "mok" / "torch_gemm+mok_dswiglu").
+AUTO_ENGINE_STEPS = ("l1", "l2")
+
+
+@dataclass
+class ExpertRows:
+    """One round's expert activations, bf16: x_rows [M, H], a [M, I], y [M, H] (None when the
+    backward recomputes a round: it needs only the others) and the pre-activation: g, u [M, I]
+    (separate gate and up weights) or h [M, 2I] (fused form: gate and up columns interleaved in
+    blocks of 8; None when only the forward of a round needs it)."""
+
+    x_rows: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor | None
+    g: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+
+
+class Experts:
+    """The routed expert MLP on one round's rows, for either weight form.
+
+    Separate gate/up: two grouped GEMMs and the SwiGLU kernel. Fused gate/up
+    (``FusedExpertWeights``): each step on the expert GEMM engine or on torch GEMMs, as
+    ``engine_steps`` says: L1 + SwiGLU in one engine GEMM (``h`` kept when the backward needs
+    it) or one ``torch._grouped_mm`` over both halves and the interleaved SwiGLU kernel; the L2
+    dgrad with the SwiGLU backward in one engine GEMM, or ``torch._grouped_mm`` and the
+    interleaved SwiGLU-backward kernel; the plain GEMMs (L2 forward, dgrads, weight gradients)
+    likewise (``mm_nt``, ``mm_nn``, ``mm_tn``).
+    """
+
+    def __init__(self, routed, device: torch.device):
+        self.routed = routed
+        self.fused = isinstance(routed, FusedExpertWeights)
+        self.engine = engine_steps(device) if self.fused else ()
+        if self.fused:
+            self.pre_weights = (routed.gate_up,)
+            self.grad_slots = (0, 2)  # d_w_routed_gate holds gate_up's gradient
+        else:
+            self.pre_weights = (routed.gate, routed.up)
+            self.grad_slots = (0, 1, 2)
+
+    def forward(self, x_rows, offs, *, save_pre: bool, with_down: bool = True) -> ExpertRows:
+        """x_rows [M, H] → ExpertRows; the pre-activation is kept only when ``save_pre`` (the
+        separate form always has it: it is the GEMMs' output)."""
+        from mok_megatron.ops import grouped_gemm as gg
+        from mok_megatron.ops import moe as mops
+
+        w = self.routed
+        g = u = h = None
+        if "l1" in self.engine:
+            a, h = gg.grouped_gemm_l1_swiglu(x_rows, w.gate_up, offs, save_h=save_pre)
+        elif self.fused:
+            h = grouped_mm(x_rows, w.gate_up.transpose(1, 2), offs)
+            a = mops.moe_swiglu_interleaved(h)
+            h = h if save_pre else None
+        else:
+            # NOTE: gate and up stay two GEMMs: concatenating the weights would copy all of
+            # them (2 * E_l * I * H) every pass; the SwiGLU kernel reads the two outputs.
+            g = grouped_mm(x_rows, w.gate.transpose(1, 2), offs)
+            u = grouped_mm(x_rows, w.up.transpose(1, 2), offs)
+            a = mops.moe_swiglu(g, u)
+        y = self.mm_nt(a, w.down, offs) if with_down else None
+        return ExpertRows(x_rows, a, y, g, u, h)
+
+    def pre_grads_from_dy(self, dy, act: ExpertRows, offs) -> tuple[torch.Tensor, ...]:
+        """dy = w * d_rows [M, H] → the pre-activation gradients (d_g, d_u) or (d_h,)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if "dswiglu" in self.engine:  # the L2 dgrad with the SwiGLU backward in its epilogue
+            return (gg.grouped_gemm_dswiglu(dy, self.routed.down, act.h, offs)[0],)
+        return self.pre_grads_from_da(self.mm_nn(dy, self.routed.down, offs), act)
+
+    def pre_grads_from_da(self, da, act: ExpertRows) -> tuple[torch.Tensor, ...]:
+        """da [M, I] (the gradient of the SwiGLU output) → (d_g, d_u) or (d_h,)."""
+        from mok_megatron.ops import moe as mops
+
+        if self.fused:
+            return (mops.moe_swiglu_interleaved_backward(da, act.h),)
+        return mops.moe_swiglu_backward(da, act.g, act.u)
+
+    # The plain GEMMs: the engine's (steps "l2", "dgrad", "wgrad") or torch._grouped_mm.
+    def mm_nt(self, a, b, offs):
+        """a [M, K], b [G, N, K] → a_g @ b[g]^T [M, N] (the L2 forward)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if "l2" in self.engine:
+            return gg.grouped_gemm_nt(a, b, offs)
+        return grouped_mm(a, b.transpose(1, 2), offs)
+
+    def mm_nn(self, a, b, offs):
+        """a [M, K], b [G, K, N] → a_g @ b[g] [M, N] (the dgrads)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if "dgrad" in self.engine:
+            return gg.grouped_gemm_nn(a, b, offs)
+        return grouped_mm(a, b, offs)
+
+    def mm_tn(self, a, b, offs):
+        """a [M, P], b [M, Q] → [G, P, Q], each group's a_g^T @ b_g (the weight gradients)."""
+        from mok_megatron.ops import grouped_gemm as gg
+
+        if "wgrad" in self.engine:
+            return gg.grouped_gemm_tn(a, b, offs)
+        return grouped_mm(a.T, b, offs)
+
+
+def engine_steps(device: torch.device) -> tuple[str, ...]:
+    """The steps of the fused gate/up form that run on the expert GEMM engine (ENGINE_STEPS),
+    from env MOK_EXPERT_GEMM; "auto" is AUTO_ENGINE_STEPS where the engine can run, else none
+    (with a warning that says why)."""
+    from mok_megatron.ops.grouped_gemm import grouped_gemm_available
+
+    choice = os.environ.get("MOK_EXPERT_GEMM", "auto")
+    if choice in ("auto", "torch", "engine"):
+        steps = {"auto": AUTO_ENGINE_STEPS, "torch": (), "engine": ENGINE_STEPS}[choice]
+    else:
+        steps = tuple(s.strip() for s in choice.replace("+", ",").split(","))
+        if not set(steps) <= set(ENGINE_STEPS):
+            raise ValueError(
+                f"MOK_EXPERT_GEMM={choice!r}; choose auto, torch, engine or a comma list of "
+                f"{ENGINE_STEPS}"
+            )
+    if not steps:
+        return ()
+    why_not = None
+    if not grouped_gemm_available():
+        why_not = "mok_megatron._C lacks the grouped-GEMM ops"
+    elif device.type != "cuda":
+        why_not = f"the device is {device}, not a CUDA GPU"
+    elif torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        why_not = f"it is built for sm_90a and this GPU is sm_{major}{minor}"
+    if why_not is None:
+        return steps
+    if choice != "auto":
+        raise RuntimeError(
+            f"MOK_EXPERT_GEMM={choice} but the expert GEMM engine can't run: {why_not}"
+        )
+    _warn_once(
+        f"mok: the fused gate/up experts run on torch._grouped_mm, not the expert GEMM engine: "
+        f"{why_not} (MOK_EXPERT_GEMM=torch chooses this without the warning)"
+    )
+    return ()
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def accumulate(total, part: torch.Tensor, offs: torch.Tensor, rounds, r: int):
+    """Add round r's weight gradient to the total, in round order, touching only the experts
+    that need it (ops.moe.moe_accumulate_groups); round 0's output becomes the total. Experts
+    with no rows get exact zeros (whatever an empty group GEMM leaves)."""
+    from mok_megatron.ops import moe as mops
+
+    part = part.contiguous()
+    total = part if total is None else total
+    mops.moe_accumulate_groups(total, part, offs, rounds.first_round, r)
+    return total
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` (bf16, no host sync), or a masked dense loop when
+    MOK_GROUPED_MM=loop (a slow fallback with the same semantics, for debugging).
+
+    2d x 3d: a [P, K], b [G, K, N] → [P, N] (rows past offs[-1] are undefined);
+    2d x 2d: a [M, P], b [P, N] → [G, M, N], reducing each group's rows.
+    """
+    if os.environ.get("MOK_GROUPED_MM", "torch") != "loop":
+        return torch._grouped_mm(a, b, offs=offs)
+    group_rows = a.shape[0] if b.dim() == 3 else a.shape[1]
+    idx = torch.arange(group_rows, device=a.device)
+    group = torch.searchsorted(offs.to(torch.int64), idx, right=True)
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for g in range(b.shape[0]):
+            out = torch.where((group == g)[:, None], a @ b[g], out)
+        return out
+    return torch.stack([torch.where((group == g)[None, :], a, 0) @ b for g in range(offs.shape[0])])

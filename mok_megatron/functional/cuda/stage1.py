@@ -1,0 +1,172 @@
+"""Stage 1 of the CUDA backend: the MoE pass as a sequence of sync-free kernels driven from
+Python (DESIGN.md, "Kernel roadmap"), kept as the tested fallback and the oracle of the
+megakernel.
+
+  dispatch   each token pulled once per destination rank into received-token order
+             (``moe_dispatch``), then gathered (``moe_gather_rows``) into the padded row layout
+             (``plan.padded_plan``: each local expert's rows start at a multiple of 8)
+  experts    ``experts.Experts``: the expert GEMM engine or ``torch._grouped_mm``
+  combine    per received token, a slot-ordered float32 sum on the expert side, one row per
+             (token, rank) pushed to the source, a rank-ordered float32 sum there (+ shared)
+  backward   the same moves in reverse; the per-row router-weight gradient and weighted d_out
+             in one kernel (``moe_row_grad``); weight gradients are grouped GEMMs that reduce
+             over each expert's rows in one fixed order (no atomics), experts without rows
+             zeroed by ``moe_accumulate_groups``
+  rounds     more rows than ``macrobatch_size``: the padded rows run in fixed-size windows; each
+             round adds its rows to a float32 per-token accumulator and the last pushes; the
+             forward then keeps only the received tokens and the backward recomputes each
+             round's gate/up and SwiGLU (not the down projection)
+
+The backward also serves the megakernel's forward: its context has the same fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .experts import ExpertRows, Experts, accumulate
+from .plan import CudaPlan, Rounds, make_rounds, padded_plan, round_accumulator, window_offs
+
+__all__ = ["CudaContext", "forward", "backward", "shared_forward", "slot_weights_of"]
+
+
+@dataclass
+class CudaContext:
+    """What the forward keeps for its backward.
+
+    One round: ``saved`` holds its activations. More rounds: ``x_recv`` [C_tok, H] holds the
+    received tokens and the backward recomputes each round. shared_gu / shared_a: [T, 2I_s] /
+    [T, I_s] or None.
+    """
+
+    plan: CudaPlan
+    rounds: Rounds
+    saved: ExpertRows | None
+    x_recv: torch.Tensor | None
+    shared_gu: torch.Tensor | None
+    shared_a: torch.Tensor | None
+
+
+def slot_weights_of(ws, sched, router_weights: torch.Tensor) -> torch.Tensor:
+    """[W, T_max, K] float32: every rank's router weights. The ones ``build_schedule`` gathered
+    with the routing when they are these weights (same tensor, unchanged since); otherwise they
+    are gathered now (a second routing gather: pass router_weights to build_schedule)."""
+    from mok_megatron.ops import moe as mops
+
+    if sched.gathered_weights_match(router_weights):
+        return sched.global_weights
+    mine = sched.global_topk[ws.rank, : sched.num_tokens].contiguous()
+    return mops.moe_gather_routing(mine, router_weights.contiguous(), ws.buffers.comm)[1]
+
+
+def shared_forward(x, shared):
+    """The shared expert on the local tokens: (out [T, H], gu [T, 2I_s], a [T, I_s]), or Nones."""
+    from mok_megatron.ops import moe as mops
+
+    if shared is None:
+        return None, None, None
+    gu = x @ torch.cat([shared.gate, shared.up], dim=0).T
+    inter = shared.gate.shape[0]
+    a = mops.moe_swiglu(gu[:, :inter], gu[:, inter:])
+    return a @ shared.down.T, gu, a
+
+
+def forward(ws, sched, x, router_weights, shared, routed):
+    from mok_megatron.ops import moe as mops
+
+    comm = ws.buffers.comm
+    plan = padded_plan(sched)
+    slot_weights = slot_weights_of(ws, sched, router_weights)
+    rounds = make_rounds(ws.config.macrobatch_size, sched, plan, slot_weights)
+    recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
+    shared_out, shared_gu, shared_a = shared_forward(x, shared)
+    acc = round_accumulator(rounds, recv)
+    experts = Experts(routed, x.device)
+    for r in range(rounds.count):
+        window = rounds.window(r)
+        offs = window_offs(plan, window)
+        x_rows = mops.moe_gather_rows(recv, rounds.row_tok[window])
+        act = experts.forward(x_rows, offs, save_pre=rounds.count == 1)
+        out = mops.moe_combine(
+            act.y, plan.token_rows, sched.recv_token_src, slot_weights, sched.send_to,
+            shared_out, sched.num_tokens, comm, acc, window.start, r == 0,
+            r == rounds.count - 1,
+        )  # fmt: skip
+    one = rounds.count == 1
+    ctx = CudaContext(plan, rounds, act if one else None, None if one else recv, shared_gu,
+                      shared_a)  # fmt: skip
+    return out, ctx
+
+
+def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed):
+    from mok_megatron.ops import moe as mops
+
+    from ..types import MoKGradients
+
+    comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
+    d_recv = mops.moe_dispatch(d_out, sched.recv_token_src, comm)
+    d_shared, shared_dx = (None, None, None), None
+    if shared is not None:
+        d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
+    d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
+    experts = Experts(routed, x.device)
+    d_w = [None, None, None]  # gate (or fused gate_up), up, down
+    acc = round_accumulator(rounds, d_recv)
+    for r in range(rounds.count):
+        window = rounds.window(r)
+        offs = window_offs(plan, window)
+        row_tok, w_rows = rounds.row_tok[window], rounds.w_rows[window]
+        d_rows = mops.moe_gather_rows(d_recv, row_tok)
+        if ctx.saved is not None:  # one round: the forward kept every activation
+            act = ctx.saved
+            # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding),
+            # dy = w * d_rows
+            d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
+            d_pre = experts.pre_grads_from_dy(dy, act, offs)
+            wgrad_down = (dy, act.a)
+        else:  # rounds: recompute gate/up and SwiGLU from the received tokens (not y:
+            # <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down))
+            x_rows = mops.moe_gather_rows(ctx.x_recv, row_tok)
+            act = experts.forward(x_rows, offs, save_pre=True, with_down=False)
+            d_row_w[window], da = mops.moe_row_grad(
+                experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
+            )
+            d_pre = experts.pre_grads_from_da(da, act)
+            del da
+            wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
+        # dx = Σ d_pre @ W_pre: with separate gate and up, each term rounded to bf16 once
+        # and summed in float32 by the combine (rows2), so no add pass over [rows, H]
+        dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
+        # weight gradients one at a time (each part is weight-sized)
+        parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
+        for i, (rows_t, rows) in zip(experts.grad_slots, parts):
+            d_w[i] = accumulate(d_w[i], experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
+        d_x = mops.moe_combine(
+            dx[0], plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
+            sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
+            dx[1] if len(dx) > 1 else None,
+        )  # fmt: skip
+    d_rw = mops.moe_combine_slots(
+        d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
+    )
+    return MoKGradients(
+        d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
+        d_w_routed_gate=d_w[0], d_w_routed_up=d_w[1], d_w_routed_down=d_w[2],
+        d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1],
+        d_w_shared_down=d_shared[2],
+    )  # fmt: skip
+
+
+def _shared_backward(d_out, x, ctx: CudaContext, shared):
+    from mok_megatron.ops import moe as mops
+
+    da = d_out @ shared.down  # [T, I_s]
+    inter = shared.gate.shape[0]
+    gu = ctx.shared_gu
+    dgu = torch.cat(mops.moe_swiglu_backward(da.contiguous(), gu[:, :inter], gu[:, inter:]), 1)
+    d_w1 = dgu.T @ x  # [2I_s, H]
+    d_sd = d_out.T @ ctx.shared_a
+    shared_dx = dgu @ torch.cat([shared.gate, shared.up], dim=0)
+    return (d_w1[:inter].contiguous(), d_w1[inter:].contiguous(), d_sd), shared_dx.contiguous()
