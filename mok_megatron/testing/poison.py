@@ -20,6 +20,7 @@ so ``poisoned_elements(t)`` can count, in t's own dtype, the elements a kernel l
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -92,6 +93,24 @@ class PoisonedMemory:
         )
 
 
+#: Pools of earlier blocks whose tensors may still be alive. NOTE: a MemPool must outlive every
+#: tensor allocated in it (PyTorch aborts otherwise), so a pool is dropped only once a memory
+#: snapshot shows none of its blocks in use.
+_KEPT: list[torch.cuda.MemPool] = []
+
+
+def _drop_unused_pools() -> None:
+    if not _KEPT:
+        return
+    gc.collect()  # outputs in reference cycles
+    busy = {
+        tuple(seg["segment_pool_id"])
+        for seg in torch.cuda.memory_snapshot()
+        if any(block["state"] != "inactive" for block in seg["blocks"])
+    }
+    _KEPT[:] = [pool for pool in _KEPT if tuple(pool.id) in busy]
+
+
 @contextlib.contextmanager
 def poisoned_memory(
     large_bytes: int = 1 << 30,
@@ -108,7 +127,9 @@ def poisoned_memory(
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     streams = list(streams) if streams else [torch.cuda.current_stream(device)]
+    _drop_unused_pools()
     pool = torch.cuda.MemPool()
+    _KEPT.append(pool)
     ranges: list[tuple[int, int]] = []
     with torch.cuda.use_mem_pool(pool, device):
         for stream in streams:

@@ -35,7 +35,8 @@ from mok_megatron.testing.runs import GRAD_NAMES, global_d_out, run_oracle
 from mok_megatron.testing.virtual import rank_streams, run_ranks
 
 # Generous device-wait budget: ranks also do CPU-side oracle work between passes.
-os.environ.setdefault("MOK_WAIT_TIMEOUT_MS", "60000")
+WAIT_TIMEOUT_MS = os.environ.setdefault("MOK_WAIT_TIMEOUT_MS", "60000")
+VIRTUAL_TIMEOUT_MS = 10_000
 
 PER_TOKEN = ("out", "d_x", "d_router_weights")
 ROUTED = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
@@ -181,6 +182,9 @@ class VirtualRuns:
     def __init__(self, problem, world, config=None, num_local_tokens=None, seed=0, form="split"):
         config = config or F.MoKConfig()
         shared = problem.shared[0].shape[0] if problem.shared else 0
+        # NOTE: ranks wait for each other on one GPU: a protocol bug shows as a timeout, not as a
+        # minute-long hang (the 2-GPU tests keep their longer budget)
+        os.environ["MOK_WAIT_TIMEOUT_MS"] = str(VIRTUAL_TIMEOUT_MS)
         self.workspaces = F.create_virtual_workspaces(
             config, world, device=_device(),
             num_local_tokens=num_local_tokens or max(max(problem.tokens_per_rank), 1),
@@ -188,6 +192,7 @@ class VirtualRuns:
             num_experts=problem.w_gate.shape[0], intermediate_size=problem.w_gate.shape[1],
             shared_intermediate_size=shared, dtype=torch.bfloat16,
         )  # fmt: skip
+        os.environ["MOK_WAIT_TIMEOUT_MS"] = WAIT_TIMEOUT_MS
         self.runs = [Run(problem, "cuda", config, seed=seed, form=form, ws=ws)
                      for ws in self.workspaces]  # fmt: skip
         self.streams = rank_streams(world)
