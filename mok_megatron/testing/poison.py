@@ -113,7 +113,7 @@ def _drop_unused_pools() -> None:
 
 @contextlib.contextmanager
 def poisoned_memory(
-    large_bytes: int = 1 << 30,
+    large_bytes: int = 4 << 30,
     small_segments: int = 64,
     streams: Sequence[torch.cuda.Stream] | None = None,
     device: torch.device | None = None,

@@ -712,6 +712,8 @@ def test_overflow_in_a_replayed_cuda_graph_is_reported():
     MoKCapacityError, with no extra sync; before the replay nothing is pending."""
     problem = _overflowing_problem()
     balanced = _problem([256, 256], (128, 64, 8, 2, 0), seed=8)
+    # exactly a balanced load (each rank gets half the slots = its capacity), so no overflow
+    balanced.topk_experts.copy_(torch.arange(balanced.topk_experts.numel()).view(-1, 2) % 8)
     vruns = VirtualRuns(balanced, 2, config=F.MoKConfig(schedule_capacity_multiplier=1.0))
     scheds, _ = vruns()  # eager warm-up: no overflow
     graphs = [torch.cuda.CUDAGraph() for _ in vruns.runs]
