@@ -60,10 +60,12 @@ void check_args(const MegaForwardArgs& a) {
   MOK_HOST_CHECK(s.minibatch_rows > 0 && s.minibatch_rows % 8 == 0 && s.macrobatch_rows > 0,
                  "megakernel: minibatch_rows=%lld must be a positive multiple of 8 and "
                  "macrobatch_rows=%lld positive",
-                 static_cast<long long>(s.minibatch_rows), static_cast<long long>(s.macrobatch_rows));
+                 static_cast<long long>(s.minibatch_rows),
+                 static_cast<long long>(s.macrobatch_rows));
   MOK_HOST_CHECK(s.row_capacity >= 0 && s.num_local_experts >= 1,
-                 "megakernel: row_capacity=%lld, num_local_experts=%lld",
-                 static_cast<long long>(s.row_capacity), static_cast<long long>(s.num_local_experts));
+                 "megakernel: row_capacity=%lld must be >= 0 and num_local_experts=%lld >= 1",
+                 static_cast<long long>(s.row_capacity),
+                 static_cast<long long>(s.num_local_experts));
   MOK_HOST_CHECK(lay.hidden == s.hidden, "megakernel: layout hidden=%lld != shape hidden=%lld",
                  static_cast<long long>(lay.hidden), static_cast<long long>(s.hidden));
   MOK_HOST_CHECK(lay.slot_rows != 0, "megakernel: the workspace layout needs slot_rows set");
@@ -174,11 +176,13 @@ void moe_forward_megakernel(const MegaForwardArgs& args, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int per_sm = megakernel_ctas_per_sm();  // also sets the shared-memory attribute
-  MOK_HOST_CHECK(per_sm >= 1, "megakernel: cannot run on this device (needs sm_90a and %zu bytes "
-                 "of shared memory per CTA)", megakernel_smem_bytes());
+  MOK_HOST_CHECK(per_sm >= 1,
+                 "megakernel: cannot run on this device (needs sm_90a and %zu bytes of shared "
+                 "memory per CTA)",
+                 megakernel_smem_bytes());
   MOK_HOST_CHECK(args.num_ctas <= sms * per_sm,
-                 "megakernel: num_ctas=%d exceeds the %d CTAs this GPU holds at once (%d SMs x %d): "
-                 "every CTA must be resident, or the spin-waits could wait on an unscheduled CTA",
+                 "megakernel: num_ctas=%d exceeds the %d CTAs this GPU holds at once (%d SMs x "
+                 "%d): every CTA must be resident, or a spin-wait could wait on an unscheduled CTA",
                  args.num_ctas, sms * per_sm, sms, per_sm);
   const kernels::MegaKernelParams params = kernel_params(args);
   kernels::moe_forward_megakernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(),

@@ -64,7 +64,8 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p, const MegaGemmParams& gp,
     // The rows [row_begin, row_end) landed: every minibatch covering them was released.
     const int mb_first = tile.row_begin / p.minibatch_rows;
     const int mb_last = (tile.row_end - 1) / p.minibatch_rows;
-    wait_counters(p, p.arrive_word + mb_first, mb_last - mb_first + 1, rd.gen,
+    const int num_mb = tile.row_end > tile.row_begin ? mb_last - mb_first + 1 : 0;
+    wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
                   {MegaPhase::kL1WaitRows, rd.round, mb_first, 1});
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        2 * p.inter,
                               p.hidden,       p.l1_ktiles, p.num_local_experts};
