@@ -19,7 +19,8 @@ struct MegaForwardArgs {
   const uint64_t* peer_bases = nullptr;   // device [W]: base address of each rank's copy
   uint64_t my_base = 0;                   // this rank's copy (its counters live here)
   int rank = 0;
-  int64_t timeout_ns = 0;                 // every device wait gives up after this long
+  int64_t timeout_ns = 0;                 // a device wait gives up after this long (L1 row
+                                          // waits; L2 waits 2x, the round barrier 3x)
   int32_t* error = nullptr;               // [kMegaErrWords] record (pinned host memory)
 
   // ---- shapes and knobs

@@ -1,5 +1,6 @@
-// Thin wrappers over the PTX instructions the kernels use: streaming global loads and stores and
-// the float32 -> fp8 conversion. Torch-free; device only.
+// Thin wrappers over the PTX instructions the kernels use: streaming global loads and stores,
+// acquire/release flag accesses and proxy fences, and the float32 -> fp8 conversion. Torch-free;
+// device only.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -25,6 +26,28 @@ MOK_DEVICE void st_global_v2(void* ptr, uint2 v) {
 
 MOK_DEVICE void st_global_u32(void* ptr, uint32_t v) {
   asm volatile("st.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// Flag accesses at GPU scope: a release store orders this thread's earlier writes (and, through a
+// preceding barrier, its CTA's) before the flag; an acquire load orders later reads after it.
+MOK_DEVICE int32_t ld_acquire_gpu(const int32_t* ptr) {
+  int32_t value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+MOK_DEVICE void st_release_gpu(int32_t* ptr, int32_t value) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
+}
+
+// Orders this thread's generic-proxy global accesses against its async-proxy (TMA) ones.
+MOK_DEVICE void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Named barrier `id` over `threads` threads of the CTA (id 0 is __syncthreads's).
+MOK_DEVICE void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Two floats -> two float8_e4m3fn bytes (lo in bits 0..7), round-to-nearest-even, saturating to

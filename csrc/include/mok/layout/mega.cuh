@@ -96,11 +96,14 @@ enum MegaError : int {
   kMegaErrRank = 1,
   kMegaErrPhase = 2,     // a MegaPhase
   kMegaErrRound = 3,
-  kMegaErrIndex = 4,     // minibatch (kL1WaitRows) or m-tile (kL2WaitL1) waited for
+  kMegaErrIndex = 4,     // minibatch (kL1WaitRows) or m-tile (kL2WaitL1) waited for; the
+                         // waiting CTA (kRoundBarrier)
   kMegaErrCounter = 5,   // word index in the counters region
   kMegaErrSeen = 6,      // its value, last read
   kMegaErrExpected = 7,  // the generation waited for
-  kMegaErrTimeoutMs = 8,
+  kMegaErrTimeoutMs = 8, // how long that wait lasted: timeout_ns x 1 (kL1WaitRows), x 2
+                         // (kL2WaitL1), x 3 (kRoundBarrier), so the wait nearest a stall's
+                         // cause gives up first
   kMegaErrWords = 9,
 };
 

@@ -31,10 +31,23 @@ enum class SwigluMode : int { kForward = 0, kBackward = 1 };
 
 constexpr int kSwigluInterleave = 8;  // gate/up block width in w_gu rows (and h columns)
 
+// The forward arithmetic and column maps, shared by this epilogue and the megakernel's L1
+// epilogue (roles/megakernel_gemm.cuh), so both give bitwise the same act.
 struct SwigluMath {
   // Fast reciprocal: 1/inf = 0 keeps silu(-inf) = 0; bf16 outputs hide the ulp-level error.
   static __device__ __forceinline__ float sigmoid(float x) {
     return __fdividef(1.0f, 1.0f + __expf(-x));
+  }
+  // act = silu(g) * u, evaluated as (g * sigmoid(g)) * u.
+  // NOTE: every forward path calls this one expression: products only, nothing to contract.
+  static __device__ __forceinline__ float act(float g, float u) { return g * sigmoid(g) * u; }
+  // h column `col` (a gate column, even) -> act column.
+  static __device__ __forceinline__ int act_col_of(int col) {
+    return (col / (2 * kSwigluInterleave)) * kSwigluInterleave + col % kSwigluInterleave;
+  }
+  // act column `col` -> its gate column in h (the up column is kSwigluInterleave further).
+  static __device__ __forceinline__ int gate_col_of(int col) {
+    return (col / kSwigluInterleave) * (2 * kSwigluInterleave) + col % kSwigluInterleave;
   }
 };
 
@@ -150,23 +163,14 @@ class SwigluEpilogueArray {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
   }
 
-  // h column `col` (a gate column, even) -> act column.
-  static __device__ __forceinline__ int act_col_of(int col) {
-    return (col / (2 * kSwigluInterleave)) * kSwigluInterleave + col % kSwigluInterleave;
-  }
-  // act column `col` -> its gate column in h (the up column is kSwigluInterleave further).
-  static __device__ __forceinline__ int gate_col_of(int col) {
-    return (col / kSwigluInterleave) * (2 * kSwigluInterleave) + col % kSwigluInterleave;
-  }
-
   template <class Acc>
   CUTLASS_DEVICE void forward_pair(Acc const& acc, int gi, int ui, int row, int col, int h_cols,
                                    Element* act, int group) {
     const float g0 = acc(gi), g1 = acc(gi + 1), u0 = acc(ui), u1 = acc(ui + 1);
-    const float a0 = g0 * SwigluMath::sigmoid(g0) * u0;
-    const float a1 = g1 * SwigluMath::sigmoid(g1) * u1;
+    const float a0 = SwigluMath::act(g0, u0);
+    const float a1 = SwigluMath::act(g1, u1);
     const int64_t act_cols = h_cols / 2;
-    store2(act + row * act_cols + act_col_of(col), a0, a1);
+    store2(act + row * act_cols + SwigluMath::act_col_of(col), a0, a1);
     if (params_.write_aux) {
       Element* h = params_.ptr_aux[group] + static_cast<int64_t>(row) * h_cols;
       store2(h + col, g0, g1);
@@ -178,7 +182,7 @@ class SwigluEpilogueArray {
   CUTLASS_DEVICE void backward_pair(Acc const& acc, int i, int row, int col, int act_cols,
                                     Element* d_h, int group) {
     const int64_t h_cols = 2 * static_cast<int64_t>(act_cols);
-    const int gate_col = gate_col_of(col);
+    const int gate_col = SwigluMath::gate_col_of(col);
     const Element* h = params_.ptr_aux[group] + row * h_cols;
     const float2 g = load2(h + gate_col);
     const float2 u = load2(h + gate_col + kSwigluInterleave);

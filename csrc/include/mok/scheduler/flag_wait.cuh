@@ -47,6 +47,7 @@
 
 #include "mok/comm/barrier.cuh"
 #include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
 
 namespace mok::gemm {
 
@@ -79,16 +80,9 @@ struct FlagWaitProblemShape : ProblemShape {};
 
 namespace flag_wait_detail {
 
-MOK_DEVICE int32_t ld_acquire_gpu(const int32_t* ptr) {
-  int32_t value;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
-  return value;
-}
-
+using ptx::ld_acquire_gpu;
 // Orders the acquired generic-proxy writes before this thread's later TMA (async-proxy) reads.
-MOK_DEVICE void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
+using ptx::fence_proxy_async_global;
 
 // Records the wait (first writer only, best effort across CTAs), then traps.
 // NOTE: no printf here: any function call (vprintf is one) in the GEMM kernel makes ptxas ignore

@@ -1,0 +1,93 @@
+// Role: the megakernel's comm CTAs (the first num_comm_ctas of the grid). Each round they pull
+// the round's routed rows from the source ranks' token buffers (peer memory over NVLink, 16-byte
+// vector loads) into the ring, minibatch by minibatch, and release each minibatch's arrive flag,
+// which the L1 tasks reading those rows wait on (roles/megakernel_compute.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
+#include "mok/roles/megakernel_tasks.cuh"
+
+namespace mok::roles {
+
+constexpr int kMegaCommThreads = 384;  // the megakernel's block size
+constexpr int kPullUnroll = 8;         // 16-byte loads in flight per lane
+
+// One warp: ring row x_ring[ring_row] = token t of rank s for src = s * T_max + t, or zeros for
+// src < 0. NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
+MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lane) {
+  const int vecs = p.hidden / 8;
+  uint4* dst = reinterpret_cast<uint4*>(p.x_ring) + static_cast<int64_t>(ring_row) * vecs;
+  const uint4* row = nullptr;
+  if (src >= 0) {
+    const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
+    const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
+    row = reinterpret_cast<const uint4*>(p.peer_bases[s] + p.tokens_offset) +
+          static_cast<int64_t>(t) * vecs;  // peer memory
+  }
+  for (int base = 0; base < vecs; base += 32 * kPullUnroll) {
+    uint4 v[kPullUnroll];
+#pragma unroll
+    for (int u = 0; u < kPullUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      v[u] = make_uint4(0, 0, 0, 0);
+      // NOTE: the source tokens are not written while the megakernel runs (a cross-rank barrier
+      // preceded it), so the non-coherent path is safe; each vector is read once.
+      if (row != nullptr && i < vecs) v[u] = ptx::ld_global_nc_v4(row + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kPullUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < vecs) dst[i] = v[u];
+    }
+  }
+}
+
+// The CTA: ring rows [row_begin, row_end) of round `round`, one warp per row.
+MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end) {
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  constexpr int kWarps = kMegaCommThreads / 32;
+  const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
+  for (int row = row_begin + warp; row < row_end; row += kWarps) {
+    pull_row(p, row_src[row], row, lane);
+  }
+}
+
+// Ring rows round `round` uses: up to the last m-tile's end (0 without tiles).
+MOK_DEVICE int rows_used(const MegaParams& p, int round) {
+  const int num_mtiles = p.tile_count[round];
+  return num_mtiles > 0 ? p.tile(round, num_mtiles - 1).row_end : 0;
+}
+
+// The CTA: every minibatch of round `round` this comm CTA owns (mb % num_comm_ctas == comm_idx),
+// in increasing mb; each pulled, then released with arrive[mb] = gen.
+MOK_DEVICE void comm_round(const MegaParams& p, int comm_idx, int round, int32_t gen) {
+  const int used = rows_used(p, round);
+  for (int mb = comm_idx; mb * p.minibatch_rows < used; mb += p.num_comm_ctas) {
+    const int row_begin = mb * p.minibatch_rows;
+    pull_minibatch(p, round, row_begin, min(row_begin + p.minibatch_rows, used));
+    // NOTE: the rows are read by TMA (the async proxy): each writer fences its own generic
+    // stores against it before the barrier; the reader fences again after its acquire.
+    ptx::fence_proxy_async_global();
+    __syncthreads();
+    const bool stalled = round == 0 && mb == p.stall_minibatch;  // fault injection (tests)
+    if (threadIdx.x == 0 && !stalled) {
+      __threadfence();
+      ptx::st_release_gpu(p.counters + p.arrive_word + mb, gen);
+    }
+  }
+}
+
+// A comm CTA's whole launch: every round, then the round barrier before the next one.
+MOK_DEVICE void comm_role(const MegaParams& p) {
+  const int comm_idx = static_cast<int>(blockIdx.x);
+  for (int round = 0; round < p.num_rounds; ++round) {
+    const int32_t gen = p.generation(round);
+    comm_round(p, comm_idx, round, gen);
+    if (round + 1 < p.num_rounds) round_barrier(p, gen, round);
+  }
+}
+
+}  // namespace mok::roles

@@ -1,0 +1,243 @@
+// Role pieces of the forward megakernel that are not GEMM: its device parameters, the static
+// persistent task order of a round, the bounded flag waits (with the error record) and the
+// end-of-round grid barrier. Shapes, plan records and counter words: layout/mega.cuh.
+//
+// NOTE: no 64-bit integer division anywhere in the megakernel: ptxas lowers it to a subroutine
+// call, and a call in the GEMM kernel makes it ignore setmaxnreg and serialise wgmma (see
+// scheduler/flag_wait.cuh). The host derives every size once (int32) and checks that the plan's
+// encoded rows (s * T_max + t, (s * T_max + t) * K + k) fit in int32.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "mok/comm/barrier.cuh"
+#include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
+#include "mok/layout/mega.cuh"
+
+namespace mok::roles {
+
+using layout::MegaPhase;
+using layout::MegaTile;
+
+// Everything the megakernel's roles read, derived on the host from launch::MegaForwardArgs.
+struct MegaParams {
+  // ---- the symmetric workspace
+  const uint64_t* peer_bases;  // [W] base of each rank's copy
+  uint64_t tokens_offset;      // lay.offset(Region::kTokens): peer rows are pulled from there
+  uint64_t slot_rows_offset;   // lay.offset(Region::kSlotRows): result rows are pushed there
+  int32_t* counters;           // this rank's counters region (layout/mega.cuh)
+  int32_t* error;              // [kMegaErrWords] or null
+  int rank;
+  int64_t timeout_ns;
+
+  // ---- sizes (int32, from MegaShape and the layout)
+  int hidden;                  // H
+  int inter;                   // I
+  int num_local_experts;       // E_l
+  int max_tokens;              // T_max
+  int slots_per_rank;          // T_max * K
+  int ring_rows;
+  int minibatch_rows;
+  int num_rounds;
+  int max_tiles;
+  int l1_ntiles;               // n-tiles of 2I
+  int l2_ntiles;               // n-tiles of H
+  int l1_ktiles;               // k-tiles of H
+  int l2_ktiles;               // k-tiles of I
+  int arrive_word;             // counter word of arrive[0]
+  int l1_done_word;            // counter word of l1_done[0]
+  int num_ctas;
+  int num_comm_ctas;
+  int stall_minibatch;
+
+  // ---- operands and plan (see launch/moe_megakernel.h)
+  __nv_bfloat16* x_ring;       // [ring_rows, H]
+  __nv_bfloat16* act_ring;     // [ring_rows, I]
+  __nv_bfloat16* h_ring;       // [ring_rows, 2I] or null
+  __nv_bfloat16* y_rows;       // [ring_rows, H] or null
+  const int64_t* row_src;      // [R * ring_rows]
+  const int64_t* row_dst;      // [R * ring_rows]
+  const int32_t* tile_count;   // [R]
+  const MegaTile* tiles;       // [R, max_tiles]
+
+  // Round r of this pass works with gen = epoch * R + r, which no earlier round or pass reached.
+  // NOTE: an earlier kernel advanced the epoch and nothing writes it during the launch, so every
+  // read gives the value it had at the start; it is re-read per round rather than kept live
+  // (the producer warp's 40 registers have no room for it across the task loop).
+  MOK_DEVICE int32_t generation(int round) const {
+    return counters[layout::kEpoch] * num_rounds + round;
+  }
+  MOK_DEVICE const MegaTile& tile(int round, int index) const {
+    return tiles[round * max_tiles + index];
+  }
+};
+
+// One task: L1 (m-tile, n-tile of 2I) or L2 (m-tile, n-tile of H).
+struct MegaTask {
+  bool l2;
+  int tile;
+  int n;
+};
+
+// The static task order of one round, the same in every CTA. With n_mt m-tiles and lag L:
+//   A: the L1 tasks of m-tiles 0..L-1;
+//   B: for j = 0..n_mt-L-1: the n1 L1 tasks of m-tile L+j, then the n2 L2 tasks of m-tile j;
+//   C: the L2 tasks of m-tiles n_mt-L..n_mt-1.
+// NOTE: every task's inputs come from tasks earlier in this order (an L2 task of m-tile j follows
+// all n1 L1 tasks of m-tile j), and each CTA runs its tasks in increasing order, so with every
+// CTA resident the earliest unfinished task can always run: no deadlock.
+// L = min(n_mt, max(1, ceil(G / n1))) keeps about one wave of L1 tasks ahead of the L2 tasks.
+struct MegaTaskOrder {
+  int num_mtiles;
+  int n1;
+  int n2;
+  int lag;
+
+  MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_compute_ctas)
+      : num_mtiles(num_mtiles_), n1(n1_), n2(n2_) {
+    lag = min(num_mtiles, max(1, (num_compute_ctas + n1 - 1) / n1));
+  }
+
+  MOK_DEVICE int num_tasks() const { return num_mtiles * (n1 + n2); }
+
+  MOK_DEVICE MegaTask decode(int t) const {
+    const int phase_a = lag * n1;
+    if (t < phase_a) return {false, t / n1, t % n1};
+    const int u = t - phase_a;
+    const int step = n1 + n2;
+    const int phase_b = (num_mtiles - lag) * step;
+    if (u < phase_b) {
+      const int j = u / step, w = u % step;
+      return w < n1 ? MegaTask{false, lag + j, w} : MegaTask{true, j, w - n1};
+    }
+    const int v = u - phase_b;
+    return {true, num_mtiles - lag + v / n2, v % n2};
+  }
+};
+
+// Where a wait stands, for the error record: word j of the waited range names index + step * j.
+struct MegaWaitSite {
+  MegaPhase phase;
+  int round;
+  int index;
+  int index_step;
+};
+
+// How long a wait of `phase` lasts before it gives up: timeout_ns times its depth in the chain
+// of waits (an L1 task waits on a comm CTA, an L2 task on L1 tasks, the round barrier on all).
+// NOTE: a stall then shows where it starts: the wait nearest the cause gives up first (and
+// writes the record), though a wait further down the chain may have started earlier.
+MOK_DEVICE int64_t timeout_of(const MegaParams& p, MegaPhase phase) {
+  const int depth = phase == MegaPhase::kL1WaitRows ? 1 : phase == MegaPhase::kL2WaitL1 ? 2 : 3;
+  return p.timeout_ns * depth;
+}
+
+// Records the wait that gave up (first writer only, best effort across CTAs), then traps.
+// NOTE: no printf (a function call, see the NOTE at the top); the host decodes the record.
+MOK_DEVICE void report_mega_timeout(const MegaParams& p, const MegaWaitSite& site, int index,
+                                    int word, int32_t seen, int32_t expected) {
+  if (p.error != nullptr) {
+    volatile int32_t* err = p.error;
+    if (err[layout::kMegaErrTimedOut] == 0) {
+      err[layout::kMegaErrRank] = p.rank;
+      err[layout::kMegaErrPhase] = static_cast<int>(site.phase);
+      err[layout::kMegaErrRound] = site.round;
+      err[layout::kMegaErrIndex] = index;
+      err[layout::kMegaErrCounter] = word;
+      err[layout::kMegaErrSeen] = seen;
+      err[layout::kMegaErrExpected] = expected;
+      err[layout::kMegaErrTimeoutMs] = static_cast<int32_t>(timeout_of(p, site.phase) / 1000000);
+      __threadfence_system();
+      err[layout::kMegaErrTimedOut] = 1;
+      __threadfence_system();
+    }
+  }
+  __trap();
+}
+
+constexpr uint32_t kMegaMaxSleepNs = 512;
+
+MOK_DEVICE uint32_t next_sleep_ns(uint32_t sleep_ns) {
+  return sleep_ns == 0 ? 32 : min(2 * sleep_ns, kMegaMaxSleepNs);
+}
+
+// Warp-collective (all 32 lanes converged): waits until counters[first + j] >= gen for every j in
+// [0, count); lanes poll 32 words at a time. Then fences the async proxy, so this warp's later TMA
+// loads see what the writers stored before their release.
+MOK_DEVICE void wait_counters(const MegaParams& p, int first, int count, int32_t gen,
+                              const MegaWaitSite& site) {
+  constexpr uint32_t kFullMask = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t timeout_ns = timeout_of(p, site.phase);
+  uint64_t start_ns = 0;
+  uint32_t sleep_ns = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int j = base + lane;
+    for (;;) {
+      const int32_t seen = j < count ? ptx::ld_acquire_gpu(p.counters + first + j) : gen;
+      const uint32_t waiting = __ballot_sync(kFullMask, seen < gen);
+      if (waiting == 0) break;
+      const uint64_t now = __shfl_sync(kFullMask, comm::global_timer_ns(), 0);  // warp-uniform
+      if (start_ns == 0) {
+        start_ns = now;
+      } else if (static_cast<int64_t>(now - start_ns) > timeout_ns &&
+                 lane == __ffs(static_cast<int>(waiting)) - 1) {
+        report_mega_timeout(p, site, site.index + site.index_step * j, first + j, seen, gen);
+      }
+      sleep_ns = next_sleep_ns(sleep_ns);
+      __nanosleep(sleep_ns);
+    }
+  }
+  // NOTE: each lane acquired its own words; the warp barrier orders those acquires before every
+  // lane's fence, and the TMA loads are issued after it by lane 0.
+  __syncwarp();
+  ptx::fence_proxy_async_global();
+}
+
+// One thread: spins until the round barrier released `gen` (acquire), or records and traps.
+MOK_DEVICE void wait_released(const MegaParams& p, int32_t gen, int round) {
+  const int word = layout::kGridBar + 1;
+  const int64_t timeout_ns = timeout_of(p, MegaPhase::kRoundBarrier);
+  uint64_t start_ns = 0;
+  uint32_t sleep_ns = 0;
+  for (;;) {
+    const int32_t seen = ptx::ld_acquire_gpu(p.counters + word);
+    if (seen >= gen) return;
+    const uint64_t now = comm::global_timer_ns();
+    if (start_ns == 0) {
+      start_ns = now;
+    } else if (static_cast<int64_t>(now - start_ns) > timeout_ns) {
+      // The record's index names the waiting CTA.
+      const MegaWaitSite site{MegaPhase::kRoundBarrier, round, static_cast<int>(blockIdx.x), 0};
+      report_mega_timeout(p, site, site.index, word, seen, gen);
+    }
+    sleep_ns = next_sleep_ns(sleep_ns);
+    __nanosleep(sleep_ns);
+  }
+}
+
+// All threads of the CTA, after all their stores of round `round` (generation gen): returns once
+// every CTA of the grid got here. The last arriver resets the arrival count, then releases gen.
+// NOTE: the reset is safe: nobody arrives again before seeing gen, which is released after it.
+MOK_DEVICE void round_barrier(const MegaParams& p, int32_t gen, int round) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* arrivals = p.counters + layout::kGridBar;
+    __threadfence();  // release: the CTA's writes of this round (ordered by the barrier above)
+    const int32_t old = atomicAdd(arrivals, 1);
+    if (old == p.num_ctas - 1) {
+      __threadfence();  // acquire: every arriver's writes, through the arrivals' RMW chain
+      atomicExch(arrivals, 0);
+      ptx::st_release_gpu(arrivals + 1, gen);
+    } else {
+      wait_released(p, gen, round);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+}  // namespace mok::roles

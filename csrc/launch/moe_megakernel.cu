@@ -1,0 +1,193 @@
+// Host launcher of the forward megakernel (launch/moe_megakernel.h): checks the arguments, derives
+// the device parameters (int32 sizes, region offsets, the four TMA descriptors) and launches one
+// persistent grid. The kernel: include/mok/kernels/moe_forward.cuh.
+#include "launch/moe_megakernel.h"
+
+#include <cstdint>
+#include <limits>
+
+#include "mok/common/macros.cuh"
+#include "mok/kernels/moe_forward.cuh"
+
+namespace mok::launch {
+namespace {
+
+using gemm::MegaMainloop;
+using layout::Region;
+
+const void* kernel_ptr() { return reinterpret_cast<const void*>(&kernels::moe_forward_megakernel); }
+
+bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
+
+int to_int32(int64_t v, const char* what) {
+  MOK_HOST_CHECK(fits_int32(v), "megakernel: %s=%lld must fit in int32", what,
+                 static_cast<long long>(v));
+  return static_cast<int>(v);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// TMA descriptors of one GEMM: A = a [a_rows, k] (one "batch"), B = b [num_experts, n, k].
+// NOTE: A comes from a problem with L = 1 and B from one with L = num_experts; each call builds
+// both descriptors, and only the right one of each is kept.
+typename MegaMainloop::Params gemm_params(const void* a, int a_rows, const void* b, int n, int k,
+                                          int num_experts) {
+  using Element = gemm::Element;
+  const auto stride_a = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{a_rows} * k);
+  const auto stride_b = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{n} * k);
+  const typename MegaMainloop::Arguments args{static_cast<const Element*>(a), stride_a,
+                                              static_cast<const Element*>(b), stride_b};
+  typename MegaMainloop::Params params =
+      MegaMainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, 1), args, nullptr);
+  const typename MegaMainloop::Params batched = MegaMainloop::to_underlying_arguments(
+      cute::make_shape(a_rows, n, k, num_experts), args, nullptr);
+  params.tma_load_b = batched.tma_load_b;
+  return params;
+}
+
+void check_args(const MegaForwardArgs& a) {
+  const layout::MegaShape& s = a.shape;
+  const layout::WorkspaceLayout& lay = a.lay;
+  MOK_HOST_CHECK(a.num_comm_ctas >= 1, "megakernel: num_comm_ctas=%d must be >= 1",
+                 a.num_comm_ctas);
+  MOK_HOST_CHECK(a.num_ctas - a.num_comm_ctas >= 1,
+                 "megakernel: num_ctas=%d must exceed num_comm_ctas=%d (>= 1 compute CTA)",
+                 a.num_ctas, a.num_comm_ctas);
+  MOK_HOST_CHECK(s.hidden > 0 && s.hidden % 8 == 0 && s.inter > 0 && s.inter % 8 == 0,
+                 "megakernel: hidden=%lld and inter=%lld must be positive multiples of 8 "
+                 "(16-byte rows)",
+                 static_cast<long long>(s.hidden), static_cast<long long>(s.inter));
+  MOK_HOST_CHECK(s.minibatch_rows > 0 && s.minibatch_rows % 8 == 0 && s.macrobatch_rows > 0,
+                 "megakernel: minibatch_rows=%lld must be a positive multiple of 8 and "
+                 "macrobatch_rows=%lld positive",
+                 static_cast<long long>(s.minibatch_rows),
+                 static_cast<long long>(s.macrobatch_rows));
+  MOK_HOST_CHECK(s.row_capacity >= 0 && s.num_local_experts >= 1,
+                 "megakernel: row_capacity=%lld must be >= 0 and num_local_experts=%lld >= 1",
+                 static_cast<long long>(s.row_capacity),
+                 static_cast<long long>(s.num_local_experts));
+  MOK_HOST_CHECK(lay.hidden == s.hidden, "megakernel: layout hidden=%lld != shape hidden=%lld",
+                 static_cast<long long>(lay.hidden), static_cast<long long>(s.hidden));
+  MOK_HOST_CHECK(lay.slot_rows != 0, "megakernel: the workspace layout needs slot_rows set");
+  MOK_HOST_CHECK(lay.counter_words >= s.counter_words(),
+                 "megakernel: layout counter_words=%lld < the shape's %lld",
+                 static_cast<long long>(lay.counter_words),
+                 static_cast<long long>(s.counter_words()));
+  MOK_HOST_CHECK(a.rank >= 0 && a.rank < lay.num_ranks, "megakernel: rank=%d not in [0, %lld)",
+                 a.rank, static_cast<long long>(lay.num_ranks));
+  MOK_HOST_CHECK(a.timeout_ns > 0, "megakernel: timeout_ns must be positive");
+  // Plan encodings the device decodes with 32-bit division.
+  MOK_HOST_CHECK(fits_int32(lay.num_ranks * lay.max_tokens * lay.topk),
+                 "megakernel: num_ranks * max_tokens * topk = %lld must fit in int32",
+                 static_cast<long long>(lay.num_ranks * lay.max_tokens * lay.topk));
+  MOK_HOST_CHECK(fits_int32(s.num_rounds() * s.ring_rows()) && fits_int32(s.counter_words()),
+                 "megakernel: the plan (%lld rounds of %lld rows) is too large for int32 indices",
+                 static_cast<long long>(s.num_rounds()), static_cast<long long>(s.ring_rows()));
+  MOK_HOST_CHECK(a.peer_bases != nullptr && a.my_base != 0 && a.error != nullptr,
+                 "megakernel: null peer_bases, my_base or error");
+  MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr && a.x_ring != nullptr &&
+                     a.act_ring != nullptr,
+                 "megakernel: null w_gate_up, w_down, x_ring or act_ring");
+  MOK_HOST_CHECK(a.row_src != nullptr && a.row_dst != nullptr && a.tile_count != nullptr &&
+                     a.tiles != nullptr,
+                 "megakernel: null row_src, row_dst, tile_count or tiles");
+  MOK_HOST_CHECK(aligned16(a.w_gate_up) && aligned16(a.w_down) && aligned16(a.x_ring) &&
+                     aligned16(a.act_ring) && aligned16(a.h_ring) && aligned16(a.y_rows),
+                 "megakernel: weights and rings must be 16-byte aligned (TMA, 16-byte rows)");
+}
+
+roles::MegaParams device_params(const MegaForwardArgs& a) {
+  const layout::MegaShape& s = a.shape;
+  roles::MegaParams p{};
+  p.peer_bases = a.peer_bases;
+  p.tokens_offset = static_cast<uint64_t>(a.lay.offset(Region::kTokens));
+  p.slot_rows_offset = static_cast<uint64_t>(a.lay.offset(Region::kSlotRows));
+  p.counters = a.lay.at<int32_t>(a.my_base, Region::kCounters);
+  p.error = a.error;
+  p.rank = a.rank;
+  p.timeout_ns = a.timeout_ns;
+  p.hidden = to_int32(s.hidden, "hidden");
+  p.inter = to_int32(s.inter, "inter");
+  p.num_local_experts = to_int32(s.num_local_experts, "num_local_experts");
+  p.max_tokens = to_int32(a.lay.max_tokens, "max_tokens");
+  p.slots_per_rank = to_int32(a.lay.max_tokens * a.lay.topk, "max_tokens * topk");
+  p.ring_rows = to_int32(s.ring_rows(), "ring_rows");
+  p.minibatch_rows = to_int32(s.minibatch_rows, "minibatch_rows");
+  p.num_rounds = to_int32(s.num_rounds(), "num_rounds");
+  p.max_tiles = to_int32(s.max_tiles(), "max_tiles");
+  p.l1_ntiles = to_int32(s.l1_ntiles(), "l1_ntiles");
+  p.l2_ntiles = to_int32(s.l2_ntiles(), "l2_ntiles");
+  constexpr int kBlockK = cute::size<2>(gemm::MegaTileShape{});
+  p.l1_ktiles = to_int32(layout::MegaShape::ceil_div(s.hidden, kBlockK), "l1_ktiles");
+  p.l2_ktiles = to_int32(layout::MegaShape::ceil_div(s.inter, kBlockK), "l2_ktiles");
+  p.arrive_word = to_int32(s.arrive_word(), "arrive_word");
+  p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
+  p.num_ctas = a.num_ctas;
+  p.num_comm_ctas = a.num_comm_ctas;
+  p.stall_minibatch = a.stall_minibatch;
+  p.x_ring = static_cast<__nv_bfloat16*>(a.x_ring);
+  p.act_ring = static_cast<__nv_bfloat16*>(a.act_ring);
+  p.h_ring = static_cast<__nv_bfloat16*>(a.h_ring);
+  p.y_rows = static_cast<__nv_bfloat16*>(a.y_rows);
+  p.row_src = a.row_src;
+  p.row_dst = a.row_dst;
+  p.tile_count = a.tile_count;
+  p.tiles = a.tiles;
+  return p;
+}
+
+kernels::MegaKernelParams kernel_params(const MegaForwardArgs& a) {
+  kernels::MegaKernelParams kp;
+  kp.p = device_params(a);
+  const int ring = kp.p.ring_rows, h = kp.p.hidden, i = kp.p.inter, e = kp.p.num_local_experts;
+  kp.gemm.l1 = gemm_params(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
+  kp.gemm.l2 = gemm_params(a.act_ring, ring, a.w_down, h, i, e);
+  return kp;
+}
+
+}  // namespace
+
+int megakernel_threads() { return kernels::kMegaThreads; }
+
+size_t megakernel_smem_bytes() { return kernels::kMegaSmemBytes; }
+
+int megakernel_ctas_per_sm() {
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  int major = 0, minor = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return 0;  // the kernel is built for sm_90a only
+  const int smem = static_cast<int>(megakernel_smem_bytes());
+  if (cudaFuncSetAttribute(kernel_ptr(), cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();  // not built for this device, or too much shared memory
+    return 0;
+  }
+  int ctas = 0;
+  MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel_ptr(),
+                                                               megakernel_threads(), smem));
+  return ctas;
+}
+
+void moe_forward_megakernel(const MegaForwardArgs& args, cudaStream_t stream) {
+  check_args(args);
+  int device = 0, sms = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int per_sm = megakernel_ctas_per_sm();  // also sets the shared-memory attribute
+  MOK_HOST_CHECK(per_sm >= 1,
+                 "megakernel: cannot run on this device (needs sm_90a and %zu bytes of shared "
+                 "memory per CTA)",
+                 megakernel_smem_bytes());
+  MOK_HOST_CHECK(args.num_ctas <= sms * per_sm,
+                 "megakernel: num_ctas=%d exceeds the %d CTAs this GPU holds at once (%d SMs x "
+                 "%d): every CTA must be resident, or a spin-wait could wait on an unscheduled CTA",
+                 args.num_ctas, sms * per_sm, sms, per_sm);
+  const kernels::MegaKernelParams params = kernel_params(args);
+  kernels::moe_forward_megakernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(),
+                                    stream>>>(params);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace mok::launch
