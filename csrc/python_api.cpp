@@ -9,6 +9,7 @@
 
 #include "apis/comm.h"
 #include "apis/moe.h"
+#include "apis/moe_mega.h"
 #include "apis/mxfp8.h"
 #include "apis/row_grad.h"
 
@@ -36,6 +37,17 @@ TORCH_LIBRARY(mok, m) {
       "int minibatch_rows, int macrobatch_rows) -> int[]",
       &mok::apis::moe_mega_shape);
   m.def("moe_comm_fields() -> str[]", &mok::apis::moe_comm_fields);
+  // ---- moe_mega (the forward megakernel): csrc/apis/moe_mega.h -------------------------------
+  m.def("moe_mega_plan_fields() -> str[]", &mok::apis::moe_mega_plan_fields);
+  m.def("moe_mega_forward_fields() -> str[]", &mok::apis::moe_mega_forward_fields);
+  m.def(
+      "moe_mega_plan(Tensor topk, Tensor router_weights, int[] comm, int num_experts, "
+      "int row_capacity, int token_capacity, int inter, int minibatch, int macrobatch) -> Tensor[]");
+  m.def(
+      "moe_mega_forward(Tensor x, Tensor topk, Tensor router_weights, Tensor w_gate_up, "
+      "Tensor w_down, Tensor? shared_out, Tensor[] plan, int[] comm, int num_experts, "
+      "int row_capacity, int token_capacity, int minibatch, int macrobatch, int num_comm_sms, "
+      "int num_sms, bool save, int stall_minibatch) -> Tensor[]");
   m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
   m.def(
       "moe_build_schedule(Tensor global_topk, int rank, int num_experts, int row_capacity, "
@@ -77,6 +89,8 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("moe_swiglu_interleaved_backward", &mok::apis::moe_swiglu_interleaved_backward);
   m.impl("moe_row_grad", &mok::apis::moe_row_grad);  // csrc/apis/row_grad.h
   m.impl("moe_accumulate_groups", &mok::apis::moe_accumulate_groups);
+  m.impl("moe_mega_plan", &mok::apis::moe_mega_plan);
+  m.impl("moe_mega_forward", &mok::apis::moe_mega_forward);
 }
 
 // ==== grouped_gemm: the expert GEMM engine (issue 7) ==========================================

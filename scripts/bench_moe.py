@@ -60,6 +60,12 @@ def parse_args(argv=None):
         "'+', e.g. l1+wgrad) to also time MoK under, as 'mok_gemm_<setting>', in the same "
         "process: which expert GEMMs win",
     )
+    p.add_argument(
+        "--mok-stage1",
+        action="store_true",
+        help="also time MoK with MoKConfig.cuda_forward='stage1' (the kernel sequence), as "
+        "'mok_stage1', in the same process, beside the default (the megakernel where it runs)",
+    )
     p.add_argument("--out", default=None, help="JSON file to write (rank 0)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
@@ -247,10 +253,12 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                              local_experts=experts // world, backward=backward)  # fmt: skip
         result = {"cost": cost}
         variants = [v for v in args.mok_expert_gemm.split(",") if v]
-        contenders = [("baseline", base, None), ("mok", layer, None)]
-        contenders += [(f"mok_gemm_{v}", layer, v) for v in variants]
-        for who, module, expert_gemm in contenders:
-            with _expert_gemm(expert_gemm):
+        contenders = [("baseline", base, None, None), ("mok", layer, None, None)]
+        contenders += [(f"mok_gemm_{v}", layer, v, None) for v in variants]
+        if args.mok_stage1:
+            contenders.append(("mok_stage1", layer, None, "stage1"))
+        for who, module, expert_gemm, cuda_forward in contenders:
+            with _expert_gemm(expert_gemm), _cuda_forward(module, cuda_forward):
                 t = measure(module, sets, args, backward)
             module.zero_grad(set_to_none=True)  # one layer's gradients in memory at a time
             ms = t["median_ms_all_ranks_max"]
@@ -260,6 +268,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result[who] = t
         result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
                              / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
+            result["stage1_speedup"] = (result["mok_stage1"]["median_ms_all_ranks_max"]
+                                        / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
         # > 1: MoK's default expert GEMMs beat this setting
         result["default_gemm_speedup"] = {
             v: result[f"mok_gemm_{v}"]["median_ms_all_ranks_max"]
@@ -268,6 +279,21 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         }
         case[label] = result
     return case
+
+
+@contextlib.contextmanager
+def _cuda_forward(layer, choice: str | None):
+    """The MoK layer runs with MoKConfig.cuda_forward=choice inside (None: unchanged)."""
+    if choice is None:
+        yield
+        return
+    runtime = layer.experts._layer_runtime
+    old = runtime.mok_config
+    runtime.mok_config = dataclasses.replace(old, cuda_forward=choice)
+    try:
+        yield
+    finally:
+        runtime.mok_config = old
 
 
 @contextlib.contextmanager
@@ -337,9 +363,17 @@ def _report(case, name, tokens, routing) -> None:
         f"{fb['default_gemm_speedup'][v]:.2f}x"
         for v, x in case["fwd"].get("default_gemm_speedup", {}).items()
     )
+    stage1 = ""
+    if "stage1_speedup" in case["fwd"]:
+        stage1 = (f", vs stage 1: fwd {case['fwd']['stage1_speedup']:.2f}x fwd+bwd "
+                  f"{fb['stage1_speedup']:.2f}x")  # fmt: skip
+    floor = f", fwd at {case['fwd']['mok']['fraction_of_floor']:.2f} of the floor"
     tqdm.write(
         f"{name} T={tokens} {routing}: fwd speedup {case['fwd']['speedup']:.2f}x, "
-        f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}" + engine
+        f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}"
+        + floor
+        + stage1
+        + engine
     )
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Where the time goes: torch.profiler over forward + backward of the MoK layer and the baseline
-(the same layers, weights and routing as scripts/bench_moe.py), written as JSON per shape.
+"""Where the time goes: torch.profiler over the forward, and over forward + backward, of the MoK
+layer and the baseline (the same layers, weights and routing as scripts/bench_moe.py): GPU time,
+kernel launches per pass and the top kernels, written as JSON per shape.
 
   torchrun --standalone --nproc-per-node 2 scripts/profile_moe.py --out profile.json
 """
@@ -31,22 +32,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def profile(layer, sets, iters: int, top: int) -> dict:
+def profile(layer, sets, iters: int, top: int, backward: bool = True) -> dict:
+    import time
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     for i in range(2):
-        bench_moe.run_layer(layer, sets[i % len(sets)], backward=True)
+        bench_moe.run_layer(layer, sets[i % len(sets)], backward=backward)
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         for i in range(iters):
-            bench_moe.run_layer(layer, sets[i % len(sets)], backward=True)
+            bench_moe.run_layer(layer, sets[i % len(sets)], backward=backward)
         torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events)
     return {
         "gpu_time_us_per_iter": total / iters,
+        "wall_us_per_iter": wall * 1e6 / iters,  # under the profiler: launch gaps show here
+        "launches_per_iter": sum(e.count for e in events) / iters,
         "kernels": [
             {
                 "name": e.key[:160],
@@ -71,6 +78,8 @@ def main(argv=None) -> None:
         sets = bench_moe.make_inputs(2, args.tokens, shape, args.routing, "cuda",
                                      config.params_dtype, 1234, rank)  # fmt: skip
         case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing, "ep": world}
+        case["mok_fwd"] = profile(layer, sets, args.iters, args.top, backward=False)
+        case["baseline_fwd"] = profile(base, sets, args.iters, args.top, backward=False)
         case["mok"] = profile(layer, sets, args.iters, args.top)
         case["mok_backend"] = bench_moe._backend_name(layer)
         case["baseline"] = profile(base, sets, args.iters, args.top)
@@ -78,8 +87,13 @@ def main(argv=None) -> None:
         del base, layer, sets
         bench_moe._release_memory()
         if rank == 0:
-            print(f"{name}: mok {case['mok']['gpu_time_us_per_iter'] / 1e3:.2f} ms GPU time, "
-                  f"baseline {case['baseline']['gpu_time_us_per_iter'] / 1e3:.2f} ms")  # fmt: skip
+            fwd, base_fwd = case["mok_fwd"], case["baseline_fwd"]
+            print(f"{name}: forward: mok {fwd['gpu_time_us_per_iter'] / 1e3:.2f} ms GPU time in "
+                  f"{fwd['launches_per_iter']:.0f} launches, baseline "
+                  f"{base_fwd['gpu_time_us_per_iter'] / 1e3:.2f} ms in "
+                  f"{base_fwd['launches_per_iter']:.0f}; forward + backward: mok "
+                  f"{case['mok']['gpu_time_us_per_iter'] / 1e3:.2f} ms, baseline "
+                  f"{case['baseline']['gpu_time_us_per_iter'] / 1e3:.2f} ms")  # fmt: skip
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

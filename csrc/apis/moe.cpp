@@ -7,30 +7,11 @@
 #include <c10/util/Exception.h>
 
 #include "apis/comm.h"
+#include "apis/tensor_checks.h"
 #include "launch/moe.h"
 #include "mok/layout/mega.cuh"
 
 namespace mok::apis {
-namespace {
-
-cudaStream_t stream_of(const at::Tensor& t) {
-  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-}
-
-void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
-  TORCH_CHECK(t.is_cuda(), "mok::moe: ", name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "mok::moe: ", name, " has dtype ", t.scalar_type(),
-              ", expected ", dtype);
-  TORCH_CHECK(t.dim() == dim, "mok::moe: ", name, " has shape ", t.sizes(), ", expected ", dim,
-              " dims");
-  TORCH_CHECK(t.is_contiguous(), "mok::moe: ", name, " must be contiguous");
-}
-
-at::TensorOptions opts(const at::Tensor& like, at::ScalarType dtype) {
-  return like.options().dtype(dtype);
-}
-
-}  // namespace
 
 std::vector<int64_t> moe_workspace_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk,
                                           int64_t hidden, int64_t slot_rows,
@@ -83,9 +64,8 @@ std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,
   return {global_topk, global_weights};
 }
 
-std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_t rank,
-                                           int64_t num_experts, int64_t row_capacity,
-                                           int64_t token_capacity) {
+ScheduleTensors make_schedule(const at::Tensor& global_topk, int64_t rank, int64_t num_experts,
+                              int64_t row_capacity, int64_t token_capacity) {
   check(global_topk, "global_topk", at::kLong, 3);
   const int64_t w = global_topk.size(0), t_max = global_topk.size(1), k = global_topk.size(2);
   TORCH_CHECK(num_experts % w == 0 && rank >= 0 && rank < w && row_capacity >= 0 &&
@@ -104,7 +84,8 @@ std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_
   p.row_capacity = static_cast<int>(row_capacity);
   p.token_capacity = static_cast<int>(token_capacity);
   const int64_t chunks = p.num_chunks(), e_l = p.num_local_experts;
-  auto scratch = at::empty({chunks * e_l + chunks * w + chunks + w * t_max * k + w * t_max}, i32);
+  const int64_t slot_row_at = chunks * e_l + chunks * w + chunks;
+  auto scratch = at::empty({slot_row_at + w * t_max * k + w * t_max}, i32);
   int* s = scratch.data_ptr<int>();
   p.chunk_expert_rows = s;
   p.chunk_rank_slots = s + chunks * e_l;
@@ -133,7 +114,13 @@ std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_
   p.send_to = out[11].data_ptr<bool>();
   p.error_flags = out[12].data_ptr<int32_t>();
   launch::moe_build_schedule(p, stream_of(global_topk));
-  return out;
+  return {out, scratch.narrow(0, slot_row_at, w * t_max * k)};
+}
+
+std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_t rank,
+                                           int64_t num_experts, int64_t row_capacity,
+                                           int64_t token_capacity) {
+  return make_schedule(global_topk, rank, num_experts, row_capacity, token_capacity).fields;
 }
 
 at::Tensor moe_dispatch(const at::Tensor& x, const at::Tensor& recv_token_src,

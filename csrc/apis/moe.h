@@ -39,6 +39,15 @@ std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_
                                            int64_t num_experts, int64_t row_capacity,
                                            int64_t token_capacity);
 
+// moe_build_schedule's tensors and `slot_row` [W * T_max * K] int32: each slot's schedule row,
+// -1 when not here or dropped (the plan and the dropped-slot zeroing read it).
+struct ScheduleTensors {
+  std::vector<at::Tensor> fields;
+  at::Tensor slot_row;
+};
+ScheduleTensors make_schedule(const at::Tensor& global_topk, int64_t rank, int64_t num_experts,
+                              int64_t row_capacity, int64_t token_capacity);
+
 // x: [T, H] bf16 -> recv [C_tok, H] bf16 (each received token pulled once). Collective.
 at::Tensor moe_dispatch(const at::Tensor& x, const at::Tensor& recv_token_src,
                         at::IntArrayRef comm);

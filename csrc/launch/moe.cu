@@ -1,5 +1,6 @@
 // Host launchers of the stage-1 MoE pass (see launch/moe.h). The kernels live in include/mok/.
 #include "launch/moe.h"
+#include "launch/moe_mega.h"
 
 #include <algorithm>
 #include <initializer_list>
@@ -82,12 +83,7 @@ void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens,
   const auto& lay = comm.lay;
   MOK_HOST_CHECK(lay.hidden % 8 == 0, "hidden=%lld must be a multiple of 8",
                  static_cast<long long>(lay.hidden));
-  if (num_tokens > 0) {
-    MOK_CUDA_CHECK(cudaMemcpyAsync(lay.at<void>(comm.my_base, layout::Region::kTokens), x,
-                                   static_cast<size_t>(num_tokens) * lay.hidden * 2,
-                                   cudaMemcpyDeviceToDevice, stream));
-  }
-  moe_barrier(comm, static_cast<int>(comm::Phase::kDispatchStaged), stream);
+  moe_stage_tokens(comm, x, num_tokens, stream);
   if (num_recv > 0) {
     roles::pull_tokens<<<num_recv, row_threads(lay.hidden), 0, stream>>>(
         lay, comm.peer_bases, recv_token_src, static_cast<__nv_bfloat16*>(recv), num_recv);

@@ -64,7 +64,8 @@ def build_schedule(
             )
     ws.monitor.poll()
     sched = ws.backend.build_schedule(ws, topk_experts, router_weights)
-    ws.monitor.submit(sched.error_flags, "mok build_schedule")
+    if not sched.is_pending():  # a pending schedule submits its flags when it is built
+        ws.monitor.submit(sched.error_flags, "mok build_schedule")
     return sched
 
 
@@ -80,6 +81,8 @@ def forward(
     w_routed_gate: Any,
     w_routed_up: Any,
     w_routed_down: Any,
+    *,
+    save_for_backward: bool = True,
 ) -> tuple[torch.Tensor, Any]:
     """out[t] = Σ_k router_weights[t, k] · FFN_{e(t, k)}(x[t]) + FFN_shared(x[t]).
 
@@ -87,12 +90,15 @@ def forward(
     [E_l, H, I] (tensors or MXFP8 tuples from ``ops.mxfp8_quantize``), or the fused form
     (gate_up [E_l, 2I, H] interleaved as ``ops.interleave_gate_up`` makes it, None, down): see
     ``FusedExpertWeights``; shared weights [I_s, H], [I_s, H], [H, I_s] or all None. Returns
-    ``out: [T, H]`` in x's dtype and the backend's context.
+    ``out: [T, H]`` in x's dtype and the backend's context. ``save_for_backward=False`` (no
+    backward will follow, e.g. under ``torch.no_grad()``): the CUDA backend keeps no activations
+    and the context cannot serve ``backward``.
     """
     shared, routed = _check_call(config, ws, sched, x, router_weights,
                                  (w_shared_gate, w_shared_up, w_shared_down),
                                  (w_routed_gate, w_routed_up, w_routed_down))  # fmt: skip
-    return ws.backend.forward(ws, sched, x, router_weights, shared, routed)
+    return ws.backend.forward(ws, sched, x, router_weights, shared, routed,
+                              save=save_for_backward)  # fmt: skip
 
 
 def recompute_forward_context(config, ws, sched, x, router_weights, *weights) -> Any:

@@ -18,7 +18,10 @@ class _MoKFunction(torch.autograd.Function):
     @staticmethod
     def forward(fctx, config, ws, x, topk_experts, router_weights, *weights):
         sched = api.build_schedule(ws, config, topk_experts, router_weights=router_weights)
-        out, backend_ctx = api.forward(config, ws, sched, x, router_weights, *weights)
+        save = any(fctx.needs_input_grad)  # under torch.no_grad() nothing is kept for a backward
+        out, backend_ctx = api.forward(
+            config, ws, sched, x, router_weights, *weights, save_for_backward=save
+        )
         fctx.config, fctx.ws, fctx.sched, fctx.backend_ctx = config, ws, sched, backend_ctx
         fctx.weights = weights
         fctx.save_for_backward(x, router_weights)

@@ -1,4 +1,5 @@
-"""``MoKConfig``: the five knobs of the MoK layer, and how they are validated and stored.
+"""``MoKConfig``: the knobs of the MoK layer (the five of DESIGN.md, the CUDA forward path and the
+backward schedule), and how they are validated and stored.
 
 Every field carries its documentation in ``metadata["help"]``: Megatron's ``--mok-*`` flags and the
 YAML loader are generated from it, so the dataclass is the one source of truth. The C++ launchers
@@ -20,13 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoKConfig", "BWD_SCHEDULES", "MOK_ROW_ALIGN", "KNOB_USERS", "warn_ignored_knobs"]
+__all__ = ["MoKConfig", "BWD_SCHEDULES", "CUDA_FORWARDS", "MOK_ROW_ALIGN", "KNOB_USERS",
+           "warn_ignored_knobs"]  # fmt: skip
 
 #: Row tile height of the expert GEMMs: minibatches and macrobatches are multiples of it.
 MOK_ROW_ALIGN = 128
 #: Backward schedules that are implemented ("minibatch", the finer-overlap non-bitwise mode of
 #: DESIGN.md, is rejected until the backward megakernel offers it).
 BWD_SCHEDULES = ("macrobatch",)
+#: The CUDA backend's forward paths (MoKConfig.cuda_forward).
+CUDA_FORWARDS = ("auto", "megakernel", "stage1")
 #: Every backward schedule the design names (flags accept these; MoKConfig says which run).
 KNOWN_BWD_SCHEDULES = ("macrobatch", "minibatch")
 #: Which backend (and CUDA path) uses each knob whose effect depends on it; the README's knob
@@ -36,6 +40,7 @@ KNOB_USERS = {
     "bwd_num_comm_sms": (),
     "minibatch_size": ("cuda/megakernel",),
     "macrobatch_size": ("cuda/stage1", "cuda/megakernel"),
+    "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
 }
 
 
@@ -67,6 +72,12 @@ class MoKConfig:
         "Capacity of the routed schedule relative to a perfectly balanced load (>= 1). Raise it "
         "for skewed routing; a value >= the EP size can never overflow.",
     )
+    cuda_forward: str = _knob(
+        "auto",
+        "The CUDA backend's forward: 'megakernel' (one persistent launch per pass; sm_90a and "
+        "the fused gate/up weights of MoKExperts), 'stage1' (the sequence of kernels) or 'auto' "
+        "(the megakernel wherever it can run the call, else stage 1).",
+    )
     bwd_schedule: str = _knob(
         "macrobatch",
         "Backward schedule: 'macrobatch' (deterministic, the only one implemented; 'minibatch', "
@@ -97,6 +108,11 @@ class MoKConfig:
                 "schedule holds at least a balanced load); try 2.0"
             )
         object.__setattr__(self, "schedule_capacity_multiplier", float(cap))
+        if self.cuda_forward not in CUDA_FORWARDS:
+            raise ValueError(
+                f"MoKConfig.cuda_forward={self.cuda_forward!r} must be one of {CUDA_FORWARDS}; "
+                "'auto' picks the megakernel where it can run"
+            )
         if self.bwd_schedule == "minibatch":
             raise ValueError(
                 "MoKConfig.bwd_schedule='minibatch' is not implemented: no backend has the "

@@ -72,7 +72,7 @@ class ReferenceBackend:
             sched.weights_source = (router_weights, router_weights._version)
         return sched
 
-    def forward(self, ws, sched, x, router_weights, shared, routed):
+    def forward(self, ws, sched, x, router_weights, shared, routed, save: bool = True):
         cdt = compute_dtype(x.dtype)
         x_rows = _pull_rows(x.to(cdt), sched, ws)
         if sched.gathered_weights_match(router_weights):

@@ -81,6 +81,33 @@ class MoKSchedule:
     global_weights: torch.Tensor | None = None
     weights_source: tuple | None = None  # (the router_weights tensor, its _version then)
 
+    # ---- a pending schedule (the megakernel path): its tensors are made by the forward's one
+    # op call, or by ``build`` on the first read of one of them before that.
+    @classmethod
+    def pending(cls, *, build, **sizes) -> MoKSchedule:
+        """A schedule of these sizes whose INTEGER_FIELDS do not exist yet: reading one runs
+        ``build(sched)``, which must ``fill`` them."""
+        sched = cls(**sizes, **dict.fromkeys(cls.INTEGER_FIELDS))
+        for name in cls.INTEGER_FIELDS:
+            del sched.__dict__[name]
+        sched.__dict__["_build"] = build
+        return sched
+
+    def is_pending(self) -> bool:
+        return self.__dict__.get("_build") is not None
+
+    def fill(self, tensors: dict) -> None:
+        """Give a pending schedule its INTEGER_FIELDS (a dict with each of them)."""
+        self.__dict__.update({name: tensors[name] for name in self.INTEGER_FIELDS})
+        self.__dict__["_build"] = None
+
+    def __getattr__(self, name: str):  # only for attributes that do not exist
+        build = self.__dict__.get("_build")
+        if build is not None and name in type(self).INTEGER_FIELDS:
+            build(self)
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
     def gathered_weights_match(self, router_weights: torch.Tensor) -> bool:
         """Whether ``global_weights`` were gathered from exactly this tensor, unchanged since."""
         if self.global_weights is None or self.weights_source is None:

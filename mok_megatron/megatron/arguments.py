@@ -111,6 +111,10 @@ def _known_choices(name: str) -> tuple | None:
         from mok_megatron.functional.config import KNOWN_BWD_SCHEDULES
 
         return KNOWN_BWD_SCHEDULES  # MoKConfig explains the ones not implemented
+    if name == "cuda_forward":
+        from mok_megatron.functional.config import CUDA_FORWARDS
+
+        return CUDA_FORWARDS
     return None
 
 

@@ -30,7 +30,12 @@ CUDA_OPS = (
     "moe_accumulate_groups",
 )
 
+#: The megakernel path's ops (each wrapper below has the op's name): what the CUDA backend's
+#: megakernel path needs besides CUDA_OPS.
+MEGA_OPS = ("moe_mega_plan", "moe_mega_forward")
+
 __all__ = [
+    "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "mega_plan_fields", "mega_forward_fields",
     "MoeWorkspaceLayout", "moe_workspace_layout", "MegaShape", "moe_mega_shape", "make_comm",
     "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "check_mega_error", "CUDA_OPS", *CUDA_OPS,
 ]  # fmt: skip
@@ -226,7 +231,94 @@ def moe_accumulate_groups(total, part, offs, first_round, round_index: int) -> N
     torch.ops.mok.moe_accumulate_groups(total, part, offs, first_round, round_index)
 
 
+# ------------------------------------------------------------------------------- megakernel
+_MEGA_FIELDS: dict[str, tuple[str, ...]] = {}
+
+
+def mega_plan_fields() -> tuple[str, ...]:
+    """Names of the schedule and plan tensors of the megakernel ops (csrc/apis/moe_mega.h)."""
+    if "plan" not in _MEGA_FIELDS:
+        _MEGA_FIELDS["plan"] = tuple(torch.ops.mok.moe_mega_plan_fields())
+    return _MEGA_FIELDS["plan"]
+
+
+def mega_forward_fields() -> tuple[str, ...]:
+    """Names of the forward outputs of ``moe_mega_forward`` (csrc/apis/moe_mega.h)."""
+    if "forward" not in _MEGA_FIELDS:
+        _MEGA_FIELDS["forward"] = tuple(torch.ops.mok.moe_mega_forward_fields())
+    return _MEGA_FIELDS["forward"]
+
+
+def moe_mega_plan(topk, router_weights, comm, num_experts, row_capacity, token_capacity, inter,
+                  minibatch, macrobatch) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Gather the routing and router weights, build the schedule and the device plan. Collective.
+
+    topk: [T, K] int64, router_weights: [T, K] float32 → {name: tensor} (``mega_plan_fields``).
+    """
+    values = torch.ops.mok.moe_mega_plan(
+        topk, router_weights, comm, num_experts, row_capacity, token_capacity, inter, minibatch,
+        macrobatch,
+    )  # fmt: skip
+    return dict(zip(mega_plan_fields(), values))
+
+
+def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm, *,
+                     num_experts, row_capacity, token_capacity, minibatch, macrobatch,
+                     num_comm_sms, num_sms, save, stall_minibatch=-1):  # fmt: skip
+    """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
+    given), staging, the megakernel, the slot-ordered sum at the source. Collective.
+
+    x: [T, H] bf16; topk / router_weights: [T, K]; w_gate_up: [E_l, 2I, H] (interleaved);
+    w_down: [E_l, H, I]; shared_out: [T, H] or None. Returns (forward outputs, plan), dicts by
+    name (``mega_forward_fields``, ``mega_plan_fields``). ``stall_minibatch`` (tests only): the
+    comm CTAs never release that minibatch of round 0, so its tiles time out.
+    """
+    given = [plan[name] for name in mega_plan_fields()] if plan is not None else []
+    values = torch.ops.mok.moe_mega_forward(
+        x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
+        row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
+        stall_minibatch,
+    )  # fmt: skip
+    n = len(mega_forward_fields())
+    return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
+
+
 # ------------------------------------------------------------------------------------ fakes
+def _mega_plan_fake(topk, router_weights, comm, num_experts, row_capacity, token_capacity,
+                    inter, minibatch, macrobatch):  # fmt: skip
+    w, t_max, k = (comm_field(comm, f) for f in ("num_ranks", "max_tokens", "topk"))
+    e_l = num_experts // w
+    shape = moe_mega_shape(row_capacity, e_l, comm_field(comm, "hidden"), inter, minibatch,
+                           macrobatch)  # fmt: skip
+    padded = shape.num_rounds * shape.ring_rows
+    global_topk = topk.new_empty(w, t_max, k)
+    sched = _build_schedule_fake(global_topk, 0, num_experts, row_capacity, token_capacity)
+    i64, i32 = topk.new_empty, lambda *s: topk.new_empty(*s, dtype=torch.int32)
+    plan = [
+        i64(e_l), i32(e_l), i64(e_l), i32(e_l), i64(row_capacity), i64(padded),
+        router_weights.new_empty(padded), i64(padded), i64(padded), i64(token_capacity, k),
+        i32(shape.num_rounds), i32(shape.num_rounds, shape.max_tiles, 4),
+    ]  # fmt: skip
+    return [global_topk, router_weights.new_empty(w, t_max, k), *sched, i32(w * t_max * k), *plan]
+
+
+def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm,
+                       num_experts, row_capacity, token_capacity, minibatch, macrobatch,
+                       num_comm_sms, num_sms, save, stall_minibatch):  # fmt: skip
+    inter, hidden = w_down.shape[2], x.shape[1]
+    shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
+    ring, one = shape.ring_rows, shape.num_rounds == 1
+    plan = list(plan) or _mega_plan_fake(topk, router_weights, comm, num_experts, row_capacity,
+                                         token_capacity, inter, minibatch, macrobatch)  # fmt: skip
+    out = [
+        x.new_empty(x.shape), x.new_empty(ring, hidden), x.new_empty(ring, inter),
+        x.new_empty(ring if save and one else 0, 2 * inter),
+        x.new_empty(ring if save and one else 0, hidden),
+        x.new_empty(token_capacity if save and not one else 0, hidden),
+    ]  # fmt: skip
+    return out + plan
+
+
 def _gather_routing_fake(topk, weights, comm):
     shape = tuple(comm_field(comm, f) for f in ("num_ranks", "max_tokens", "topk"))
     return topk.new_empty(shape), weights.new_empty(shape)
@@ -314,6 +406,8 @@ _FAKES = {
     "moe_swiglu_interleaved_backward": _swiglu_interleaved_backward_fake,
     "moe_row_grad": _row_grad_fake,
     "moe_accumulate_groups": _accumulate_groups_fake,
+    "moe_mega_plan": _mega_plan_fake,
+    "moe_mega_forward": _mega_forward_fake,
 }
 
 if extension_available():

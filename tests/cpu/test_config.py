@@ -15,7 +15,7 @@ def test_every_knob_is_documented_and_defaults_validate():
     config = MoKConfig()
     names = [f.name for f in dataclasses.fields(MoKConfig)]
     assert names == ["fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
-                     "schedule_capacity_multiplier", "bwd_schedule"]  # fmt: skip
+                     "schedule_capacity_multiplier", "cuda_forward", "bwd_schedule"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -29,6 +29,7 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"fwd_num_comm_sms": 0}, ["fwd_num_comm_sms=0", "[1, 128]"]),
         ({"schedule_capacity_multiplier": 0.5}, ["schedule_capacity_multiplier=0.5", ">= 1.0"]),
         ({"bwd_schedule": "fast"}, ["bwd_schedule='fast'", "macrobatch"]),
+        ({"cuda_forward": "mega"}, ["cuda_forward='mega'", "'auto'"]),
     ],
 )
 def test_invalid_knobs_name_rule_value_and_fix(kwargs, words):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..schedule import MoKSchedule
-from . import stage1
+from . import mega, stage1
 from .buffers import MAX_RANKS, CudaBuffers, allocate, allocate_virtual
 from .plan import GROUP_ALIGN
 
@@ -65,22 +65,43 @@ class CudaBackend:
         ).total_bytes
 
     def path(self, ws: MoKWorkspace) -> str:
-        """The CUDA path this workspace runs ("stage1")."""
-        return "stage1"
+        """The forward this workspace runs: "megakernel" (when its layout holds the
+        megakernel's regions; calls with separate gate and up weights still take stage 1) or
+        "stage1"."""
+        return "megakernel" if ws.buffers is not None and ws.buffers.mega is not None else "stage1"
 
     # ------------------------------------------------------------------------------ workspace
     def allocate(self, ws: MoKWorkspace) -> CudaBuffers:
-        return allocate(ws)
+        return allocate(ws, self._mega_shape(ws))
 
     def allocate_virtual(self, workspaces: list[MoKWorkspace]) -> list[CudaBuffers]:
-        return allocate_virtual(workspaces)
+        return allocate_virtual(workspaces, self._mega_shape(workspaces[0]))
+
+    @staticmethod
+    def _mega_shape(ws: MoKWorkspace):
+        """The megakernel's sizes when this workspace should run it (MoKConfig.cuda_forward),
+        else None; 'megakernel' where it cannot run raises, saying why."""
+        choice = ws.config.cuda_forward
+        if choice == "stage1":
+            return None
+        reasons = mega.unsupported_reasons(ws)
+        if reasons and choice == "megakernel":
+            raise RuntimeError(
+                "MoKConfig.cuda_forward='megakernel' but the megakernel cannot run here: "
+                + "; ".join(reasons)
+                + "; use cuda_forward='auto' or 'stage1'"
+            )
+        return None if reasons else mega.mega_shape(ws)
 
     # ------------------------------------------------------------------------------- schedule
     def build_schedule(self, ws: MoKWorkspace, topk_experts, router_weights=None) -> MoKSchedule:
         """Gather the routing (and the router weights, when given: one gather for both) and
-        plan this rank's rows on the device."""
+        plan this rank's rows on the device. On the megakernel path the schedule is pending:
+        the forward's one op call makes it (or the first read of one of its tensors)."""
         from mok_megatron.ops import moe as mops
 
+        if self.path(ws) == "megakernel":
+            return mega.build_schedule(ws, topk_experts, router_weights)
         comm = ws.buffers.comm
         num_tokens = topk_experts.shape[0]
         weights = router_weights
@@ -105,8 +126,17 @@ class CudaBackend:
         return sched
 
     # -------------------------------------------------------------------------------- passes
-    def forward(self, ws, sched, x, router_weights, shared, routed):
-        return stage1.forward(ws, sched, x, router_weights, shared, routed)
+    def forward(self, ws, sched, x, router_weights, shared, routed, save: bool = True):
+        if self.path(ws) == "megakernel":
+            if mega.can_run(routed):
+                return mega.forward(ws, sched, x, router_weights, shared, routed, save)
+            if ws.config.cuda_forward == "megakernel":
+                raise ValueError(
+                    "MoKConfig.cuda_forward='megakernel' takes the fused gate/up weights "
+                    "(gate_up [E_l, 2I, H] interleaved, None, down): MoKExperts' form, "
+                    "ops.interleave_gate_up makes it; separate gate and up run on 'stage1'"
+                )
+        return stage1.forward(ws, sched, x, router_weights, shared, routed, save)
 
     def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed):
         return stage1.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed)

@@ -39,6 +39,8 @@ class CudaBuffers:
     mega: Any = None  # ops.moe.MegaShape when the layout holds the megakernel's regions
     error_record: torch.Tensor | None = None  # pinned int32: the megakernel's timeout record
     keep: list[Any] = field(default_factory=list)  # storage the tables point into
+    num_sms: int = 0  # SMs the megakernel may take: 0 = all; a virtual rank's share of the GPU
+    stall_minibatch: int = -1  # fault injection (tests): a minibatch the comm role never releases
 
     def region(self, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat typed view of one layout region of this rank's copy."""
@@ -118,10 +120,14 @@ def allocate_virtual(workspaces: list, mega_shape=None) -> list[CudaBuffers]:
     pads = torch.zeros(w, max(w, 8), dtype=torch.int32, device=device)
     signal_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=device)
     peers = [b.data_ptr() for b in buffers]
-    return [
+    share = torch.cuda.get_device_properties(device).multi_processor_count // w
+    out = [
         _finish(ws, buffers[r], None, peers, signal_table, layout, mega_shape, keep=[pads])
         for r, ws in enumerate(workspaces)
     ]
+    for bufs in out:  # NOTE: the W megakernels must all be resident at once: W x share <= SMs
+        bufs.num_sms = share
+    return out
 
 
 def _rendezvous(ws, nbytes: int):

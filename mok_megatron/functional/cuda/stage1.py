@@ -73,7 +73,8 @@ def shared_forward(x, shared):
     return a @ shared.down.T, gu, a
 
 
-def forward(ws, sched, x, router_weights, shared, routed):
+def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
+    """``save``: keep what the backward needs (nothing when False)."""
     from mok_megatron.ops import moe as mops
 
     comm = ws.buffers.comm
@@ -88,15 +89,15 @@ def forward(ws, sched, x, router_weights, shared, routed):
         window = rounds.window(r)
         offs = window_offs(plan, window)
         x_rows = mops.moe_gather_rows(recv, rounds.row_tok[window])
-        act = experts.forward(x_rows, offs, save_pre=rounds.count == 1)
+        act = experts.forward(x_rows, offs, save_pre=save and rounds.count == 1)
         out = mops.moe_combine(
             act.y, plan.token_rows, sched.recv_token_src, slot_weights, sched.send_to,
             shared_out, sched.num_tokens, comm, acc, window.start, r == 0,
             r == rounds.count - 1,
         )  # fmt: skip
     one = rounds.count == 1
-    ctx = CudaContext(plan, rounds, act if one else None, None if one else recv, shared_gu,
-                      shared_a)  # fmt: skip
+    ctx = CudaContext(plan, rounds, act if save and one else None,
+                      recv if save and not one else None, shared_gu, shared_a)  # fmt: skip
     return out, ctx
 
 
@@ -106,6 +107,11 @@ def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, rout
     from ..types import MoKGradients
 
     comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
+    if ctx.saved is None and ctx.x_recv is None:
+        raise RuntimeError(
+            "mok backward: the forward kept nothing for a backward (save_for_backward=False, "
+            "e.g. it ran under torch.no_grad()); run the forward with gradients enabled"
+        )
     d_recv = mops.moe_dispatch(d_out, sched.recv_token_src, comm)
     d_shared, shared_dx = (None, None, None), None
     if shared is not None:

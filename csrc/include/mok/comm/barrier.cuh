@@ -21,6 +21,7 @@ enum class Phase : int {
   kDispatchStaged = 2,   // every rank's tokens (x or d_out) are in its buffer
   kCombinePushed = 3,    // every rank pushed its per-token partial sums
   kSlotsPushed = 4,      // every rank pushed its per-slot values
+  kSlotRowsPushed = 5,   // every rank's megakernel stored its result rows (slot_rows)
 };
 
 MOK_DEVICE const char* phase_name(int phase) {
@@ -30,6 +31,7 @@ MOK_DEVICE const char* phase_name(int phase) {
     case 2: return "dispatch/tokens staged";
     case 3: return "combine/partials pushed";
     case 4: return "combine/slot values pushed";
+    case 5: return "megakernel/slot rows stored";
     default: return "unknown";
   }
 }

@@ -1,0 +1,240 @@
+#include "apis/moe_mega.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "apis/comm.h"
+#include "apis/moe.h"
+#include "apis/tensor_checks.h"
+#include "launch/moe_mega.h"
+#include "launch/moe_megakernel.h"
+
+namespace mok::apis {
+namespace {
+
+enum PlanField : int {
+#define MOK_FIELD_ENUM(name) kPlan_##name,
+  MOK_MEGA_PLAN_FIELDS(MOK_FIELD_ENUM)
+#undef MOK_FIELD_ENUM
+      kPlanNumFields
+};
+
+enum ForwardField : int {
+#define MOK_FIELD_ENUM(name) kForward_##name,
+  MOK_MEGA_FORWARD_FIELDS(MOK_FIELD_ENUM)
+#undef MOK_FIELD_ENUM
+      kForwardNumFields
+};
+
+layout::MegaShape mega_shape(const launch::MoeComm& comm, int64_t row_capacity,
+                             int64_t num_local_experts, int64_t inter, int64_t minibatch,
+                             int64_t macrobatch) {
+  TORCH_CHECK(minibatch >= layout::kBlockM && minibatch % layout::kBlockM == 0 &&
+                  macrobatch >= minibatch && macrobatch % minibatch == 0,
+              "mok::moe_mega: minibatch_size=", minibatch, " must be a multiple of ",
+              layout::kBlockM, " and macrobatch_size=", macrobatch, " a multiple of it");
+  TORCH_CHECK(inter % 8 == 0 && comm.lay.hidden % 8 == 0, "mok::moe_mega: hidden=",
+              comm.lay.hidden, " and intermediate=", inter, " must be multiples of 8");
+  return layout::MegaShape{row_capacity,   num_local_experts, comm.lay.hidden,
+                           inter,          minibatch,         macrobatch};
+}
+
+// The plan tensors from a schedule (the plan kernels, scheduler/plan.cuh).
+void add_plan(std::vector<at::Tensor>& t, const layout::MegaShape& s, const launch::MoeComm& comm,
+              int64_t token_capacity, cudaStream_t stream) {
+  const auto i64 = opts(t[kPlan_global_topk], at::kLong);
+  const auto i32 = opts(t[kPlan_global_topk], at::kInt);
+  const int64_t e_l = s.num_local_experts, padded = s.num_rounds() * s.ring_rows();
+  t[kPlan_pad_start] = at::empty({e_l}, i64);
+  t[kPlan_offs] = at::empty({e_l}, i32);
+  t[kPlan_expert_rows] = at::empty({e_l}, i64);
+  t[kPlan_first_round] = at::empty({e_l}, i32);
+  t[kPlan_prow] = at::empty({s.row_capacity}, i64);
+  t[kPlan_row_tok] = at::empty({padded}, i64);
+  t[kPlan_w_rows] = at::empty({padded}, opts(t[kPlan_global_topk], at::kFloat));
+  t[kPlan_row_src] = at::empty({padded}, i64);
+  t[kPlan_row_dst] = at::empty({padded}, i64);
+  t[kPlan_token_rows_padded] = at::empty({token_capacity, comm.lay.topk}, i64);
+  t[kPlan_tile_count] = at::empty({s.num_rounds()}, i32);
+  static_assert(sizeof(layout::MegaTile) == 16);
+  t[kPlan_tiles] = at::empty({s.num_rounds(), s.max_tiles(), 4}, i32);
+  scheduler::PlanParams p;
+  p.shape = s;
+  p.num_ranks = static_cast<int>(comm.lay.num_ranks);
+  p.max_tokens = static_cast<int>(comm.lay.max_tokens);
+  p.topk = static_cast<int>(comm.lay.topk);
+  p.token_capacity = static_cast<int>(token_capacity);
+  p.expert_offsets = t[kPlan_expert_offsets].data_ptr<int64_t>();
+  p.row_expert = t[kPlan_row_expert].data_ptr<int64_t>();
+  p.row_src_rank = t[kPlan_row_src_rank].data_ptr<int64_t>();
+  p.row_src_token = t[kPlan_row_src_token].data_ptr<int64_t>();
+  p.row_src_slot = t[kPlan_row_src_slot].data_ptr<int64_t>();
+  p.row_token_idx = t[kPlan_row_token_idx].data_ptr<int64_t>();
+  p.token_rows = t[kPlan_token_rows].data_ptr<int64_t>();
+  p.global_weights = t[kPlan_global_weights].data_ptr<float>();
+  p.pad_start = t[kPlan_pad_start].data_ptr<int64_t>();
+  p.offs = t[kPlan_offs].data_ptr<int32_t>();
+  p.expert_rows = t[kPlan_expert_rows].data_ptr<int64_t>();
+  p.first_round = t[kPlan_first_round].data_ptr<int32_t>();
+  p.prow = t[kPlan_prow].data_ptr<int64_t>();
+  p.row_tok = t[kPlan_row_tok].data_ptr<int64_t>();
+  p.w_rows = t[kPlan_w_rows].data_ptr<float>();
+  p.row_src = t[kPlan_row_src].data_ptr<int64_t>();
+  p.row_dst = t[kPlan_row_dst].data_ptr<int64_t>();
+  p.token_rows_padded = t[kPlan_token_rows_padded].data_ptr<int64_t>();
+  p.tile_count = t[kPlan_tile_count].data_ptr<int32_t>();
+  p.tiles = reinterpret_cast<layout::MegaTile*>(t[kPlan_tiles].data_ptr<int32_t>());
+  launch::moe_build_plan(p, stream);
+}
+
+std::vector<at::Tensor> build_plan(const at::Tensor& topk, const at::Tensor& router_weights,
+                                   at::IntArrayRef comm_ints, const launch::MoeComm& comm,
+                                   int64_t num_experts, int64_t row_capacity,
+                                   int64_t token_capacity, const layout::MegaShape& shape) {
+  auto [global_topk, global_weights] = moe_gather_routing(topk, router_weights, comm_ints);
+  auto sched = make_schedule(global_topk, comm.rank, num_experts, row_capacity, token_capacity);
+  std::vector<at::Tensor> t(kPlanNumFields);
+  t[kPlan_global_topk] = global_topk;
+  t[kPlan_global_weights] = global_weights;
+  for (size_t i = 0; i < sched.fields.size(); ++i) t[kPlan_row_expert + i] = sched.fields[i];
+  t[kPlan_slot_row] = sched.slot_row;
+  add_plan(t, shape, comm, token_capacity, stream_of(topk));
+  return t;
+}
+
+}  // namespace
+
+std::vector<std::string> moe_mega_plan_fields() {
+  return {
+#define MOK_FIELD_NAME(name) #name,
+      MOK_MEGA_PLAN_FIELDS(MOK_FIELD_NAME)
+#undef MOK_FIELD_NAME
+  };
+}
+
+std::vector<std::string> moe_mega_forward_fields() {
+  return {
+#define MOK_FIELD_NAME(name) #name,
+      MOK_MEGA_FORWARD_FIELDS(MOK_FIELD_NAME)
+#undef MOK_FIELD_NAME
+  };
+}
+
+std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& router_weights,
+                                      at::IntArrayRef comm_ints, int64_t num_experts,
+                                      int64_t row_capacity, int64_t token_capacity, int64_t inter,
+                                      int64_t minibatch, int64_t macrobatch) {
+  const auto comm = comm_of(comm_ints);
+  c10::cuda::CUDAGuard guard(topk.device());
+  const auto shape = mega_shape(comm, row_capacity, num_experts / comm.lay.num_ranks, inter,
+                                minibatch, macrobatch);
+  return build_plan(topk, router_weights, comm_ints, comm, num_experts, row_capacity,
+                    token_capacity, shape);
+}
+
+std::vector<at::Tensor> moe_mega_forward(
+    const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
+    const at::Tensor& w_gate_up, const at::Tensor& w_down,
+    const std::optional<at::Tensor>& shared_out, at::TensorList given_plan,
+    at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
+    int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
+    int64_t stall_minibatch) {
+  const auto comm = comm_of(comm_ints);
+  const auto& lay = comm.lay;
+  check(x, "x", at::kBFloat16, 2);
+  check(topk, "topk", at::kLong, 2);
+  check(router_weights, "router_weights", at::kFloat, 2);
+  TORCH_CHECK(topk.size(0) == x.size(0) && topk.size(1) == lay.topk &&
+                  router_weights.sizes() == topk.sizes(),
+              "mok::moe_mega_forward: topk ", topk.sizes(), " / router_weights ",
+              router_weights.sizes(), " must be [T, K] = [", x.size(0), ", ", lay.topk, "]");
+  check(w_gate_up, "w_gate_up", at::kBFloat16, 3);
+  check(w_down, "w_down", at::kBFloat16, 3);
+  const int64_t e_l = num_experts / lay.num_ranks, inter = w_down.size(2);
+  TORCH_CHECK(x.size(0) <= lay.max_tokens && x.size(1) == lay.hidden, "mok::moe_mega_forward: x ",
+              x.sizes(), " does not fit the workspace [<=", lay.max_tokens, ", ", lay.hidden, "]");
+  TORCH_CHECK(w_gate_up.size(0) == e_l && w_gate_up.size(1) == 2 * inter &&
+                  w_gate_up.size(2) == lay.hidden && w_down.size(0) == e_l &&
+                  w_down.size(1) == lay.hidden,
+              "mok::moe_mega_forward: w_gate_up ", w_gate_up.sizes(), " / w_down ",
+              w_down.sizes(), " must be [E_l, 2I, H] / [E_l, H, I] with E_l=", e_l);
+  if (shared_out.has_value()) {
+    check(*shared_out, "shared_out", at::kBFloat16, 2);
+    TORCH_CHECK(shared_out->sizes() == x.sizes(), "mok::moe_mega_forward: shared_out must be [T, H]");
+  }
+  const auto shape = mega_shape(comm, row_capacity, e_l, inter, minibatch, macrobatch);
+  TORCH_CHECK(lay.slot_rows == 1 && lay.counter_words >= shape.counter_words(),
+              "mok::moe_mega_forward: the workspace was not made for the megakernel (its layout "
+              "lacks the slot_rows / counters regions for this shape)");
+  c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = stream_of(x);
+  std::vector<at::Tensor> plan;
+  if (!given_plan.empty()) {
+    TORCH_CHECK(given_plan.size() == kPlanNumFields, "mok::moe_mega_forward: plan must hold ",
+                kPlanNumFields, " tensors (moe_mega_plan's) or none");
+    plan.assign(given_plan.begin(), given_plan.end());
+  } else {
+    plan = build_plan(topk, router_weights, comm_ints, comm, num_experts, row_capacity,
+                      token_capacity, shape);
+  }
+  int device_sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
+                                        x.device().index()));
+  const int grid = num_sms > 0 ? static_cast<int>(num_sms) : device_sms;
+  TORCH_CHECK(grid <= device_sms && num_comm_sms >= 1 && num_comm_sms < grid,
+              "mok::moe_mega_forward: fwd_num_comm_sms=", num_comm_sms, " must be in [1, ", grid - 1,
+              "] (the megakernel has ", grid, " SMs of ", device_sms, "); lower fwd_num_comm_sms");
+
+  const int64_t ring = shape.ring_rows(), rounds = shape.num_rounds();
+  const auto bf16 = x.options();
+  std::vector<at::Tensor> out(kForwardNumFields);
+  out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
+  out[kForward_act_ring] = at::empty({ring, inter}, bf16);
+  const bool keep_rows = save && rounds == 1, keep_tokens = save && rounds > 1;
+  out[kForward_h_ring] = at::empty({keep_rows ? ring : 0, 2 * inter}, bf16);
+  out[kForward_y_rows] = at::empty({keep_rows ? ring : 0, lay.hidden}, bf16);
+  out[kForward_x_recv] = at::empty({keep_tokens ? token_capacity : 0, lay.hidden}, bf16);
+  const int num_tokens = static_cast<int>(x.size(0));
+  if (keep_tokens) {  // the backward recomputes rounds from the received tokens
+    launch::moe_dispatch(comm, x.data_ptr(), num_tokens,
+                         plan[kPlan_recv_token_src].data_ptr<int64_t>(),
+                         static_cast<int>(token_capacity), out[kForward_x_recv].data_ptr(), stream);
+  } else {
+    launch::moe_stage_tokens(comm, x.data_ptr(), num_tokens, stream);
+  }
+  launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
+                                 plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
+  launch::moe_bump_epoch(comm, stream);
+
+  launch::MegaForwardArgs a;
+  a.lay = lay;
+  a.peer_bases = comm.peer_bases;
+  a.my_base = comm.my_base;
+  a.rank = comm.rank;
+  a.timeout_ns = comm.timeout_ns;
+  a.error = comm.error_record;
+  a.shape = shape;
+  a.num_ctas = grid;
+  a.num_comm_ctas = static_cast<int>(num_comm_sms);
+  a.w_gate_up = w_gate_up.data_ptr();
+  a.w_down = w_down.data_ptr();
+  a.x_ring = out[kForward_x_ring].data_ptr();
+  a.act_ring = out[kForward_act_ring].data_ptr();
+  a.h_ring = keep_rows ? out[kForward_h_ring].data_ptr() : nullptr;
+  a.y_rows = keep_rows ? out[kForward_y_rows].data_ptr() : nullptr;
+  a.row_src = plan[kPlan_row_src].data_ptr<int64_t>();
+  a.row_dst = plan[kPlan_row_dst].data_ptr<int64_t>();
+  a.tile_count = plan[kPlan_tile_count].data_ptr<int32_t>();
+  a.tiles = reinterpret_cast<const layout::MegaTile*>(plan[kPlan_tiles].data_ptr<int32_t>());
+  a.stall_minibatch = static_cast<int>(stall_minibatch);
+  launch::moe_forward_megakernel(a, stream);
+
+  out[kForward_out] = at::empty({x.size(0), lay.hidden}, bf16);
+  launch::moe_reduce_slot_rows(comm, topk.data_ptr<int64_t>(), router_weights.data_ptr<float>(),
+                               num_experts, shared_out ? shared_out->data_ptr() : nullptr,
+                               out[kForward_out].data_ptr(), num_tokens, stream);
+  out.insert(out.end(), plan.begin(), plan.end());
+  return out;
+}
+
+}  // namespace mok::apis

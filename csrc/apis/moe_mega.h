@@ -1,0 +1,49 @@
+// Torch-facing ops of the megakernel forward (registered as mok::moe_mega_* in python_api.cpp;
+// fakes in mok_megatron/ops/moe.py). The names of the tensors they return are defined once, here,
+// and read by Python through moe_mega_plan_fields / moe_mega_forward_fields.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+// The schedule (MoKSchedule's integer fields, plus the gathered router weights and each slot's
+// schedule row) and the device plan (scheduler/plan.cuh), in this order.
+#define MOK_MEGA_PLAN_FIELDS(X)                                                              \
+  X(global_topk) X(global_weights) X(row_expert) X(row_src_rank) X(row_src_token)            \
+  X(row_src_slot) X(row_token_idx) X(expert_offsets) X(num_rows) X(recv_token_src)           \
+  X(recv_token_pos) X(num_recv_tokens) X(token_rows) X(send_to) X(error_flags) X(slot_row)   \
+  X(pad_start) X(offs) X(expert_rows) X(first_round) X(prow) X(row_tok) X(w_rows) X(row_src) \
+  X(row_dst) X(token_rows_padded) X(tile_count) X(tiles)
+
+// The forward's outputs: out [T, H]; the ring's rows x, act ([ring, H], [ring, I]); kept for a
+// backward when asked: h [ring, 2I] and y [ring, H] (one round) or x_recv [C_tok, H] (rounds);
+// each is [0] when not kept.
+#define MOK_MEGA_FORWARD_FIELDS(X) X(out) X(x_ring) X(act_ring) X(h_ring) X(y_rows) X(x_recv)
+
+namespace mok::apis {
+
+std::vector<std::string> moe_mega_plan_fields();
+std::vector<std::string> moe_mega_forward_fields();
+
+// topk [T, K] int64, router_weights [T, K] f32 -> MOK_MEGA_PLAN_FIELDS. Collective.
+std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& router_weights,
+                                      at::IntArrayRef comm, int64_t num_experts,
+                                      int64_t row_capacity, int64_t token_capacity, int64_t inter,
+                                      int64_t minibatch, int64_t macrobatch);
+
+// One forward pass: the plan (unless `plan`, else empty, holds moe_mega_plan's tensors), staging, the
+// megakernel, the slot sum. x [T, H] bf16; w_gate_up [E_l, 2I, H] (interleaved); w_down
+// [E_l, H, I]; shared_out [T, H] or none -> MOK_MEGA_FORWARD_FIELDS then MOK_MEGA_PLAN_FIELDS.
+// Collective.
+std::vector<at::Tensor> moe_mega_forward(
+    const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
+    const at::Tensor& w_gate_up, const at::Tensor& w_down,
+    const std::optional<at::Tensor>& shared_out, at::TensorList plan,
+    at::IntArrayRef comm, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
+    int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
+    int64_t stall_minibatch);
+
+}  // namespace mok::apis

@@ -1,0 +1,81 @@
+// Host launchers around the forward megakernel (see launch/moe_mega.h).
+#include "launch/moe_mega.h"
+
+#include <algorithm>
+
+#include "mok/comm/barrier.cuh"
+#include "mok/layout/mega.cuh"
+#include "mok/roles/slot_combine.cuh"
+#include "mok/scheduler/plan.cuh"
+
+namespace mok::launch {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 4096;
+
+int grid_for(int64_t n) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (n + kThreads - 1) / kThreads)));
+}
+
+__global__ void bump_epoch_kernel(int32_t* epoch) { *epoch += 1; }
+
+}  // namespace
+
+void moe_build_plan(const scheduler::PlanParams& p, cudaStream_t stream) {
+  using namespace scheduler;
+  const int64_t padded_rows = p.shape.num_rounds() * p.shape.ring_rows();
+  plan_experts<<<1, 128, 0, stream>>>(p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  plan_fill<<<grid_for(padded_rows), kThreads, 0, stream>>>(p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  plan_rows<<<grid_for(p.shape.row_capacity), kThreads, 0, stream>>>(p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  if (p.token_capacity > 0) {
+    plan_token_rows<<<grid_for(int64_t{p.token_capacity} * p.topk), kThreads, 0, stream>>>(p);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaStream_t stream) {
+  const auto& lay = comm.lay;
+  if (num_tokens > 0) {
+    MOK_CUDA_CHECK(cudaMemcpyAsync(lay.at<void>(comm.my_base, layout::Region::kTokens), x,
+                                   static_cast<size_t>(num_tokens) * lay.hidden * 2,
+                                   cudaMemcpyDeviceToDevice, stream));
+  }
+  moe_barrier(comm, static_cast<int>(comm::Phase::kDispatchStaged), stream);
+}
+
+void moe_bump_epoch(const MoeComm& comm, cudaStream_t stream) {
+  MOK_HOST_CHECK(comm.lay.counter_words > layout::kEpoch, "the workspace has no counters region");
+  bump_epoch_kernel<<<1, 1, 0, stream>>>(
+      comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters) + layout::kEpoch);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, const int* slot_row,
+                            int64_t num_local_experts, cudaStream_t stream) {
+  const auto& lay = comm.lay;
+  const int64_t slots = lay.num_ranks * lay.max_tokens * lay.topk;
+  if (slots == 0) return;
+  roles::zero_dropped_slots<<<grid_for(slots), 128, 0, stream>>>(
+      lay, comm.peer_bases, global_topk, slot_row, comm.rank, num_local_experts);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float* weights,
+                          int64_t num_experts, const void* shared_out, void* out, int num_tokens,
+                          cudaStream_t stream) {
+  const auto& lay = comm.lay;
+  MOK_HOST_CHECK(lay.slot_rows == 1, "the workspace has no slot_rows region");
+  moe_barrier(comm, static_cast<int>(comm::Phase::kSlotRowsPushed), stream);
+  if (num_tokens == 0) return;
+  roles::reduce_slot_rows<<<grid_for(num_tokens * lay.hidden / 8), kThreads, 0, stream>>>(
+      lay, comm.my_base, topk, weights, num_experts,
+      static_cast<const __nv_bfloat16*>(shared_out), static_cast<__nv_bfloat16*>(out),
+      num_tokens);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace mok::launch

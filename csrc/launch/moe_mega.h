@@ -1,0 +1,34 @@
+// Torch-free host launchers around the forward megakernel: the device plan, staging this rank's
+// tokens for its peers, the pass's epoch, zero rows for dropped slots, and the source-side slot
+// sum. Like every launcher here they only enqueue work (no host synchronisation).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "launch/moe.h"
+#include "mok/scheduler/plan_params.cuh"
+
+namespace mok::launch {
+
+// The plan from a schedule (scheduler/plan.cuh); outputs preallocated.
+void moe_build_plan(const scheduler::PlanParams& params, cudaStream_t stream);
+
+// Copy x [T, H] bf16 into this rank's tokens region, then barrier: peers may pull it.
+void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaStream_t stream);
+
+// counters[kEpoch] += 1 (one thread): the pass's generation base for the megakernel's flags.
+void moe_bump_epoch(const MoeComm& comm, cudaStream_t stream);
+
+// Zero rows into the sources' slot_rows for slots routed here that the schedule dropped.
+void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, const int* slot_row,
+                            int64_t num_local_experts, cudaStream_t stream);
+
+// Barrier (every rank's megakernel stored its rows), then out [T, H] bf16 = the slot-ordered sum
+// of this rank's slot_rows weighted by weights [T, K] (+ shared_out [T, H], may be null).
+void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float* weights,
+                          int64_t num_experts, const void* shared_out, void* out, int num_tokens,
+                          cudaStream_t stream);
+
+}  // namespace mok::launch

@@ -1,0 +1,132 @@
+"""The megakernel path of the CUDA backend (stage 2 forward, MEGAKERNEL.md): one op call per pass.
+
+``ops.moe.moe_mega_forward`` runs, from one C++ entry: the routing gather and the device schedule
+and plan (row placement, group ends, rounds, m-tiles), staging this rank's tokens, the persistent
+megakernel (comm CTAs pull rows into the ring minibatch by minibatch; compute CTAs run L1 +
+SwiGLU and L2 tiles as their rows land and store each result row straight into its source's
+slot_rows), and the source-side slot-ordered sum (+ the shared expert's output, computed before).
+
+``build_schedule`` on this path is lazy: the schedule's tensors are made by the forward's op;
+reading one before the forward builds them (gather, schedule, plan) and the forward then reuses
+them. The forward's context is stage 1's ``CudaContext``, so stage 1's backward serves it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..schedule import MoKSchedule
+from ..types import FusedExpertWeights
+from . import stage1
+from .experts import ExpertRows
+from .plan import CudaPlan, Rounds
+
+__all__ = ["unsupported_reasons", "mega_shape", "build_schedule", "can_run", "forward"]
+
+
+def unsupported_reasons(ws) -> list[str]:
+    """Why the megakernel cannot run this workspace (empty when it can)."""
+    from mok_megatron.ops import has_op
+    from mok_megatron.ops.moe import MEGA_OPS
+
+    reasons = [f"mok_megatron._C lacks {op}" for op in MEGA_OPS if not has_op(op)]
+    if ws.device.type == "cuda" and torch.cuda.get_device_capability(ws.device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(ws.device)
+        reasons.append(f"it is built for sm_90a and this GPU is sm_{major}{minor}")
+    return reasons
+
+
+def mega_shape(ws):
+    """The megakernel's sizes for this workspace (from the C++ layout header)."""
+    from mok_megatron.ops.moe import moe_mega_shape
+
+    c = ws.config
+    return moe_mega_shape(ws.row_capacity, ws.num_local_experts, ws.hidden_size,
+                          ws.intermediate_size, c.minibatch_size, c.macrobatch_size)  # fmt: skip
+
+
+def can_run(routed) -> bool:
+    """The megakernel takes the fused gate/up form (``MoKExperts``' weights)."""
+    return isinstance(routed, FusedExpertWeights)
+
+
+def build_schedule(ws, topk_experts, router_weights) -> MoKSchedule:
+    """A schedule whose tensors the forward's op fills (or a first read, through the plan op)."""
+    sched = MoKSchedule.pending(
+        rank=ws.rank, num_ranks=ws.num_ranks, num_tokens=topk_experts.shape[0],
+        max_tokens=ws.num_local_tokens, topk=ws.topk, num_local_experts=ws.num_local_experts,
+        row_capacity=ws.row_capacity, token_capacity=ws.token_capacity,
+        build=lambda s: _plan_now(ws, s),
+    )  # fmt: skip
+    sched.inputs = (topk_experts.contiguous(), _weights_or_zeros(ws, topk_experts, router_weights))
+    if router_weights is not None:
+        sched.weights_source = (router_weights, router_weights._version)
+    return sched
+
+
+def _weights_or_zeros(ws, topk_experts, router_weights):
+    if router_weights is not None:
+        return router_weights.contiguous()
+    return torch.zeros(topk_experts.shape, dtype=torch.float32, device=ws.device)
+
+
+def _plan_now(ws, sched: MoKSchedule) -> None:
+    from mok_megatron.ops import moe as mops
+
+    topk, weights = sched.inputs
+    plan = mops.moe_mega_plan(
+        topk, weights, ws.buffers.comm, ws.num_experts, ws.row_capacity, ws.token_capacity,
+        ws.intermediate_size, ws.config.minibatch_size, ws.config.macrobatch_size,
+    )  # fmt: skip
+    _fill(ws, sched, plan)
+
+
+def _fill(ws, sched: MoKSchedule, plan: dict) -> None:
+    """The schedule's tensors from the plan op's, and its error flags to the monitor."""
+    sched.fill({name: plan[name] for name in MoKSchedule.INTEGER_FIELDS})
+    if sched.weights_source is not None:
+        sched.global_weights = plan["global_weights"]
+    sched.device_plan = plan
+    ws.monitor.submit(plan["error_flags"], "mok build_schedule")
+
+
+def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: bool = True):
+    from mok_megatron.ops import moe as mops
+
+    if not sched.is_pending() and not sched.gathered_weights_match(router_weights):
+        raise ValueError(
+            "the megakernel forward needs the router weights given to build_schedule "
+            "(build_schedule(..., router_weights=...), the same tensor, unchanged since)"
+        )
+    topk, weights = sched.inputs
+    if sched.is_pending() and router_weights is not None:
+        weights = router_weights.contiguous()
+        sched.weights_source = (router_weights, router_weights._version)
+    shared_out, shared_gu, shared_a = stage1.shared_forward(x, shared)
+    c = ws.config
+    outs, plan = mops.moe_mega_forward(
+        x, topk, weights, routed.gate_up, routed.down, shared_out,
+        None if sched.is_pending() else sched.device_plan, ws.buffers.comm,
+        num_experts=ws.num_experts, row_capacity=ws.row_capacity,
+        token_capacity=ws.token_capacity, minibatch=c.minibatch_size,
+        macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
+        num_sms=ws.buffers.num_sms, save=save, stall_minibatch=ws.buffers.stall_minibatch,
+    )  # fmt: skip
+    if sched.is_pending():
+        _fill(ws, sched, plan)
+    return outs["out"], _context(ws, sched, plan, outs, save, shared_gu, shared_a)
+
+
+def _context(ws, sched, plan, outs, save, shared_gu, shared_a) -> stage1.CudaContext:
+    """Stage 1's context from the plan and the ring: its backward serves this forward."""
+    shape = mega_shape(ws)
+    cplan = CudaPlan(plan["row_tok"][: shape.padded_rows], plan["token_rows_padded"],
+                     plan["offs"], plan["expert_rows"], plan["prow"])  # fmt: skip
+    rounds = Rounds(shape.num_rounds, shape.ring_rows, plan["row_tok"], plan["w_rows"],
+                    plan["first_round"])  # fmt: skip
+    saved = x_recv = None
+    if save and shape.num_rounds == 1:
+        saved = ExpertRows(outs["x_ring"], outs["act_ring"], outs["y_rows"], h=outs["h_ring"])
+    elif save:
+        x_recv = outs["x_recv"]
+    return stage1.CudaContext(cplan, rounds, saved, x_recv, shared_gu, shared_a)

@@ -1,0 +1,321 @@
+"""The forward megakernel (``MoKConfig.cuda_forward='megakernel'``) on one GPU: EP 1 and virtual
+ranks (W = 2 and 4 on one GPU), against the float64 oracle, the reference backend and stage 1.
+
+Bitwise: at EP 1 the megakernel computes what stage 1 computes, in the same order (the same
+128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its output and
+the gradients of stage 1's backward on its context are bitwise equal to stage 1's (fused gate/up
+form, MOK_EXPERT_GEMM=auto). With several ranks the source sums slots in slot order where stage 1
+sums each rank's slots first: equal within tolerance. Run to run, everything is bitwise equal.
+Outputs are poisoned before every run (``testing.poison``), the plan is checked integer for
+integer against stage 1's torch plan, and a stalled minibatch or rank times out with a record
+that names it instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_cuda_backend import (
+    EDGE_CASES,
+    ROUND_CASES,
+    SHAPES,
+    Run,
+    VirtualRuns,
+    _assert_schedule_equal,
+    _bitwise_equal,
+    _check_accuracy,
+    _check_against_reference,
+    _device,
+    _graph_check,
+    _no_sync_check,
+    _problem,
+    _virtual_failures,
+)
+
+from mok_megatron import functional as F
+from mok_megatron import ops
+from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available()
+        or not ops.has_op("moe_mega_forward")
+        or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm_90 GPU and mok_megatron._C with the megakernel",
+    ),
+]
+
+MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8)
+STAGE1 = F.MoKConfig(cuda_forward="stage1", fwd_num_comm_sms=8)
+MEGA_ROUNDS = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8, minibatch_size=128,
+                          macrobatch_size=256)  # fmt: skip
+STAGE1_ROUNDS = F.MoKConfig(cuda_forward="stage1", fwd_num_comm_sms=8, minibatch_size=128,
+                            macrobatch_size=256)  # fmt: skip
+
+
+def _mega_and_stage1(problem, mega_config, stage1_config, num_local_tokens=None):
+    mega = Run(problem, "cuda", config=mega_config, form="fused_auto",
+               num_local_tokens=num_local_tokens)  # fmt: skip
+    assert mega.ws.backend.path(mega.ws) == "megakernel"
+    sched, got = mega()
+    stage1 = Run(problem, "cuda", config=stage1_config, form="fused_auto",
+                 num_local_tokens=num_local_tokens)  # fmt: skip
+    assert stage1.ws.backend.path(stage1.ws) == "stage1"
+    _, want = stage1()
+    return mega, sched, got, want
+
+
+def _assert_equal_to_stage1(got, want):
+    bad = _bitwise_equal(want, got)
+    assert not bad, f"megakernel differs from stage 1 (bitwise) in {bad}"
+
+
+# ------------------------------------------------------------------------------------- plan
+@pytest.mark.parametrize("macrobatch", [256, 1024, 131072])
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "one_expert"])
+def test_device_plan_equals_stage1_torch_plan(routing, macrobatch):
+    problem = _problem([300], (128, 64, 16, 4, 0), seed=3, routing=routing,
+                       empty_slot_fraction=0.1)  # fmt: skip
+    config = F.MoKConfig(cuda_forward="megakernel", minibatch_size=128, macrobatch_size=macrobatch)
+    run = Run(problem, "cuda", config=config, form="fused")
+    sched = run.schedule()
+    sched.row_expert  # noqa: B018 (a first read builds the pending schedule: the plan op)
+    _assert_schedule_equal(sched, problem, run.ws)
+    plan = sched.device_plan
+    want = padded_plan(sched)
+    rounds = make_rounds(macrobatch, sched, want, sched.global_weights)
+    pairs = {
+        "offs": want.offs, "expert_rows": want.expert_rows, "prow": want.prow,
+        "token_rows_padded": want.token_rows, "row_tok": rounds.row_tok,
+        "w_rows": rounds.w_rows, "first_round": rounds.first_round,
+    }  # fmt: skip
+    for name, expected in pairs.items():
+        assert torch.equal(plan[name], expected), name
+    _assert_tiles(plan, rounds, want)
+
+
+def _assert_tiles(plan, rounds, cplan):
+    """The tile table: each round's groups cut into <= 128-row m-tiles, in row order."""
+    ends = cplan.offs.tolist()
+    starts = [0, *ends[:-1]]  # each group's first padded row (8-aligned)
+    for r in range(rounds.count):
+        lo, hi = r * rounds.rows, (r + 1) * rounds.rows
+        want = []
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            b, end = max(s, lo), min(t, hi)
+            while b < end:
+                want.append([e, b - lo, min(b + 128, end) - lo])
+                b += 128
+        count = int(plan["tile_count"][r])
+        got = plan["tiles"][r, :count, :3].tolist()
+        assert got == want, f"round {r}: tiles {got[:4]}... != {want[:4]}..."
+
+
+# --------------------------------------------------------------------------------- EP 1
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_shapes_match_oracle_and_equal_stage1(shape):
+    problem = _problem([300], SHAPES[shape], seed=11)
+    mega, sched, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
+    _assert_schedule_equal(sched, problem, mega.ws)
+    failures = _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, MEGA, form="fused")
+    assert not failures, failures
+    _assert_equal_to_stage1(got, want)
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_edge_cases_match_oracle_and_equal_stage1(case):
+    tokens, shape, kwargs, t_max = EDGE_CASES[case]
+    problem = _problem(tokens, shape, seed=5, **kwargs)
+    mega, sched, got, want = _mega_and_stage1(problem, MEGA, STAGE1, num_local_tokens=t_max)
+    _assert_schedule_equal(sched, problem, mega.ws)
+    failures = _check_accuracy(problem, got)
+    assert not failures, failures
+    _assert_equal_to_stage1(got, want)
+
+
+@pytest.mark.parametrize("case", list(ROUND_CASES))
+def test_more_rows_than_one_ring(case):
+    """Rounds of 256 rows (several per pass): the ring is refilled after each round."""
+    tokens, shape, kwargs = ROUND_CASES[case]
+    problem = _problem(tokens, shape, seed=23, **kwargs)
+    mega, sched, got, want = _mega_and_stage1(problem, MEGA_ROUNDS, STAGE1_ROUNDS)
+    assert mega.ws.buffers.mega.num_rounds > 1
+    failures = _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, MEGA_ROUNDS, form="fused")
+    assert not failures, failures
+    _assert_equal_to_stage1(got, want)
+
+
+def test_full_width_qwen3_equals_stage1():
+    problem = _problem([2000], (2048, 768, 64, 8, 0), seed=17)
+    _, _, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
+    assert not _check_accuracy(problem, got, oracle_device=_device())
+    _assert_equal_to_stage1(got, want)
+
+
+def test_bitwise_repeatable_graph_replay_and_no_host_sync():
+    problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
+    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    _, first = run()
+    for i in range(4):
+        _, again = run()
+        assert not _bitwise_equal(first, again), f"run {i + 2} differs"
+    _graph_check(run)
+    _no_sync_check(run)
+
+
+def test_knob_values_change_the_launch_not_the_result():
+    """fwd_num_comm_sms and minibatch_size reach the launch (a value it cannot take raises
+    there) but not the arithmetic: every setting gives the same bits."""
+    problem = _problem([257], SHAPES["qwen3-30b-a3b"], seed=9)
+    results = []
+    for comm, mini in ((1, 128), (8, 256), (40, 512)):
+        config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=comm,
+                             minibatch_size=mini, macrobatch_size=131072)  # fmt: skip
+        results.append(Run(problem, "cuda", config=config, form="fused_auto")()[1])
+    for other in results[1:]:
+        assert not _bitwise_equal(results[0], other)
+    run = Run(problem, "cuda", config=MEGA, form="fused")
+    run.ws.buffers.num_sms = MEGA.fwd_num_comm_sms  # a grid of 8 SMs cannot spare 8 for comm
+    with pytest.raises(RuntimeError, match=r"fwd_num_comm_sms=8 must be in \[1, 7\]"):
+        run()
+
+
+def test_forward_without_grad_keeps_nothing():
+    problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=12)
+    run = Run(problem, "cuda", config=MEGA, form="fused")
+    sched = run.schedule()
+    out, ctx = F.forward(MEGA, run.ws, sched, run.x, run.rw, *run.weights,
+                         save_for_backward=False)  # fmt: skip
+    assert ctx.saved is None and ctx.x_recv is None
+    with pytest.raises(RuntimeError, match="kept nothing"):
+        F.backward(MEGA, run.ws, sched, ctx, run.d_out, run.x, run.rw, *run.weights)
+    x = run.x.clone().requires_grad_(False)
+    with torch.no_grad():  # functional.moe under no_grad: the same
+        y = F.moe(x, run.topk, run.rw, *run.routed, config=MEGA, workspace=run.ws)
+    assert torch.equal(y, out)
+
+
+def test_split_weights_take_stage1_or_fail_clearly():
+    problem = _problem([100], (128, 64, 8, 2, 0), seed=2)
+    auto = Run(problem, "cuda", config=F.MoKConfig(fwd_num_comm_sms=8), form="split")
+    assert auto.ws.backend.path(auto.ws) == "megakernel"
+    _, got = auto()  # separate gate and up: stage 1 runs them
+    assert not _check_accuracy(problem, got)
+    strict = Run(problem, "cuda", config=MEGA, form="split")
+    with pytest.raises(ValueError, match="fused gate/up"):
+        strict()
+
+
+# ------------------------------------------------------------------------- virtual ranks
+VIRTUAL = {
+    "qwen3-30b-a3b": ([256, 200], SHAPES["qwen3-30b-a3b"], {}),
+    "deepseek-v3_shared": ([200, 160], SHAPES["deepseek-v3"], {}),
+    "mixtral-8x7b": ([150, 190], SHAPES["mixtral-8x7b"], {}),
+    "uneven_skewed": ([97, 3], (128, 64, 8, 4, 32), {"routing": "skewed"}),
+    "rank_without_tokens": ([61, 0], (128, 64, 8, 2, 0), {}),
+    "all_to_one_expert_topk1": ([120, 90], (128, 64, 8, 1, 0), {"routing": "one_expert"}),
+    "four_ranks_topk8": ([70, 0, 33, 81], (128, 64, 16, 8, 0), {"empty_slot_fraction": 0.2}),
+    "four_ranks_rounds": ([150, 90, 33, 81], (128, 64, 16, 4, 0), {"routing": "skewed"}),
+}
+
+
+@pytest.mark.parametrize("case", list(VIRTUAL))
+def test_virtual_ranks_match_oracle_and_repeat_bitwise(case):
+    tokens, shape, kwargs = VIRTUAL[case]
+    problem = _problem(tokens, shape, seed=43, **kwargs)
+    w = len(tokens)
+    rounds = case.endswith("rounds")
+    config = F.MoKConfig(
+        cuda_forward="megakernel", fwd_num_comm_sms=4, schedule_capacity_multiplier=float(w),
+        minibatch_size=128, macrobatch_size=256 if rounds else 131072,
+    )  # fmt: skip
+    vruns = VirtualRuns(problem, w, config=config, form="fused_auto")
+    assert all(ws.backend.path(ws) == "megakernel" for ws in vruns.workspaces)
+    scheds, results = vruns()
+    if rounds:
+        assert vruns.workspaces[0].buffers.mega.num_rounds > 1
+    failures = _virtual_failures(problem, vruns, scheds, results)
+    _, again = vruns()
+    failures += [f"repeat differs in {n}" for a, b in zip(results, again)
+                 for n in _bitwise_equal(a, b)]  # fmt: skip
+    assert not failures, failures
+
+
+# ------------------------------------------------------------------------------ timeouts
+_STALL = """
+import os, torch
+from mok_megatron import functional as F
+from mok_megatron.ops import interleave_gate_up
+from mok_megatron.ops.moe import check_mega_error
+from mok_megatron.testing import random_moe_problem
+p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
+x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128)
+ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
+                        num_experts=8, intermediate_size=64, backend="cuda")
+ws.buffers.stall_minibatch = 2
+sched = F.build_schedule(ws, config, topk, router_weights=rw)
+try:
+    F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)
+    torch.cuda.synchronize()
+    print("NO-TIMEOUT", flush=True)
+except Exception as exc:
+    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
+    try:
+        check_mega_error(ws.buffers.error_record)
+    except RuntimeError as err:
+        print("RECORD", err, flush=True)
+"""
+
+
+def _child(script: str, tmp_path, timeout_ms: int) -> str:
+    path = tmp_path / "child.py"
+    path.write_text(textwrap.dedent(script))
+    env = dict(os.environ, MOK_WAIT_TIMEOUT_MS=str(timeout_ms), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
+def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(tmp_path):
+    output = _child(_STALL, tmp_path, 1500)
+    assert "LAUNCH-FAILED" in output, output[-3000:]
+    assert "rank 0 timed out" in output and "L1 task waiting for its rows" in output, output[-3000:]
+    assert "minibatch 2" in output and "arrive" in output, output[-3000:]
+
+
+_STALLED_RANK = """
+import torch
+from mok_megatron import functional as F
+from mok_megatron.ops import interleave_gate_up
+from mok_megatron.testing import random_moe_problem
+p = random_moe_problem([64, 64], 128, 64, 8, 2, seed=1)
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4)
+wss = F.create_virtual_workspaces(config, 2, device="cuda", num_local_tokens=64, hidden_size=128,
+                                  topk=2, num_experts=8, intermediate_size=64)
+x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
+sched = F.build_schedule(wss[0], config, topk, router_weights=rw)
+try:  # rank 1 never runs its pass: rank 0's barrier must give up, not hang
+    F.forward(config, wss[0], sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)
+    torch.cuda.synchronize()
+    print("NO-TIMEOUT", flush=True)
+except Exception as exc:
+    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
+"""
+
+
+def test_a_stalled_virtual_rank_times_out_instead_of_hanging(tmp_path):
+    output = _child(_STALLED_RANK, tmp_path, 1500)
+    assert "LAUNCH-FAILED" in output, output[-3000:]
+    assert "mok: rank 0 timed out after 1500 ms in phase 'schedule/routing staged'" in output, (
+        output[-3000:]
+    )
+    assert "peer 1" in output, output[-3000:]
