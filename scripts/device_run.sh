@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# The one command a recorded device run calls (kind nvidia-h200-x2), with the prebuilt
-# mok_megatron/_C*.so and .whl/ (megatron-core) carried:
-#   1. scripts/gpu_check.sh 2: every GPU test on 1 GPU, then the multi-GPU tests on 2 (JSON record)
-#   2. scripts/bench_moe.py at EP 2 (torchrun) and EP 1, one JSON record each (written per case)
-#   3. scripts/profile_moe.py at EP 2: where the GPU time goes, MoK and baseline
+# The one command a recorded device run calls, with the prebuilt mok_megatron/_C*.so and .whl/
+# (megatron-core, nvidia-cutlass) carried:
+#   tests       scripts/gpu_check.sh: every single-GPU test, plus the multi-GPU tests when the
+#               machine has 2 GPUs or more (JSON record)
+#   bench_ep2   scripts/bench_moe.py at EP 2 (torchrun, 2 GPUs)
+#   bench_ep1   scripts/bench_moe.py at EP 1
+#   profile     scripts/profile_moe.py at EP 2 (2 GPUs) or EP 1 (one GPU)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
-# BENCH_EP2_ARGS / BENCH_EP1_ARGS (extra bench arguments), BENCH_TIMEOUT_S (per bench run),
-# STEPS (default "tests bench_ep2 bench_ep1 profile": the steps to run).
+# BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS (extra arguments), BENCH_TIMEOUT_S (per bench
+# run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+ GPUs, "tests bench_ep1 profile"
+# on one).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-tests bench_ep2 bench_ep1 profile}"
+NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+if [[ $NGPU -ge 2 ]]; then KIND=nvidia-h200-x$NGPU; DEFAULT="tests bench_ep2 bench_ep1 profile";
+else KIND=nvidia-h200; DEFAULT="tests bench_ep1 profile"; fi
+STEPS="${STEPS:-$DEFAULT}"
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 if step tests; then
-  MOK_DEVICE_KIND="${MOK_DEVICE_KIND:-nvidia-h200-x2}" bash scripts/gpu_check.sh 2 > "$OUT/gpu_check.log" 2>&1
-  echo "[device_run] gpu_check exit $?"; grep -E "passed|failed|error" "$OUT/gpu_check.log" | tail -6
+  MOK_DEVICE_KIND="${MOK_DEVICE_KIND:-$KIND}" bash scripts/gpu_check.sh "$([[ $NGPU -ge 2 ]] && echo 2 || echo 0)" \
+    > "$OUT/gpu_check.log" 2>&1
+  echo "[device_run] gpu_check exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_check.log" | tail -12
 fi
 export PYTHONPATH="/tmp/site:$PWD"
 if step bench_ep2; then
@@ -30,9 +37,10 @@ if step bench_ep1; then
   echo "[device_run] bench EP 1 exit $?"; grep -E "speedup|skipped|Error" "$OUT/bench_ep1.log" | tail -14
 fi
 if step profile; then
-  timeout "${BENCH_TIMEOUT_S:-240}" torchrun --standalone --nproc-per-node 2 scripts/profile_moe.py \
-    --out "$OUT/profile_ep2.json" > "$OUT/profile_ep2.log" 2>&1
-  echo "[device_run] profile exit $?"; grep -E "GPU time|Error" "$OUT/profile_ep2.log" | tail -6
+  EP=$([[ $NGPU -ge 2 ]] && echo 2 || echo 1)
+  timeout "${BENCH_TIMEOUT_S:-240}" torchrun --standalone --nproc-per-node "$EP" scripts/profile_moe.py \
+    --out "$OUT/profile_ep$EP.json" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
+  echo "[device_run] profile exit $?"; grep -E "GPU time|Error" "$OUT/profile.log" | tail -6
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.

@@ -1,11 +1,13 @@
 """The forward megakernel (``MoKConfig.cuda_forward='megakernel'``) on one GPU: EP 1 and virtual
 ranks (W = 2 and 4 on one GPU), against the float64 oracle, the reference backend and stage 1.
 
-Bitwise: at EP 1 the megakernel computes what stage 1 computes, in the same order (the same
-128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its output and
-the gradients of stage 1's backward on its context are bitwise equal to stage 1's (fused gate/up
-form, MOK_EXPERT_GEMM=auto). With several ranks the source sums slots in slot order where stage 1
-sums each rank's slots first: equal within tolerance. Run to run, everything is bitwise equal.
+Bitwise: at EP 1 in one round the megakernel computes what stage 1 computes, in the same order
+(the same 128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its
+output and the gradients of stage 1's backward on its context are bitwise equal to stage 1's
+(fused gate/up form, MOK_EXPERT_GEMM=auto). Where stage 1 sums a token's slots in another order
+the output agrees within tolerance only (the gradients stay bitwise): in macrobatch rounds it sums
+round by round, with several ranks rank by rank; the megakernel always in slot order. Run to run,
+everything is bitwise equal.
 Outputs are poisoned before every run (``testing.poison``), the plan is checked integer for
 integer against stage 1's torch plan, and a stalled minibatch or rank times out with a record
 that names it instead of hanging.
@@ -71,8 +73,12 @@ def _mega_and_stage1(problem, mega_config, stage1_config, num_local_tokens=None)
     return mega, sched, got, want
 
 
-def _assert_equal_to_stage1(got, want):
+def _assert_equal_to_stage1(got, want, except_out=False):
+    """Bitwise equal to stage 1 (``except_out``: the gradients; the output is within tolerance,
+    checked against the oracle by the caller)."""
     bad = _bitwise_equal(want, got)
+    if except_out:
+        bad = [name for name in bad if name != "out"]
     assert not bad, f"megakernel differs from stage 1 (bitwise) in {bad}"
 
 
@@ -150,7 +156,7 @@ def test_more_rows_than_one_ring(case):
     failures = _check_accuracy(problem, got)
     failures += _check_against_reference(problem, got, MEGA_ROUNDS, form="fused")
     assert not failures, failures
-    _assert_equal_to_stage1(got, want)
+    _assert_equal_to_stage1(got, want, except_out=True)  # stage 1 sums round by round
 
 
 def test_full_width_qwen3_equals_stage1():
