@@ -61,6 +61,12 @@ def parse_args(argv=None):
         "process: which expert GEMMs win",
     )
     p.add_argument(
+        "--mok-cuda-forward",
+        default=None,
+        choices=("stage1", "megakernel", "auto"),
+        help="MoKConfig.cuda_forward of the MoK layer timed as 'mok' (default: MoKConfig's)",
+    )
+    p.add_argument(
         "--mok-stage1",
         action="store_true",
         help="also time MoK with MoKConfig.cuda_forward='stage1' (the kernel sequence), as "
@@ -114,8 +120,9 @@ def transformer_config(shape, device: str):
     )  # fmt: skip
 
 
-def build_layers(config, backend: str, max_tokens: int):
-    """(baseline MoELayer, MoK layer), the MoK layer holding the baseline's weights."""
+def build_layers(config, backend: str, max_tokens: int, cuda_forward: str | None = None):
+    """(baseline MoELayer, MoK layer), the MoK layer holding the baseline's weights;
+    ``cuda_forward``: its MoKConfig.cuda_forward (None: the default)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -130,7 +137,11 @@ def build_layers(config, backend: str, max_tokens: int):
         stock.func, *stock.args, **{**stock.keywords, "submodules": submodules}
     )
     base = baseline(config=config, pg_collection=pg)
-    mok = get_mok_moe_module_spec(use_te=False, backend=backend, max_local_tokens=max_tokens)
+    from mok_megatron.functional import MoKConfig
+
+    mok_config = MoKConfig() if cuda_forward is None else MoKConfig(cuda_forward=cuda_forward)
+    mok = get_mok_moe_module_spec(use_te=False, backend=backend, max_local_tokens=max_tokens,
+                                  mok_config=mok_config)  # fmt: skip
     layer = mok(
         config=dataclasses.replace(config, moe_token_dispatcher_type="mok"), pg_collection=pg
     )
@@ -223,13 +234,16 @@ def compare_outputs(base, layer, inputs) -> float:
 
 
 def _backend_name(layer) -> str:
-    """The backend the MoK layer's workspace resolved to (after its first call)."""
-    return layer.experts._layer_runtime.last_workspace.backend.name
+    """The backend (and CUDA path) the MoK layer's workspace resolved to (after its first call):
+    "reference", "cuda/stage1" or "cuda/megakernel"."""
+    from mok_megatron.functional.workspace import backend_path
+
+    return backend_path(layer.experts._layer_runtime.last_workspace)
 
 
 def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
     config = transformer_config(shape, args.device)
-    base, layer = build_layers(config, args.backend, tokens)
+    base, layer = build_layers(config, args.backend, tokens, args.mok_cuda_forward)
     dtype = config.params_dtype
     sets = make_inputs(args.rotate, tokens, shape, routing, args.device, dtype, args.seed, rank)
     rows, remote = traffic(sets, shape, rank, world)

@@ -68,6 +68,38 @@ TABLE_HEAD = (
 )
 
 
+def stage1_rows(records):
+    """MoK's default forward against MoK with cuda_forward='stage1', same process (bench_moe.py
+    --mok-stage1), where a record has both."""
+    for _, record in records:
+        for case in record["cases"]:
+            for label in ("fwd", "fwd_bwd"):
+                r = case.get(label, {})
+                if "mok_stage1" not in r:
+                    continue
+                m, t = r["mok"], r["mok_stage1"]
+                yield (
+                    f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
+                    f"| {case['routing']} | {label.replace('_', '+')} | {case['mok_backend']} "
+                    f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
+                    f"| {t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f}) "
+                    f"| **{r['stage1_speedup']:.2f}x** | {m['fraction_of_floor']:.2f} "
+                    f"| {t['fraction_of_floor']:.2f} | {m['peak_mem_bytes'] / 2**30:.2f} "
+                    f"| {t['peak_mem_bytes'] / 2**30:.2f} |"
+                )
+
+
+STAGE1_HEAD = (
+    "## MoK's forward paths: the timed path against stage 1\n\n"
+    "The MoK layer as above (its `cuda_forward` in the 'mok backend' column) against the same "
+    "layer with `cuda_forward='stage1'` (the kernel sequence), same process. Ratio > 1: the timed "
+    "path is faster than stage 1.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | mok backend | mok ms (p10-p90) "
+    "| stage 1 ms (p10-p90) | ratio | mok of floor | stage 1 of floor | mok peak GiB "
+    "| stage 1 peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def engine_rows(records):
     """MoK with its default expert GEMMs against MoK under other MOK_EXPERT_GEMM settings
     (bench_moe.py --mok-expert-gemm), where a record has them."""
@@ -122,17 +154,24 @@ def profile_tables(path, top: int = 10):
     """The heaviest GPU kernels of MoK and of the baseline, per profiled shape."""
     record = json.load(open(path))
     env = record["environment"]
-    yield "## Where the time goes (torch.profiler, forward + backward, GPU time per iteration)\n"
+    yield "## Where the time goes (torch.profiler, GPU time per iteration)\n"
     yield (
         f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
-        f"`{(env.get('commit') or 'unknown')[:12]}`), written by `scripts/profile_moe.py`.\n"
+        f"`{(env.get('commit') or 'unknown')[:12]}`), written by `scripts/profile_moe.py`; "
+        f"'mok' is the layer as profiled (`{record['args'].get('mok_cuda_forward') or 'default'}`"
+        " forward). A forward (`_fwd`) and a forward + backward per shape; launches counts every "
+        "kernel and copy of one pass.\n"
     )
     for case in record["cases"]:
-        for who in ("mok", "baseline"):
+        for who in ("mok_fwd", "baseline_fwd", "mok", "baseline"):
+            if who not in case:
+                continue
             prof = case[who]
+            launches = prof.get("launches_per_iter")
+            extra = f", {launches:.0f} launches" if launches is not None else ""
             yield (
                 f"### {case['shape']}, {case['tokens_per_rank']} tokens/rank, "
-                f"{case['routing']}: {who} ({prof['gpu_time_us_per_iter'] / 1e3:.2f} ms)\n"
+                f"{case['routing']}: {who} ({prof['gpu_time_us_per_iter'] / 1e3:.2f} ms{extra})\n"
             )
             yield "| kernel | calls/iter | ms/iter | share |\n|---|---|---|---|"
             for k in prof["kernels"][:top]:
@@ -185,6 +224,9 @@ def main(argv=None) -> None:
     parts += ["## Results\n", TABLE_HEAD]
     for _, record in records:
         parts += list(rows(record))
+    stage1 = list(stage1_rows(records))
+    if stage1:
+        parts += ["", STAGE1_HEAD, *stage1]
     engine = list(engine_rows(records))
     if engine:
         settings = sorted(

@@ -28,6 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--routing", default="uniform")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--top", type=int, default=25, help="kernels kept per profile")
+    p.add_argument("--mok-cuda-forward", default=None, choices=("stage1", "megakernel", "auto"))
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
     for name in args.shapes.split(","):
         shape = bench_moe.SHAPES[name]
         config = bench_moe.transformer_config(shape, "cuda")
-        base, layer = bench_moe.build_layers(config, "auto", args.tokens)
+        base, layer = bench_moe.build_layers(config, "auto", args.tokens, args.mok_cuda_forward)
         sets = bench_moe.make_inputs(2, args.tokens, shape, args.routing, "cuda",
                                      config.params_dtype, 1234, rank)  # fmt: skip
         case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing, "ep": world}

@@ -25,7 +25,7 @@ __global__ void bump_epoch_kernel(int32_t* epoch) { *epoch += 1; }
 void moe_build_plan(const scheduler::PlanParams& p, cudaStream_t stream) {
   using namespace scheduler;
   const int64_t padded_rows = p.shape.num_rounds() * p.shape.ring_rows();
-  plan_experts<<<1, 128, 0, stream>>>(p);
+  plan_experts<<<1, kPlanThreads, 0, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
   plan_fill<<<grid_for(padded_rows), kThreads, 0, stream>>>(p);
   MOK_CUDA_CHECK(cudaGetLastError());
@@ -59,7 +59,7 @@ void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, con
   const auto& lay = comm.lay;
   const int64_t slots = lay.num_ranks * lay.max_tokens * lay.topk;
   if (slots == 0) return;
-  roles::zero_dropped_slots<<<grid_for(slots), 128, 0, stream>>>(
+  roles::zero_dropped_slots<<<grid_for(slots * 32), kThreads, 0, stream>>>(
       lay, comm.peer_bases, global_topk, slot_row, comm.rank, num_local_experts);
   MOK_CUDA_CHECK(cudaGetLastError());
 }

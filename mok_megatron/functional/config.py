@@ -73,10 +73,11 @@ class MoKConfig:
         "for skewed routing; a value >= the EP size can never overflow.",
     )
     cuda_forward: str = _knob(
-        "auto",
-        "The CUDA backend's forward: 'megakernel' (one persistent launch per pass; sm_90a and "
-        "the fused gate/up weights of MoKExperts), 'stage1' (the sequence of kernels) or 'auto' "
-        "(the megakernel wherever it can run the call, else stage 1).",
+        "stage1",
+        "The CUDA backend's forward: 'stage1' (the sequence of kernels; the default while it is "
+        "the faster one, docs/PERF.md), 'megakernel' (one persistent launch per pass; sm_90a and "
+        "the fused gate/up weights of MoKExperts) or 'auto' (the megakernel wherever it can run "
+        "the call, else stage 1).",
     )
     bwd_schedule: str = _knob(
         "macrobatch",
@@ -111,7 +112,7 @@ class MoKConfig:
         if self.cuda_forward not in CUDA_FORWARDS:
             raise ValueError(
                 f"MoKConfig.cuda_forward={self.cuda_forward!r} must be one of {CUDA_FORWARDS}; "
-                "'auto' picks the megakernel where it can run"
+                "'stage1' is the default, 'auto' picks the megakernel where it can run"
             )
         if self.bwd_schedule == "minibatch":
             raise ValueError(

@@ -96,6 +96,13 @@ class MoKSchedule:
     def is_pending(self) -> bool:
         return self.__dict__.get("_build") is not None
 
+    def ensure_built(self) -> MoKSchedule:
+        """Make a pending schedule's tensors now (a no-op once made); returns self."""
+        build = self.__dict__.get("_build")
+        if build is not None:
+            build(self)
+        return self
+
     def fill(self, tensors: dict) -> None:
         """Give a pending schedule its INTEGER_FIELDS (a dict with each of them)."""
         self.__dict__.update({name: tensors[name] for name in self.INTEGER_FIELDS})

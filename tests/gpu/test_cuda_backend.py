@@ -167,7 +167,9 @@ class Run:
             sched = self.schedule()
             return sched, self.passes(sched)
         _poison_workspace(self.ws)
-        with poisoned_memory() as mem:
+        # the reference backend computes in float32: its passes need a larger pool
+        size = (12 if self.ws.backend.name == "reference" else 4) << 30
+        with poisoned_memory(large_bytes=size) as mem:
             sched = self.schedule()
             result = self.passes(sched)
         _assert_outputs_poisoned(mem, self.ws, sched, result)
@@ -413,7 +415,7 @@ def test_schedule_bitwise_many_routings():
             run = Run(problem, "cuda", num_local_tokens=190)
             _poison_workspace(run.ws)
             with poisoned_memory() as mem:
-                sched = run.schedule()
+                sched = run.schedule().ensure_built()  # the megakernel path's is lazy
             _assert_outputs_poisoned(mem, run.ws, sched, {})
             _assert_schedule_equal(sched, problem, run.ws)
 
@@ -478,7 +480,7 @@ def test_bad_expert_id_raises_at_next_check():
     problem = _problem([40], (64, 32, 8, 2, 0), seed=2)
     problem.topk_experts[3, 1] = 8  # == num_experts: out of range
     run = Run(problem, "cuda")
-    run.schedule()
+    run.schedule().ensure_built()
     with pytest.raises(ValueError, match="outside"):
         run.ws.check_errors()
 
@@ -492,6 +494,13 @@ def test_workspace_bytes_matches_allocation():
         intermediate_size=64, backend="cuda",
     )  # fmt: skip
     assert run.ws.buffers.buffer.numel() == expected
+    mega = F.MoKConfig(cuda_forward="megakernel")  # + the slot_rows and counters regions
+    run = Run(problem, "cuda", config=mega)
+    expected = F.workspace_bytes(
+        mega, num_ranks=1, num_local_tokens=64, hidden_size=128, topk=2, num_experts=8,
+        intermediate_size=64, backend="cuda",
+    )  # fmt: skip
+    assert run.ws.buffers.buffer.numel() == expected > run.ws.buffers.layout.offsets["slot_rows"]
 
 
 @pytest.mark.gpu

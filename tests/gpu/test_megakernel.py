@@ -90,8 +90,7 @@ def test_device_plan_equals_stage1_torch_plan(routing, macrobatch):
                        empty_slot_fraction=0.1)  # fmt: skip
     config = F.MoKConfig(cuda_forward="megakernel", minibatch_size=128, macrobatch_size=macrobatch)
     run = Run(problem, "cuda", config=config, form="fused")
-    sched = run.schedule()
-    sched.row_expert  # noqa: B018 (a first read builds the pending schedule: the plan op)
+    sched = run.schedule().ensure_built()  # the plan op (the forward's op would make it too)
     _assert_schedule_equal(sched, problem, run.ws)
     plan = sched.device_plan
     want = padded_plan(sched)
@@ -211,7 +210,8 @@ def test_forward_without_grad_keeps_nothing():
 
 def test_split_weights_take_stage1_or_fail_clearly():
     problem = _problem([100], (128, 64, 8, 2, 0), seed=2)
-    auto = Run(problem, "cuda", config=F.MoKConfig(fwd_num_comm_sms=8), form="split")
+    auto = Run(problem, "cuda", config=F.MoKConfig(cuda_forward="auto", fwd_num_comm_sms=8),
+               form="split")  # fmt: skip
     assert auto.ws.backend.path(auto.ws) == "megakernel"
     _, got = auto()  # separate gate and up: stage 1 runs them
     assert not _check_accuracy(problem, got)

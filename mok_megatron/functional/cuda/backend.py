@@ -53,15 +53,33 @@ class CudaBackend:
 
     @staticmethod
     def workspace_bytes(**shape) -> int:
-        from mok_megatron.ops import extension_error
-        from mok_megatron.ops.moe import moe_workspace_layout
+        """The layout's bytes; with the megakernel's regions when the config asks for it
+        ('megakernel', or 'auto' on an sm_90 GPU with the megakernel built)."""
+        from mok_megatron.ops import extension_error, has_op
+        from mok_megatron.ops.moe import MEGA_OPS, moe_mega_shape, moe_workspace_layout
 
         if extension_error() is not None:
             raise RuntimeError(
                 f"the CUDA backend's workspace layout needs mok_megatron._C ({extension_error()})"
             )
+        c = shape["config"]
+        auto = (c.cuda_forward == "auto" and torch.cuda.is_available()
+                and torch.cuda.get_device_capability() == (9, 0)
+                and all(has_op(op) for op in MEGA_OPS))  # fmt: skip
+        words = 0
+        if c.cuda_forward == "megakernel" or auto:
+            words = moe_mega_shape(
+                shape["row_capacity"], shape["num_experts"] // shape["num_ranks"],
+                shape["hidden_size"], shape["intermediate_size"], c.minibatch_size,
+                c.macrobatch_size,
+            ).counter_words  # fmt: skip
         return moe_workspace_layout(
-            shape["num_ranks"], shape["num_local_tokens"], shape["topk"], shape["hidden_size"]
+            shape["num_ranks"],
+            shape["num_local_tokens"],
+            shape["topk"],
+            shape["hidden_size"],
+            words > 0,
+            words,
         ).total_bytes
 
     def path(self, ws: MoKWorkspace) -> str:

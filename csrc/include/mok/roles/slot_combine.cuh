@@ -53,19 +53,22 @@ __global__ void reduce_slot_rows(WorkspaceLayout lay, uint64_t my_base, const in
   }
 }
 
-// Grid-stride over [W, T_max, K] slots (x H / 8 vectors): a slot routed to this rank whose row
-// the schedule dropped (slot_row < 0) gets zeros in its source's slot_rows.
+// One warp per slot of [W, T_max, K] (grid-stride): a slot routed to this rank whose row the
+// schedule dropped (slot_row < 0) gets zeros in its source's slot_rows. Without an overflow no slot
+// is dropped and the pass reads the two int arrays once.
 __global__ void zero_dropped_slots(WorkspaceLayout lay, const uint64_t* peer_bases,
                                    const int64_t* global_topk, const int* slot_row, int rank,
                                    int64_t num_local_experts) {
   const int64_t hidden = lay.hidden, vecs = hidden / 8;
   const int64_t per_rank = lay.max_tokens * lay.topk, n = lay.num_ranks * per_rank;
-  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = (blockIdx.x * blockDim.x + threadIdx.x) / 32; i < n; i += warps) {
     const int64_t local = global_topk[i] - rank * num_local_experts;
-    if (local < 0 || local >= num_local_experts || slot_row[i] >= 0) continue;
+    if (local < 0 || local >= num_local_experts || slot_row[i] >= 0) continue;  // warp-uniform
     uint4* dst = lay.at<uint4>(peer_bases[i / per_rank], Region::kSlotRows) +
                  (i % per_rank) * vecs;  // peer memory
-    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+    for (int64_t v = lane; v < vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
   }
 }
 

@@ -3,12 +3,14 @@
 // padded row's source, destination slot and router weight. Integer-for-integer equal to stage
 // 1's torch plan (mok_megatron/functional/cuda/plan.py: padded_plan, make_rounds); the
 // megakernel reads row_src / row_dst / tile_count / tiles (layout/mega.cuh).
-//   plan_experts     (one block; E_l and R are small) group starts and ends, first rounds, the
-//                    tile table of every round
+//   plan_experts     (one block; E_l and R are small) block scans: group starts and ends, first
+//                    rounds, the tile table of every round
 //   plan_fill        padded-row arrays to "padding" (-1 / 0)
 //   plan_rows        per schedule row: its padded row, and that row's token, weight, src, dst
 //   plan_token_rows  per received (token, slot): its padded row
 #pragma once
+
+#include <cub/block/block_scan.cuh>
 
 #include <cstdint>
 
@@ -18,43 +20,55 @@
 
 namespace mok::scheduler {
 
+constexpr int kPlanThreads = 512;
 
-// One block. Thread 0 scans the groups (E_l is at most a few hundred); then one thread per round
-// writes that round's tiles.
+// One block of kPlanThreads: block-wide scans over the groups (in chunks of kPlanThreads, with a
+// carry), then, round by round, each group's m-tiles written at its scanned offset.
 __global__ void plan_experts(PlanParams p) {
+  using Scan = cub::BlockScan<int64_t, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
   const int e_l = static_cast<int>(p.shape.num_local_experts);
-  const int64_t ring = p.shape.ring_rows();
-  const int rounds = static_cast<int>(p.shape.num_rounds());
-  if (threadIdx.x == 0) {
-    int64_t start = 0;
-    for (int e = 0; e < e_l; ++e) {
-      const int64_t rows = p.expert_offsets[e + 1] - p.expert_offsets[e];
-      const int64_t padded = (rows + layout::kGroupAlign - 1) / layout::kGroupAlign *
-                             layout::kGroupAlign;
+  const int64_t ring = p.shape.ring_rows(), max_tiles = p.shape.max_tiles();
+  int64_t carry = 0;
+  for (int base = 0; base < e_l; base += kPlanThreads) {
+    const int e = base + threadIdx.x;
+    const int64_t rows = e < e_l ? p.expert_offsets[e + 1] - p.expert_offsets[e] : 0;
+    const int64_t padded = (rows + layout::kGroupAlign - 1) / layout::kGroupAlign *
+                           layout::kGroupAlign;
+    int64_t start, total;
+    Scan(scan_storage).ExclusiveSum(padded, start, total);
+    start += carry;
+    if (e < e_l) {
       p.pad_start[e] = start;
       p.expert_rows[e] = rows;
       p.first_round[e] = rows > 0 ? static_cast<int32_t>(start / ring) : -1;
-      start += padded;
-      p.offs[e] = static_cast<int32_t>(start);
+      p.offs[e] = static_cast<int32_t>(start + padded);
     }
+    carry += total;
+    __syncthreads();  // scan_storage is reused
   }
-  __syncthreads();
-  for (int r = threadIdx.x; r < rounds; r += blockDim.x) {
+  for (int r = 0; r < p.shape.num_rounds(); ++r) {
     const int64_t lo = r * ring, hi = lo + ring;
-    int count = 0;
-    for (int e = 0; e < e_l; ++e) {
-      const int64_t begin = max(p.pad_start[e], lo);
-      const int64_t end = min(static_cast<int64_t>(p.offs[e]), hi);
-      for (int64_t b = begin; b < end; b += layout::kBlockM, ++count) {
-        layout::MegaTile tile;
-        tile.expert = e;
-        tile.row_begin = static_cast<int32_t>(b - lo);
-        tile.row_end = static_cast<int32_t>(min(b + layout::kBlockM, end) - lo);
-        tile.reserved = 0;
-        p.tiles[static_cast<int64_t>(r) * p.shape.max_tiles() + count] = tile;
+    int64_t first_tile = 0;
+    for (int base = 0; base < e_l; base += kPlanThreads) {
+      const int e = base + threadIdx.x;
+      int64_t begin = 0, end = 0;
+      if (e < e_l) {
+        begin = max(p.pad_start[e], lo);
+        end = min(static_cast<int64_t>(p.offs[e]), hi);
       }
+      const int64_t count = end > begin ? (end - begin + layout::kBlockM - 1) / layout::kBlockM : 0;
+      int64_t at, total;
+      Scan(scan_storage).ExclusiveSum(count, at, total);
+      layout::MegaTile* tiles = p.tiles + r * max_tiles + first_tile + at;
+      for (int64_t b = begin, i = 0; b < end; b += layout::kBlockM, ++i) {
+        tiles[i] = layout::MegaTile{e, static_cast<int32_t>(b - lo),
+                                    static_cast<int32_t>(min(b + layout::kBlockM, end) - lo), 0};
+      }
+      first_tile += total;
+      __syncthreads();
     }
-    p.tile_count[r] = count;
+    if (threadIdx.x == 0) p.tile_count[r] = static_cast<int32_t>(first_tile);
   }
 }
 

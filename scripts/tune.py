@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Sweep the megakernel's forward knobs on the GPU it runs on and write the tuned table.
+
+For each benchmark shape (the layers, weights and routing of scripts/bench_moe.py) it times the
+MoK layer's forward with ``cuda_forward='megakernel'`` under every (fwd_num_comm_sms,
+minibatch_size) pair, and writes ``configs/tuned/<gpu>_ep<N>.yaml``: a ``mok:`` section with the
+pair that is best on the geometric mean over the shapes (usable as ``--mok-config`` or
+``MoKConfig.from_yaml``) and, per shape, its own best pair and time. The full sweep goes to the
+JSON record (``--out``).
+
+  python3 scripts/tune.py --out docs/results/tune_h200_ep1.json          # one GPU: EP 1
+  torchrun --standalone --nproc-per-node 2 scripts/tune.py --out ...     # EP 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_moe  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(bench_moe.SHAPES))
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--comm-sms", default="2,4,8,16,20")
+    p.add_argument("--minibatch", default="256,1024,4096")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--out", required=True, help="JSON record of the sweep")
+    p.add_argument("--table", default=None, help="YAML table (default configs/tuned/<gpu>_ep<N>)")
+    return p.parse_args(argv)
+
+
+def sweep_shape(name, args, points, rank) -> dict:
+    from mok_megatron.testing.timing import time_fn
+
+    shape = bench_moe.SHAPES[name]
+    config = bench_moe.transformer_config(shape, "cuda")
+    base, layer = bench_moe.build_layers(config, "cuda", args.tokens, "megakernel")
+    sets = bench_moe.make_inputs(2, args.tokens, shape, "uniform", "cuda", config.params_dtype,
+                                 1234, rank)  # fmt: skip
+    runtime = layer.experts._layer_runtime
+    default = runtime.mok_config
+    times = {}
+    for comm, mini in points:
+        runtime.mok_config = dataclasses.replace(default, cuda_forward="megakernel",
+                                                 fwd_num_comm_sms=comm, minibatch_size=mini)  # fmt: skip
+        with torch.no_grad():
+            t = time_fn(lambda i: bench_moe.run_layer(layer, sets[i % 2], backward=False),
+                        warmup=args.warmup, iters=args.iters, device="cuda")  # fmt: skip
+        worst = torch.tensor([t.median_ms], device="cuda")
+        if dist.get_world_size() > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        times[f"{comm},{mini}"] = float(worst.item())
+        bench_moe._release_memory()
+    runtime.mok_config = default
+    best = min(times, key=times.get)
+    return {"shape": name, "tokens_per_rank": args.tokens, "forward_ms": times, "best": best}
+
+
+def write_table(path, record, points) -> None:
+    import yaml
+
+    cases = record["cases"]
+    geo = {
+        key: math.exp(sum(math.log(c["forward_ms"][key]) for c in cases) / len(cases))
+        for key in (f"{c},{m}" for c, m in points)
+    }
+    comm, mini = map(int, min(geo, key=geo.get).split(","))
+    env = record["environment"]
+    table = {
+        "mok": {"cuda_forward": "megakernel", "fwd_num_comm_sms": comm, "minibatch_size": mini},
+        "tuned_on": {"gpu": env.get("gpu"), "ep": env["world_size"], "commit": env["commit"],
+                     "utc": env["utc"], "record": os.path.basename(record["path"])},
+        "shapes": {
+            c["shape"]: {
+                "tokens_per_rank": c["tokens_per_rank"],
+                "fwd_num_comm_sms": int(c["best"].split(",")[0]),
+                "minibatch_size": int(c["best"].split(",")[1]),
+                "forward_ms": round(c["forward_ms"][c["best"]], 4),
+            }
+            for c in cases
+        },
+    }  # fmt: skip
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("# Written by scripts/tune.py: the megakernel's forward knobs on this GPU and EP "
+                "size.\n# `mok:` is the best pair on the geometric mean over the shapes.\n")  # fmt: skip
+        yaml.safe_dump(table, f, sort_keys=False)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rank, world = bench_moe.init_distributed("cuda")
+    points = [(int(c), int(m)) for c in args.comm_sms.split(",") for m in args.minibatch.split(",")]
+    record = {"benchmark": "tune", "environment": bench_moe.environment(bench_moe.parse_args([])),
+              "args": vars(args), "cases": [], "path": args.out}  # fmt: skip
+    for name in args.shapes.split(","):
+        record["cases"].append(sweep_shape(name, args, points, rank))
+        if rank == 0:
+            case = record["cases"][-1]
+            print(f"{name}: best (fwd_num_comm_sms, minibatch_size) = ({case['best']}): "
+                  f"{case['forward_ms'][case['best']]:.3f} ms; default (20,256): "
+                  f"{case['forward_ms'].get('20,256', float('nan')):.3f} ms", flush=True)  # fmt: skip
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        gpu = record["environment"].get("gpu", "gpu").split()[-1].lower()
+        table = args.table or os.path.join(ROOT, "configs", "tuned", f"{gpu}_ep{world}.yaml")
+        write_table(table, record, points)
+        print(f"wrote {args.out} and {table}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
