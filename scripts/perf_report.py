@@ -183,6 +183,34 @@ def profile_tables(path, top: int = 10):
             yield ""
 
 
+def breakdown_tables(path):
+    """scripts/megakernel_breakdown.py: the megakernel's forward with and without the
+    activations kept for a backward, at several fwd_num_comm_sms, beside stage 1 and the
+    baseline."""
+    record = json.load(open(path))
+    env = record["environment"]
+    yield "## The megakernel's forward, by difference\n"
+    yield (
+        f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
+        f"`{(env.get('commit') or 'unknown')[:12]}`), written by `scripts/megakernel_breakdown.py`"
+        ": forward medians in ms, uniform routing. 'keep': gradients enabled, so the L1 and L2 "
+        "epilogues also store h and y for the backward; 'no grad': under `torch.no_grad()`.\n"
+    )
+    comms = sorted({int(c) for case in record["cases"] for c in case["megakernel"]})
+    head = " | ".join(f"megakernel, {c} comm SMs: keep / no grad" for c in comms)
+    yield f"| shape | tokens/rank | baseline | stage 1: keep / no grad | {head} |"
+    yield "|---|---|---|---|" + "---|" * len(comms)
+    for case in record["cases"]:
+        cells = [f"{v['keep_ms']:.3f} / {v['no_grad_ms']:.3f}"
+                 for v in (case["megakernel"][str(c)] for c in comms)]  # fmt: skip
+        s1 = case["stage1"]
+        yield (
+            f"| {case['shape']} | {case['tokens_per_rank']} | {case['baseline_fwd_ms']:.3f} "
+            f"| {s1['keep_ms']:.3f} / {s1['no_grad_ms']:.3f} | " + " | ".join(cells) + " |"
+        )
+    yield ""
+
+
 def plot(records, png_path) -> None:
     import matplotlib
 
@@ -217,6 +245,7 @@ def main(argv=None) -> None:
     p.add_argument("--png", default="docs/perf.png")
     p.add_argument("--notes", default=None, help="a markdown file appended as the analysis")
     p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
+    p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
     args = p.parse_args(argv)
     records = load(args.records)
     parts = [HEADER, "## Records\n", *[env_line(p, r) for p, r in records], ""]
@@ -236,6 +265,8 @@ def main(argv=None) -> None:
         head = ENGINE_HEAD.format(settings=", ".join(f"`{v}`" for v in settings))
         parts += ["", head, *engine, "", "Summary of the ratios:", "",
                   *engine_summary(records)]  # fmt: skip
+    if args.breakdown:
+        parts += ["", *breakdown_tables(args.breakdown)]
     if args.profile:
         parts += ["", *profile_tables(args.profile)]
     if args.notes:
