@@ -1,4 +1,5 @@
 // Host launchers of the stage-1 MoE pass (see launch/moe.h). The kernels live in include/mok/.
+#include "launch/grid.h"
 #include "launch/moe.h"
 #include "launch/moe_mega.h"
 
@@ -15,12 +16,8 @@
 namespace mok::launch {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 4096;
-
-int grid_for(int64_t n) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (n + kThreads - 1) / kThreads)));
-}
+using detail::grid_for;
+using detail::kThreads;
 
 void check_launch() { MOK_CUDA_CHECK(cudaGetLastError()); }
 

@@ -1,8 +1,7 @@
 // Host launchers around the forward megakernel (see launch/moe_mega.h).
 #include "launch/moe_mega.h"
 
-#include <algorithm>
-
+#include "launch/grid.h"
 #include "mok/comm/barrier.cuh"
 #include "mok/layout/mega.cuh"
 #include "mok/roles/slot_combine.cuh"
@@ -11,12 +10,8 @@
 namespace mok::launch {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 4096;
-
-int grid_for(int64_t n) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(kMaxBlocks, (n + kThreads - 1) / kThreads)));
-}
+using detail::grid_for;
+using detail::kThreads;
 
 __global__ void bump_epoch_kernel(int32_t* epoch) { *epoch += 1; }
 

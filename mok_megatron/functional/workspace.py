@@ -218,20 +218,39 @@ def create_workspace(
     rank, num_ranks = _group_info(group)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
     config.check_same_across_ranks(group, _collective_device(group, device))
-    cap = row_capacity(config, num_ranks, num_local_tokens, topk)
-    ws = MoKWorkspace(
-        config=config, group=group, rank=rank, num_ranks=num_ranks, device=device,
-        num_local_tokens=num_local_tokens, hidden_size=hidden_size, topk=topk,
-        num_experts=num_experts, num_local_experts=num_experts // num_ranks,
-        intermediate_size=intermediate_size, shared_intermediate_size=shared_intermediate_size,
-        dtype=dtype, row_capacity=cap, token_capacity=min(cap, num_ranks * num_local_tokens),
-        backend=None, monitor=ErrorMonitor(num_experts, device),
-    )  # fmt: skip
+    ws = _new_workspace(
+        config,
+        group,
+        rank,
+        num_ranks,
+        device,
+        num_local_tokens,
+        hidden_size,
+        topk,
+        num_experts,
+        intermediate_size,
+        shared_intermediate_size,
+        dtype,
+    )
     ws.backend = resolve_backend(backend, ws)
     ws.buffers = ws.backend.allocate(ws)
     warn_ignored_knobs(config, backend_path(ws))
     _LIVE.add(ws)
     return ws
+
+
+def _new_workspace(config, group, rank, num_ranks, device, num_local_tokens, hidden_size, topk,
+                   num_experts, inter, shared_inter, dtype) -> MoKWorkspace:  # fmt: skip
+    """The workspace record with its capacities and monitor; no backend or buffers yet."""
+    cap = row_capacity(config, num_ranks, num_local_tokens, topk)
+    return MoKWorkspace(
+        config=config, group=group, rank=rank, num_ranks=num_ranks, device=device,
+        num_local_tokens=num_local_tokens, hidden_size=hidden_size, topk=topk,
+        num_experts=num_experts, num_local_experts=num_experts // num_ranks,
+        intermediate_size=inter, shared_intermediate_size=shared_inter, dtype=dtype,
+        row_capacity=cap, token_capacity=min(cap, num_ranks * num_local_tokens), backend=None,
+        monitor=ErrorMonitor(num_experts, device),
+    )  # fmt: skip
 
 
 def backend_path(ws: MoKWorkspace) -> str:
@@ -268,29 +287,11 @@ def create_virtual_workspaces(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
-    cap = row_capacity(config, num_ranks, num_local_tokens, topk)
     workspaces = [
-        MoKWorkspace(
-            config=config,
-            group=None,
-            rank=r,
-            num_ranks=num_ranks,
-            device=device,
-            num_local_tokens=num_local_tokens,
-            hidden_size=hidden_size,
-            topk=topk,
-            num_experts=num_experts,
-            num_local_experts=num_experts // num_ranks,
-            intermediate_size=intermediate_size,
-            shared_intermediate_size=shared_intermediate_size,
-            dtype=dtype,
-            row_capacity=cap,
-            token_capacity=min(cap, num_ranks * num_local_tokens),
-            backend=None,
-            monitor=ErrorMonitor(num_experts, device),
-        )  # fmt: skip
+        _new_workspace(config, None, r, num_ranks, device, num_local_tokens, hidden_size, topk,
+                       num_experts, intermediate_size, shared_intermediate_size, dtype)
         for r in range(num_ranks)
-    ]
+    ]  # fmt: skip
     for ws in workspaces:
         ws.backend = resolve_backend("cuda", ws)
     for ws, buffers in zip(workspaces, workspaces[0].backend.allocate_virtual(workspaces)):
