@@ -212,9 +212,7 @@ def create_workspace(
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} must be one of {BACKEND_CHOICES}")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _resolve_device(device)
     rank, num_ranks = _group_info(group)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
     config.check_same_across_ranks(group, _collective_device(group, device))
@@ -237,6 +235,14 @@ def create_workspace(
     warn_ignored_knobs(config, backend_path(ws))
     _LIVE.add(ws)
     return ws
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """A torch.device; an index-less CUDA device becomes the current one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _new_workspace(config, group, rank, num_ranks, device, num_local_tokens, hidden_size, topk,
@@ -283,9 +289,7 @@ def create_virtual_workspaces(
 
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _resolve_device(device)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
     workspaces = [
         _new_workspace(config, None, r, num_ranks, device, num_local_tokens, hidden_size, topk,

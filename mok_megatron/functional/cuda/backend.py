@@ -53,25 +53,24 @@ class CudaBackend:
 
     @staticmethod
     def workspace_bytes(**shape) -> int:
-        """The layout's bytes; with the megakernel's regions when the config asks for it
-        ('megakernel', or 'auto' on an sm_90 GPU with the megakernel built)."""
-        from mok_megatron.ops import extension_error, has_op
-        from mok_megatron.ops.moe import MEGA_OPS, moe_mega_shape, moe_workspace_layout
+        """The layout's bytes; with the megakernel's regions when the config asks for it on
+        the current CUDA device (``mega.wanted``)."""
+        from mok_megatron.ops import extension_error
+        from mok_megatron.ops.moe import moe_workspace_layout
 
         if extension_error() is not None:
             raise RuntimeError(
                 f"the CUDA backend's workspace layout needs mok_megatron._C ({extension_error()})"
             )
         c = shape["config"]
-        auto = (c.cuda_forward == "auto" and torch.cuda.is_available()
-                and torch.cuda.get_device_capability() == (9, 0)
-                and all(has_op(op) for op in MEGA_OPS))  # fmt: skip
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
         words = 0
-        if c.cuda_forward == "megakernel" or auto:
-            words = moe_mega_shape(
-                shape["row_capacity"], shape["num_experts"] // shape["num_ranks"],
-                shape["hidden_size"], shape["intermediate_size"], c.minibatch_size,
-                c.macrobatch_size,
+        if mega.wanted(c, device):
+            words = mega.mega_shape(
+                c, shape["row_capacity"], shape["num_experts"] // shape["num_ranks"],
+                shape["hidden_size"], shape["intermediate_size"],
             ).counter_words  # fmt: skip
         return moe_workspace_layout(
             shape["num_ranks"],
@@ -99,17 +98,17 @@ class CudaBackend:
     def _mega_shape(ws: MoKWorkspace):
         """The megakernel's sizes when this workspace should run it (MoKConfig.cuda_forward),
         else None; 'megakernel' where it cannot run raises, saying why."""
-        choice = ws.config.cuda_forward
-        if choice == "stage1":
+        if not mega.wanted(ws.config, ws.device):
             return None
-        reasons = mega.unsupported_reasons(ws)
-        if reasons and choice == "megakernel":
+        reasons = mega.unsupported_reasons(ws.device)
+        if reasons:  # only 'megakernel' is wanted where it cannot run
             raise RuntimeError(
                 "MoKConfig.cuda_forward='megakernel' but the megakernel cannot run here: "
                 + "; ".join(reasons)
                 + "; use cuda_forward='auto' or 'stage1'"
             )
-        return None if reasons else mega.mega_shape(ws)
+        return mega.mega_shape(ws.config, ws.row_capacity, ws.num_local_experts,
+                               ws.hidden_size, ws.intermediate_size)  # fmt: skip
 
     # ------------------------------------------------------------------------------- schedule
     def build_schedule(self, ws: MoKWorkspace, topk_experts, router_weights=None) -> MoKSchedule:
@@ -118,15 +117,15 @@ class CudaBackend:
         the forward's one op call makes it (or the first read of one of its tensors)."""
         from mok_megatron.ops import moe as mops
 
-        if self.path(ws) == "megakernel":
-            return mega.build_schedule(ws, topk_experts, router_weights)
-        comm = ws.buffers.comm
-        num_tokens = topk_experts.shape[0]
         weights = router_weights
         if weights is None:  # gathered as zeros; forward gathers the weights it gets
             weights = torch.zeros(topk_experts.shape, dtype=torch.float32, device=ws.device)
+        weights = weights.contiguous()
+        if self.path(ws) == "megakernel":
+            return mega.build_schedule(ws, topk_experts, weights, router_weights)
+        num_tokens = topk_experts.shape[0]
         global_topk, global_weights = mops.moe_gather_routing(
-            topk_experts.contiguous(), weights.contiguous(), comm
+            topk_experts.contiguous(), weights, ws.buffers.comm
         )
         fields = mops.moe_build_schedule(
             global_topk, ws.rank, ws.num_experts, ws.row_capacity, ws.token_capacity

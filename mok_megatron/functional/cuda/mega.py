@@ -21,28 +21,38 @@ from . import stage1
 from .experts import ExpertRows
 from .plan import CudaPlan, Rounds
 
-__all__ = ["unsupported_reasons", "mega_shape", "build_schedule", "can_run", "forward"]
+__all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "can_run", "forward"]
 
 
-def unsupported_reasons(ws) -> list[str]:
-    """Why the megakernel cannot run this workspace (empty when it can)."""
+def unsupported_reasons(device: torch.device | None) -> list[str]:
+    """Why the megakernel cannot run on ``device`` (empty when it can)."""
     from mok_megatron.ops import has_op
     from mok_megatron.ops.moe import MEGA_OPS
 
     reasons = [f"mok_megatron._C lacks {op}" for op in MEGA_OPS if not has_op(op)]
-    if ws.device.type == "cuda" and torch.cuda.get_device_capability(ws.device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(ws.device)
+    if device is None or device.type != "cuda":
+        reasons.append(f"the device is {device}, not a CUDA GPU")
+    elif torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
         reasons.append(f"it is built for sm_90a and this GPU is sm_{major}{minor}")
     return reasons
 
 
-def mega_shape(ws):
-    """The megakernel's sizes for this workspace (from the C++ layout header)."""
+def wanted(config, device: torch.device | None) -> bool:
+    """Whether a workspace of ``config`` on ``device`` is laid out for the megakernel:
+    cuda_forward='megakernel' (which raises at allocation where it cannot run), or 'auto' where
+    it can run."""
+    if config.cuda_forward == "megakernel":
+        return True
+    return config.cuda_forward == "auto" and not unsupported_reasons(device)
+
+
+def mega_shape(config, row_capacity, num_local_experts, hidden, inter):
+    """The megakernel's sizes for this shape and config (from the C++ layout header)."""
     from mok_megatron.ops.moe import moe_mega_shape
 
-    c = ws.config
-    return moe_mega_shape(ws.row_capacity, ws.num_local_experts, ws.hidden_size,
-                          ws.intermediate_size, c.minibatch_size, c.macrobatch_size)  # fmt: skip
+    return moe_mega_shape(row_capacity, num_local_experts, hidden, inter, config.minibatch_size,
+                          config.macrobatch_size)  # fmt: skip
 
 
 def can_run(routed) -> bool:
@@ -50,24 +60,19 @@ def can_run(routed) -> bool:
     return isinstance(routed, FusedExpertWeights)
 
 
-def build_schedule(ws, topk_experts, router_weights) -> MoKSchedule:
-    """A schedule whose tensors the forward's op fills (or a first read, through the plan op)."""
+def build_schedule(ws, topk_experts, weights, router_weights) -> MoKSchedule:
+    """A schedule whose tensors the forward's op fills (or a first read, through the plan op).
+    ``weights``: what the plan gathers (``router_weights`` or zeros when that is None)."""
     sched = MoKSchedule.pending(
         rank=ws.rank, num_ranks=ws.num_ranks, num_tokens=topk_experts.shape[0],
         max_tokens=ws.num_local_tokens, topk=ws.topk, num_local_experts=ws.num_local_experts,
         row_capacity=ws.row_capacity, token_capacity=ws.token_capacity,
         build=lambda s: _plan_now(ws, s),
     )  # fmt: skip
-    sched.inputs = (topk_experts.contiguous(), _weights_or_zeros(ws, topk_experts, router_weights))
+    sched.inputs = (topk_experts.contiguous(), weights)
     if router_weights is not None:
         sched.weights_source = (router_weights, router_weights._version)
     return sched
-
-
-def _weights_or_zeros(ws, topk_experts, router_weights):
-    if router_weights is not None:
-        return router_weights.contiguous()
-    return torch.zeros(topk_experts.shape, dtype=torch.float32, device=ws.device)
 
 
 def _plan_now(ws, sched: MoKSchedule) -> None:
@@ -119,7 +124,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
 
 def _context(ws, sched, plan, outs, save, shared_gu, shared_a) -> stage1.CudaContext:
     """Stage 1's context from the plan and the ring: its backward serves this forward."""
-    shape = mega_shape(ws)
+    shape = ws.buffers.mega
     cplan = CudaPlan(plan["row_tok"][: shape.padded_rows], plan["token_rows_padded"],
                      plan["offs"], plan["expert_rows"], plan["prow"])  # fmt: skip
     rounds = Rounds(shape.num_rounds, shape.ring_rows, plan["row_tok"], plan["w_rows"],
