@@ -13,7 +13,11 @@ namespace {
 using detail::grid_for;
 using detail::kThreads;
 
-__global__ void bump_epoch_kernel(int32_t* epoch) { *epoch += 1; }
+// The pass's epoch, and the first round's task ticket back to 0 (layout/mega.cuh).
+__global__ void bump_epoch_kernel(int32_t* counters) {
+  counters[layout::kEpoch] += 1;
+  counters[layout::kTicket] = 0;
+}
 
 }  // namespace
 
@@ -43,9 +47,9 @@ void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaSt
 }
 
 void moe_bump_epoch(const MoeComm& comm, cudaStream_t stream) {
-  MOK_HOST_CHECK(comm.lay.counter_words > layout::kEpoch, "the workspace has no counters region");
+  MOK_HOST_CHECK(comm.lay.counter_words > layout::kTicket, "the workspace has no counters region");
   bump_epoch_kernel<<<1, 1, 0, stream>>>(
-      comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters) + layout::kEpoch);
+      comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters));
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -18,7 +18,8 @@ void moe_build_plan(const scheduler::PlanParams& params, cudaStream_t stream);
 // Copy x [T, H] bf16 into this rank's tokens region, then barrier: peers may pull it.
 void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaStream_t stream);
 
-// counters[kEpoch] += 1 (one thread): the pass's generation base for the megakernel's flags.
+// counters[kEpoch] += 1 (one thread): the pass's generation base for the megakernel's flags; and
+// counters[kTicket] = 0, the first round's task ticket.
 void moe_bump_epoch(const MoeComm& comm, cudaStream_t stream);
 
 // Zero rows into the sources' slot_rows for slots routed here that the schedule dropped.

@@ -50,6 +50,11 @@ MOK_DEVICE void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Arrives at named barrier `id` over `threads` threads without waiting for it.
+MOK_DEVICE void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Two floats -> two float8_e4m3fn bytes (lo in bits 0..7), round-to-nearest-even, saturating to
 // +-448. NOTE: callers clamp to [-448, 448] and handle NaN themselves, so saturation never
 // changes a result; the sign of zero is kept.

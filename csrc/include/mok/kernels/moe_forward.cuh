@@ -1,6 +1,6 @@
 // Kernel: the forward megakernel (sm_90a), one persistent launch per rank per pass. Thin: its
-// parameters, its shared memory and the role branch. Comm CTAs: roles/megakernel_comm.cuh;
-// compute CTAs: roles/megakernel_compute.cuh; task order, waits and the round barrier:
+// parameters and its shared memory. Every CTA runs GEMM tasks (roles/megakernel_compute.cuh), the
+// first num_comm_ctas after pulling each round's rows (roles/megakernel_comm.cuh); task order, waits and the round barrier:
 // roles/megakernel_tasks.cuh. Host launcher: launch/moe_megakernel.cu.
 // NOTE: include from one translation unit only (it defines the __global__).
 #pragma once
@@ -15,7 +15,7 @@
 namespace mok::kernels {
 
 constexpr int kMegaThreads = 384;  // producer warpgroup + two consumer warpgroups
-static_assert(kMegaThreads == roles::kMegaCommThreads, "comm CTAs run on the same block size");
+static_assert(kMegaThreads == 128 + roles::kMegaConsumerThreads, "one producer warpgroup");
 constexpr size_t kMegaSmemAlign = 1024;
 constexpr size_t kMegaSmemBytes = sizeof(roles::MegaComputeStorage) + kMegaSmemAlign;
 
@@ -34,15 +34,11 @@ MOK_DEVICE roles::MegaComputeStorage& compute_storage(char* smem) {
 }
 
 // NOTE: no function calls anywhere below (no printf, no 64-bit division): ptxas would ignore
-// setmaxnreg and serialise wgmma. Comm CTAs branch off uniformly and never call setmaxnreg.
+// setmaxnreg and serialise wgmma.
 __global__ void __launch_bounds__(kMegaThreads, 1)
     moe_forward_megakernel(const __grid_constant__ MegaKernelParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem[];
-  if (static_cast<int>(blockIdx.x) < params.p.num_comm_ctas) {
-    roles::comm_role(params.p);
-    return;
-  }
   roles::compute_role(params.p, params.gemm, compute_storage(smem));
 #endif
 }

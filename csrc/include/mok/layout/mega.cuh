@@ -11,13 +11,17 @@
 //
 // Tiles. A round's rows are cut into m-tiles: at most kBlockM rows of one expert, in row order;
 // `MegaTile` names one (ring rows [row_begin, row_end)). An L1 task is (m-tile, n-tile of 2I), an
-// L2 task (m-tile, n-tile of H); both tile widths are kBlockN.
+// L2 task (m-tile, n-tile of H); both tile widths are kBlockN. Every CTA takes a round's tasks in
+// one fixed order (roles/megakernel_tasks.cuh), each the next ticket of the round's ticket word.
 //
 // Counters (int32, in the workspace's counters region; zero when the workspace is made, never
 // reset): a pass increments `epoch`; round r of a pass works with generation
 // gen = epoch * R + r, which grows from pass to pass, so a flag "is set" when >= gen.
 //   word kEpoch                 passes so far (the plan kernel adds 1 before the megakernel)
 //   words kGridBar, +1          the round barrier: arrivals, released generation
+//   word kTicket                the round's next task (atomicAdd); the one word that is reset:
+//                               zeroed by the epoch kernel before the pass, and by the round
+//                               barrier's last arriver (every CTA has left the round) for the next
 //   arrive[num_minibatches]     minibatch mb of the ring holds round r's rows: = gen
 //   l1_done[max_tiles * l1_ntiles]  L1 task (tile, n) of round r is stored: = gen
 #pragma once
@@ -35,6 +39,7 @@ constexpr int kBlockN = 256;     // columns of one GEMM tile
 // Counter words before the flag arrays.
 constexpr int kEpoch = 0;
 constexpr int kGridBar = 1;      // kGridBar: arrivals; kGridBar + 1: released generation
+constexpr int kTicket = 3;       // the round's task ticket
 constexpr int kCounterHeader = 32;
 
 struct MegaTile {

@@ -1,7 +1,9 @@
-// Role: the megakernel's comm CTAs (the first num_comm_ctas of the grid). Each round they pull
-// the round's routed rows from the source ranks' token buffers (peer memory over NVLink, 16-byte
-// vector loads) into the ring, minibatch by minibatch, and release each minibatch's arrive flag,
-// which the L1 tasks reading those rows wait on (roles/megakernel_compute.cuh).
+// Role: the megakernel's comm work. The first num_comm_ctas CTAs, each round, first pull the
+// round's routed rows from the source ranks' token buffers (peer memory over NVLink, 16-byte
+// vector loads) into the ring, minibatch by minibatch, releasing each minibatch's arrive flag,
+// which the L1 tasks reading those rows wait on (roles/megakernel_compute.cuh); then they take
+// GEMM tasks like every other CTA. The pulls run on the CTA's two consumer warpgroups (the
+// producer warpgroup holds 40 registers per thread, setmaxnreg).
 #pragma once
 
 #include <cstdint>
@@ -12,8 +14,8 @@
 
 namespace mok::roles {
 
-constexpr int kMegaCommThreads = 384;  // the megakernel's block size
-constexpr int kPullUnroll = 8;         // 16-byte loads in flight per lane
+constexpr int kPullWarps = 8;    // the consumer warpgroups' warps
+constexpr int kPullUnroll = 8;   // 16-byte loads in flight per lane
 
 // One warp: ring row x_ring[ring_row] = token t of rank s for src = s * T_max + t, or zeros for
 // src < 0. NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
@@ -45,12 +47,13 @@ MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lan
   }
 }
 
-// The CTA: ring rows [row_begin, row_end) of round `round`, one warp per row.
-MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end) {
-  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  constexpr int kWarps = kMegaCommThreads / 32;
+// The pulling warps (warp index `warp` of kPullWarps): ring rows [row_begin, row_end) of round
+// `round`, one warp per row.
+MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end,
+                               int warp) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
-  for (int row = row_begin + warp; row < row_end; row += kWarps) {
+  for (int row = row_begin + warp; row < row_end; row += kPullWarps) {
     pull_row(p, row_src[row], row, lane);
   }
 }
@@ -61,32 +64,26 @@ MOK_DEVICE int rows_used(const MegaParams& p, int round) {
   return num_mtiles > 0 ? p.tile(round, num_mtiles - 1).row_end : 0;
 }
 
-// The CTA: every minibatch of round `round` this comm CTA owns (mb % num_comm_ctas == comm_idx),
-// in increasing mb; each pulled, then released with arrive[mb] = gen.
-MOK_DEVICE void comm_round(const MegaParams& p, int comm_idx, int round, int32_t gen) {
+// The pulling warps (the 256 threads of the consumer warpgroups, `warp` = their warp index):
+// every minibatch of round `round` this comm CTA owns (mb % num_comm_ctas == comm_idx), in
+// increasing mb; each pulled, then released with arrive[mb] = gen. `sync` is a barrier over
+// exactly those threads.
+template <class Sync>
+MOK_DEVICE void comm_round(const MegaParams& p, int comm_idx, int round, int32_t gen, int warp,
+                           Sync sync) {
   const int used = rows_used(p, round);
   for (int mb = comm_idx; mb * p.minibatch_rows < used; mb += p.num_comm_ctas) {
     const int row_begin = mb * p.minibatch_rows;
-    pull_minibatch(p, round, row_begin, min(row_begin + p.minibatch_rows, used));
+    pull_minibatch(p, round, row_begin, min(row_begin + p.minibatch_rows, used), warp);
     // NOTE: the rows are read by TMA (the async proxy): each writer fences its own generic
     // stores against it before the barrier; the reader fences again after its acquire.
     ptx::fence_proxy_async_global();
-    __syncthreads();
+    sync();
     const bool stalled = round == 0 && mb == p.stall_minibatch;  // fault injection (tests)
-    if (threadIdx.x == 0 && !stalled) {
+    if (warp == 0 && threadIdx.x % 32 == 0 && !stalled) {
       __threadfence();
       ptx::st_release_gpu(p.counters + p.arrive_word + mb, gen);
     }
-  }
-}
-
-// A comm CTA's whole launch: every round, then the round barrier before the next one.
-MOK_DEVICE void comm_role(const MegaParams& p) {
-  const int comm_idx = static_cast<int>(blockIdx.x);
-  for (int round = 0; round < p.num_rounds; ++round) {
-    const int32_t gen = p.generation(round);
-    comm_round(p, comm_idx, round, gen);
-    if (round + 1 < p.num_rounds) round_barrier(p, gen, round);
   }
 }
 

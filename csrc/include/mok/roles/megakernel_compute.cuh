@@ -1,17 +1,19 @@
-// Role: the megakernel's compute CTAs (all but the first num_comm_ctas). Each is one TMA producer
-// warp (warp 0) + two cooperative wgmma consumer warpgroups, as the grouped-GEMM engine, running
-// this CTA's share of every round's static task order (roles/megakernel_tasks.cuh): compute CTA
-// c of G runs tasks c, c + G, c + 2G, ... The producer waits each task's inputs (arrive flags
-// for L1, l1_done flags for L2), then loads it; the consumers run the mainloop and the epilogue,
-// and an L1 task's consumers release its l1_done flag.
-// NOTE: producer and consumers walk the same task list, and each advances its pipeline state by
-// the same k-tiles per task, across tasks and rounds (as a CUTLASS persistent kernel does).
+// Role: every CTA of the megakernel runs GEMM tasks (the first num_comm_ctas after their pulls
+// of each round, roles/megakernel_comm.cuh). Each is one TMA producer warp (warp 0) + two
+// cooperative wgmma consumer warpgroups, as the grouped-GEMM engine. The producer takes the
+// round's tasks one ticket at a time (roles/megakernel_tasks.cuh), waits each task's inputs
+// (arrive flags for L1, l1_done flags for L2), loads it, and passes the ticket to the consumers
+// through a small shared-memory queue; the consumers run the mainloop and the epilogue, and an L1
+// task's consumers release its l1_done flag.
+// NOTE: producer and consumers walk the same tickets, and each advances its pipeline state by the
+// same k-tiles per task, across tasks and rounds (as a CUTLASS persistent kernel does).
 #pragma once
 
 #include <cstdint>
 
 #include "mok/common/macros.cuh"
 #include "mok/common/ptx.cuh"
+#include "mok/roles/megakernel_comm.cuh"
 #include "mok/roles/megakernel_gemm.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
 
@@ -26,15 +28,27 @@ using gemm::MegaPipelineState;
 constexpr int kMegaProducerRegs = 40;   // setmaxnreg of the producer warpgroup
 constexpr int kMegaConsumerRegs = 232;  // and of the consumer warpgroups (as CUTLASS's kernel)
 constexpr int kMegaConsumerThreads = 256;
+static_assert(kMegaConsumerThreads == 32 * kPullWarps, "the consumer warpgroups pull the rows");
+constexpr int kMegaTicketDepth = 4;  // tickets the producer may be ahead of its consumers
 
 // Named barriers (id 0 is __syncthreads).
-enum class MegaBarrier : int { kConsumers = 1 };
+enum class MegaBarrier : int {
+  kConsumers = 1,  // the 256 consumer threads
+  kPulled = 2,     // a comm CTA's consumers (arrive) and producer warp (sync): the round's rows
+                   // are pulled, tasks may be taken
+};
+
+// Producer -> consumers: the tickets the producer took, in order.
+using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
+using MegaTicketState = typename MegaTicketQueue::PipelineState;
 
 struct MegaComputeStorage {
   // NOTE: 128-byte-swizzled TMA / wgmma tiles want 1024-byte alignment; the kernel aligns the
-  // dynamic shared memory base to it.
+  // dynamic shared memory base to it. The ticket queue fits the mainloop's carveout.
   alignas(1024) typename MegaMainloop::TensorStorage tensors;
   alignas(16) typename MegaMainloop::PipelineStorage pipeline;
+  alignas(16) typename MegaTicketQueue::SharedStorage ticket_barriers;
+  int32_t tickets[kMegaTicketDepth];
 };
 
 // One round as this CTA sees it.
@@ -42,15 +56,11 @@ struct MegaRound {
   int round;
   int32_t gen;
   MegaTaskOrder order;
-  int first_task;  // this CTA's compute index
-  int task_step;   // the number of compute CTAs
 };
 
 MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
-  const int num_compute = p.num_ctas - p.num_comm_ctas;
-  const MegaTaskOrder order(p.tile_count[round], p.l1_ntiles, p.l2_ntiles, num_compute);
-  return {round, p.generation(round), order,
-          static_cast<int>(blockIdx.x) - p.num_comm_ctas, num_compute};
+  const MegaTaskOrder order(p.tile_count[round], p.l1_ntiles, p.l2_ntiles, p.num_ctas);
+  return {round, p.generation(round), order};
 }
 
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
@@ -117,16 +127,40 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p, const MegaGemmParams& gp,
   }
 }
 
-// The producer warpgroup: warp 0 loads every task of every round; warps 1-3 only meet the round
-// barriers.
+// Whether this CTA pulls rows (its comm index) or not (-1).
+MOK_DEVICE int comm_index(const MegaParams& p) {
+  const int b = static_cast<int>(blockIdx.x);
+  return b < p.num_comm_ctas ? b : -1;
+}
+
+// The producer warpgroup: warp 0 takes and loads tasks of every round (a comm CTA's once its
+// rows are pulled) and passes each ticket on, the round's first ticket past its tasks last;
+// warps 1-3 only meet the round barriers.
 CUTLASS_DEVICE void producer_role(const MegaParams& p, const MegaGemmParams& gp,
-                                  MegaPipeline& pipeline, MegaComputeStorage& storage) {
+                                  MegaPipeline& pipeline, MegaTicketQueue& queue,
+                                  MegaComputeStorage& storage) {
   MegaPipelineState state = cutlass::make_producer_start_state<MegaPipeline>();
+  MegaTicketState queue_state = cutlass::make_producer_start_state<MegaTicketQueue>();
   const bool loader = threadIdx.x / 32 == 0;
+  const bool leader = threadIdx.x % 32 == 0;
+  const bool pulls = comm_index(p) >= 0;
   for (int round = 0; round < p.num_rounds; ++round) {
     const MegaRound rd = make_round(p, round);
     if (loader) {
-      for (int t = rd.first_task; t < rd.order.num_tasks(); t += rd.task_step) {
+      if (pulls) {
+        ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kPulled), 32 + kMegaConsumerThreads);
+      }
+      for (;;) {
+        int t = 0;
+        if (leader) t = next_ticket(p);
+        t = __shfl_sync(0xffffffffu, t, 0);
+        if (leader) {
+          queue.producer_acquire(queue_state);
+          storage.tickets[queue_state.index()] = t;
+          queue.producer_commit(queue_state);
+        }
+        ++queue_state;
+        if (t >= rd.order.num_tasks()) break;
         produce_task(p, gp, pipeline, state, storage.tensors, rd, rd.order.decode(t));
       }
     }
@@ -134,15 +168,32 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p, const MegaGemmParams& gp,
   }
 }
 
-// The consumer warpgroups: every task of every round, then the round barrier.
+// The consumer warpgroups, every round: a comm CTA's pulls first, then the producer's tickets up
+// to the one past the round's tasks, then the round barrier.
 CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
-                                  MegaPipeline& pipeline, MegaComputeStorage& storage) {
-  MegaPipelineState state;  // phase 0: waits for the producer's first fill
+                                  MegaPipeline& pipeline, MegaTicketQueue& queue,
+                                  MegaComputeStorage& storage) {
+  MegaPipelineState state;         // phase 0: waits for the producer's first fill
+  MegaTicketState queue_state;     // likewise
   // As CUTLASS's cooperative kernel: consumer warpgroup 1 is the tile's second 64 rows.
   const int mma_thread_idx = static_cast<int>(threadIdx.x) % kMegaConsumerThreads;
+  const int comm_idx = comm_index(p);
   for (int round = 0; round < p.num_rounds; ++round) {
     const MegaRound rd = make_round(p, round);
-    for (int t = rd.first_task; t < rd.order.num_tasks(); t += rd.task_step) {
+    if (comm_idx >= 0) {
+      const auto sync = [] {
+        ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kConsumers), kMegaConsumerThreads);
+      };
+      comm_round(p, comm_idx, round, rd.gen, mma_thread_idx / 32, sync);
+      ptx::named_barrier_arrive(static_cast<int>(MegaBarrier::kPulled),
+                                32 + kMegaConsumerThreads);
+    }
+    for (;;) {
+      queue.consumer_wait(queue_state);
+      const int t = storage.tickets[queue_state.index()];
+      queue.consumer_release(queue_state);
+      ++queue_state;
+      if (t >= rd.order.num_tasks()) break;
       consume_task(p, gp, pipeline, state, storage.tensors, rd, rd.order.decode(t),
                    mma_thread_idx);
     }
@@ -150,8 +201,8 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
   }
 }
 
-// A compute CTA's whole launch: the pipeline, then the warpgroup roles with their register
-// budgets (setmaxnreg, in one if/else as CUTLASS's kernel does).
+// A CTA's whole launch: the pipelines, then the warpgroup roles with their register budgets
+// (setmaxnreg, in one if/else as CUTLASS's kernel does).
 CUTLASS_DEVICE void compute_role(const MegaParams& p, const MegaGemmParams& gp,
                                  MegaComputeStorage& storage) {
   const int warp_group = static_cast<int>(threadIdx.x) / 128;
@@ -167,17 +218,26 @@ CUTLASS_DEVICE void compute_role(const MegaParams& p, const MegaGemmParams& gp,
   // bytes too), so one transaction size serves L1 and L2.
   pipe.transaction_bytes = gp.l1.tma_transaction_bytes;
   MegaPipeline pipeline(storage.pipeline, pipe, gemm::ClusterShape{});
+  typename MegaTicketQueue::Params qp;
+  using QueueRole = typename MegaTicketQueue::ThreadCategory;
+  qp.role = warp_group != 0 ? QueueRole::Consumer
+            : threadIdx.x / 32 == 0 ? QueueRole::Producer
+                                    : QueueRole::NonParticipant;
+  qp.producer_arv_count = 1;                     // the producer warp's lane 0
+  qp.consumer_arv_count = kMegaConsumerThreads;  // every consumer thread releases its read
+  qp.dst_blockid = 0;
+  MegaTicketQueue queue(storage.ticket_barriers, qp, cute::true_type{});
   if (threadIdx.x == 0) {
     MegaMainloop::prefetch_tma_descriptors(gp.l1);
     MegaMainloop::prefetch_tma_descriptors(gp.l2);
   }
-  __syncthreads();  // the pipeline's barriers are initialised before anyone uses them
+  __syncthreads();  // the pipelines' barriers are initialised before anyone uses them
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kMegaProducerRegs>();
-    producer_role(p, gp, pipeline, storage);
+    producer_role(p, gp, pipeline, queue, storage);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMegaConsumerRegs>();
-    consumer_role(p, gp, pipeline, storage);
+    consumer_role(p, gp, pipeline, queue, storage);
   }
 }
 

@@ -82,13 +82,17 @@ struct MegaTask {
   int n;
 };
 
-// The static task order of one round, the same in every CTA. With n_mt m-tiles and lag L:
+// The task order of one round, the same for every CTA. With n_mt m-tiles and lag L:
 //   A: the L1 tasks of m-tiles 0..L-1;
 //   B: for j = 0..n_mt-L-1: the n1 L1 tasks of m-tile L+j, then the n2 L2 tasks of m-tile j;
 //   C: the L2 tasks of m-tiles n_mt-L..n_mt-1.
+// CTAs take tasks in this order, one ticket at a time (next_ticket): whichever CTA is free takes
+// the next task, so tasks of unequal length (L1 and L2 differ in K) do not pile up behind one CTA
+// as a static round-robin share does (scripts/megakernel_schedule_sim.py models both).
 // NOTE: every task's inputs come from tasks earlier in this order (an L2 task of m-tile j follows
-// all n1 L1 tasks of m-tile j), and each CTA runs its tasks in increasing order, so with every
-// CTA resident the earliest unfinished task can always run: no deadlock.
+// all n1 L1 tasks of m-tile j), and every ticket is taken by a resident CTA that runs its tickets
+// in increasing order, so the earliest unfinished task can always run: no deadlock. Which CTA
+// runs a task does not change its result (one CTA computes a whole tile, K in a fixed order).
 // L = min(n_mt, max(1, ceil(G / n1))) keeps about one wave of L1 tasks ahead of the L2 tasks.
 struct MegaTaskOrder {
   int num_mtiles;
@@ -96,9 +100,9 @@ struct MegaTaskOrder {
   int n2;
   int lag;
 
-  MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_compute_ctas)
+  MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_ctas)
       : num_mtiles(num_mtiles_), n1(n1_), n2(n2_) {
-    lag = min(num_mtiles, max(1, (num_compute_ctas + n1 - 1) / n1));
+    lag = min(num_mtiles, max(1, (num_ctas + n1 - 1) / n1));
   }
 
   MOK_DEVICE int num_tasks() const { return num_mtiles * (n1 + n2); }
@@ -117,6 +121,9 @@ struct MegaTaskOrder {
     return {true, num_mtiles - lag + v / n2, v % n2};
   }
 };
+
+// One thread: the next task of the running round (>= num_tasks once the round is used up).
+MOK_DEVICE int next_ticket(const MegaParams& p) { return atomicAdd(p.counters + layout::kTicket, 1); }
 
 // Where a wait stands, for the error record: word j of the waited range names index + step * j.
 struct MegaWaitSite {
@@ -220,8 +227,10 @@ MOK_DEVICE void wait_released(const MegaParams& p, int32_t gen, int round) {
 }
 
 // All threads of the CTA, after all their stores of round `round` (generation gen): returns once
-// every CTA of the grid got here. The last arriver resets the arrival count, then releases gen.
-// NOTE: the reset is safe: nobody arrives again before seeing gen, which is released after it.
+// every CTA of the grid got here. The last arriver resets the arrival count and the task ticket
+// (for the next round), then releases gen.
+// NOTE: the resets are safe: every CTA took its last ticket of this round before arriving, and
+// nobody arrives again or takes a ticket before seeing gen, which is released after them.
 MOK_DEVICE void round_barrier(const MegaParams& p, int32_t gen, int round) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -231,6 +240,7 @@ MOK_DEVICE void round_barrier(const MegaParams& p, int32_t gen, int round) {
     if (old == p.num_ctas - 1) {
       __threadfence();  // acquire: every arriver's writes, through the arrivals' RMW chain
       atomicExch(arrivals, 0);
+      atomicExch(p.counters + layout::kTicket, 0);
       ptx::st_release_gpu(arrivals + 1, gen);
     } else {
       wait_released(p, gen, round);
