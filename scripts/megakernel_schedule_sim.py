@@ -24,13 +24,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64  # layout/mega.cuh, the mainloop tile
 
 
-def task_order(num_mtiles: int, n1: int, n2: int, num_ctas: int) -> list[tuple[bool, int]]:
-    """(is_l2, m-tile) of every task, in MegaTaskOrder's order."""
-    lag = min(num_mtiles, max(1, math.ceil(num_ctas / n1)))
-    order = [(False, m) for m in range(lag) for _ in range(n1)]
-    for j in range(num_mtiles - lag):
-        order += [(False, lag + j)] * n1 + [(True, j)] * n2
-    order += [(True, m) for m in range(num_mtiles - lag, num_mtiles) for _ in range(n2)]
+def task_order(
+    num_mtiles: int, n1: int, n2: int, num_ctas: int, block: int = 1
+) -> list[tuple[bool, int]]:
+    """(is_l2, m-tile) of every task, in MegaTaskOrder's order: m-tiles in blocks of `block`
+    (the last padded), each block's tasks n-tile-major; L1 blocks `lag` ahead of L2 blocks.
+    Tasks of padding m-tiles (>= num_mtiles) are dropped here (the kernel skips them)."""
+    nb = -(-num_mtiles // block)
+    lag = min(nb, max(1, math.ceil(num_ctas / (block * n1))))
+
+    def tasks(l2: bool, b: int) -> list[tuple[bool, int]]:
+        n = n2 if l2 else n1
+        ms = [b * block + i for i in range(block)]
+        return [(l2, m) for _ in range(n) for m in ms if m < num_mtiles]
+
+    order = [t for b in range(lag) for t in tasks(False, b)]
+    for j in range(nb - lag):
+        order += tasks(False, lag + j) + tasks(True, j)
+    order += [t for b in range(nb - lag, nb) for t in tasks(True, b)]
     return order
 
 
@@ -41,13 +52,14 @@ def simulate(
     inter: int,
     num_ctas: int,
     tickets: bool,
+    block: int = 1,
     overhead: float = 4.0,
 ) -> float:
     """Round time over the perfect split (sum of task costs / CTAs)."""
     mtiles = experts * math.ceil(rows_per_expert / BLOCK_M)
     n1, n2 = math.ceil(2 * inter / BLOCK_N), math.ceil(hidden / BLOCK_N)
     k1, k2 = math.ceil(hidden / BLOCK_K), math.ceil(inter / BLOCK_K)
-    order = task_order(mtiles, n1, n2, num_ctas)
+    order = task_order(mtiles, n1, n2, num_ctas, block)
     l1_end = [0.0] * mtiles
     cost = [overhead + k1, overhead + k2]
     free = [(0.0, c) for c in range(num_ctas)]
@@ -75,13 +87,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ctas", default="112,116,128,132")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--block", type=int, default=1, help="m-tiles per block of the order")
     args = ap.parse_args()
     print("shape, CTAs: round time / perfect split (static share | tickets)")
     for name, (hidden, inter, experts, topk) in SHAPES.items():
         rows = args.tokens * topk // experts  # uniform routing
         for ctas in (int(c) for c in args.ctas.split(",")):
-            static = simulate(experts, rows, hidden, inter, ctas, False)
-            ticket = simulate(experts, rows, hidden, inter, ctas, True)
+            static = simulate(experts, rows, hidden, inter, ctas, False, args.block)
+            ticket = simulate(experts, rows, hidden, inter, ctas, True, args.block)
             print(f"{name:>14} {ctas:4d}: {static:.3f} | {ticket:.3f}")
 
 

@@ -73,6 +73,9 @@ void moe_build_schedule(const scheduler::ScheduleParams& p, cudaStream_t stream)
   check_launch();
   place_tokens<<<1, kTokenThreads, 0, stream>>>(p);
   check_launch();
+  place_token_rows<<<grid_for(std::max<int64_t>(p.row_capacity, p.max_tokens)), kThreads, 0,
+                     stream>>>(p);
+  check_launch();
 }
 
 void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens,

@@ -161,7 +161,10 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p, const MegaGemmParams& gp,
         }
         ++queue_state;
         if (t >= rd.order.num_tasks()) break;
-        produce_task(p, gp, pipeline, state, storage.tensors, rd, rd.order.decode(t));
+        const MegaTask task = rd.order.decode(t);
+        if (!rd.order.skipped(task)) {
+          produce_task(p, gp, pipeline, state, storage.tensors, rd, task);
+        }
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
@@ -194,8 +197,10 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
       queue.consumer_release(queue_state);
       ++queue_state;
       if (t >= rd.order.num_tasks()) break;
-      consume_task(p, gp, pipeline, state, storage.tensors, rd, rd.order.decode(t),
-                   mma_thread_idx);
+      const MegaTask task = rd.order.decode(t);
+      if (!rd.order.skipped(task)) {
+        consume_task(p, gp, pipeline, state, storage.tensors, rd, task, mma_thread_idx);
+      }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
   }

@@ -75,51 +75,75 @@ struct MegaParams {
   }
 };
 
-// One task: L1 (m-tile, n-tile of 2I) or L2 (m-tile, n-tile of H).
+// One task: L1 (m-tile, n-tile of 2I) or L2 (m-tile, n-tile of H). A task of a padding m-tile
+// (tile >= the round's m-tiles, see MegaTaskOrder) is skipped by producer and consumers alike.
 struct MegaTask {
   bool l2;
   int tile;
   int n;
 };
 
-// The task order of one round, the same for every CTA. With n_mt m-tiles and lag L:
-//   A: the L1 tasks of m-tiles 0..L-1;
-//   B: for j = 0..n_mt-L-1: the n1 L1 tasks of m-tile L+j, then the n2 L2 tasks of m-tile j;
-//   C: the L2 tasks of m-tiles n_mt-L..n_mt-1.
+// m-tiles per block of the task order (below).
+constexpr int kOrderBlockTiles = 16;
+
+// The task order of one round, the same for every CTA. The m-tiles are taken in blocks of
+// kOrderBlockTiles consecutive ones (the last block padded with m-tiles past the round's, whose
+// tasks are skipped); a block's L1 tasks (or L2 tasks) run n-tile-major: (n 0, m 0..15),
+// (n 1, m 0..15), ... With nb blocks and lag L (in blocks):
+//   A: the L1 tasks of blocks 0..L-1;
+//   B: for j = 0..nb-L-1: the L1 tasks of block L+j, then the L2 tasks of block j;
+//   C: the L2 tasks of blocks nb-L..nb-1.
+// NOTE: why blocks, n-tile-major: about one wave of tasks runs at a time, and what a wave reads
+// from HBM is its distinct A and B tiles. One m-tile's n-tiles in a wave (the order without
+// blocks) read each weight tile for one m-tile only: the expert's whole weight is streamed again
+// for every 128 rows (mixtral-8x7b: 224 MB per wave of L1 tasks, HBM-bound). A block's 16 m-tiles
+// share each weight tile of a wave, and its A tiles stay in L2 across its n-tiles.
 // CTAs take tasks in this order, one ticket at a time (next_ticket): whichever CTA is free takes
 // the next task, so tasks of unequal length (L1 and L2 differ in K) do not pile up behind one CTA
 // as a static round-robin share does (scripts/megakernel_schedule_sim.py models both).
-// NOTE: every task's inputs come from tasks earlier in this order (an L2 task of m-tile j follows
-// all n1 L1 tasks of m-tile j), and every ticket is taken by a resident CTA that runs its tickets
-// in increasing order, so the earliest unfinished task can always run: no deadlock. Which CTA
-// runs a task does not change its result (one CTA computes a whole tile, K in a fixed order).
-// L = min(n_mt, max(1, ceil(G / n1))) keeps about one wave of L1 tasks ahead of the L2 tasks.
+// NOTE: every task's inputs come from tasks earlier in this order (an L2 task of block j follows
+// all L1 tasks of block j), and every ticket is taken by a resident CTA that runs its tickets in
+// increasing order, so the earliest unfinished task can always run: no deadlock. Which CTA runs
+// a task does not change its result (one CTA computes a whole tile, K in a fixed order).
+// L = min(nb, max(1, ceil(G / (16 n1)))) keeps about one wave of L1 tasks ahead of the L2 tasks.
 struct MegaTaskOrder {
   int num_mtiles;
   int n1;
   int n2;
+  int num_blocks;
   int lag;
 
   MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_ctas)
       : num_mtiles(num_mtiles_), n1(n1_), n2(n2_) {
-    lag = min(num_mtiles, max(1, (num_ctas + n1 - 1) / n1));
+    num_blocks = (num_mtiles + kOrderBlockTiles - 1) / kOrderBlockTiles;
+    const int block_l1 = kOrderBlockTiles * n1;
+    lag = min(num_blocks, max(1, (num_ctas + block_l1 - 1) / block_l1));
   }
 
-  MOK_DEVICE int num_tasks() const { return num_mtiles * (n1 + n2); }
+  // Tickets of the round, padding tasks included.
+  MOK_DEVICE int num_tasks() const { return num_blocks * kOrderBlockTiles * (n1 + n2); }
+
+  // Task i (n-tile-major) of block b's L1 or L2 tasks.
+  MOK_DEVICE static MegaTask in_block(bool l2, int b, int i) {
+    return {l2, b * kOrderBlockTiles + i % kOrderBlockTiles, i / kOrderBlockTiles};
+  }
 
   MOK_DEVICE MegaTask decode(int t) const {
-    const int phase_a = lag * n1;
-    if (t < phase_a) return {false, t / n1, t % n1};
+    const int l1_block = kOrderBlockTiles * n1, l2_block = kOrderBlockTiles * n2;
+    const int phase_a = lag * l1_block;
+    if (t < phase_a) return in_block(false, t / l1_block, t % l1_block);
     const int u = t - phase_a;
-    const int step = n1 + n2;
-    const int phase_b = (num_mtiles - lag) * step;
+    const int step = l1_block + l2_block;
+    const int phase_b = (num_blocks - lag) * step;
     if (u < phase_b) {
       const int j = u / step, w = u % step;
-      return w < n1 ? MegaTask{false, lag + j, w} : MegaTask{true, j, w - n1};
+      return w < l1_block ? in_block(false, lag + j, w) : in_block(true, j, w - l1_block);
     }
     const int v = u - phase_b;
-    return {true, num_mtiles - lag + v / n2, v % n2};
+    return in_block(true, num_blocks - lag + v / l2_block, v % l2_block);
   }
+
+  MOK_DEVICE bool skipped(const MegaTask& task) const { return task.tile >= num_mtiles; }
 };
 
 // One thread: the next task of the running round (>= num_tasks once the round is used up).

@@ -6,7 +6,8 @@
 //   count_chunks:  per chunk of kChunk slots, rows per local expert and slots per rank
 //   scan_chunks:   (one block) expert offsets, each chunk's first row per expert, error flags
 //   place_rows:    each slot's row = chunk base + rank among equal experts earlier in its chunk
-//   place_tokens:  (one block) received tokens in (s, t) order, token_rows, row_token_idx, send_to
+//   place_tokens:  (one block) received tokens in (s, t) order, token_rows
+//   place_token_rows: (grid-stride) row_token_idx and send_to, from place_tokens' token_pos
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -149,13 +150,19 @@ __global__ void place_tokens(ScheduleParams p) {
     p.recv_token_src[j] = -1;
     for (int k = 0; k < k_n; ++k) p.token_rows[j * k_n + k] = -1;
   }
-  __syncthreads();  // token_pos is complete
-  for (int row = threadIdx.x; row < p.row_capacity; row += blockDim.x) {
+}
+
+// Grid-stride over max(row_capacity, max_tokens) (after place_tokens: token_pos is complete).
+__global__ void place_token_rows(ScheduleParams p) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t row = first; row < p.row_capacity; row += stride) {
     const int64_t s = p.row_src_rank[row];
     p.row_token_idx[row] = s >= 0 ? p.token_pos[s * p.max_tokens + p.row_src_token[row]] : -1;
   }
+  const int k_n = p.topk;
   const int64_t* mine = p.global_topk + static_cast<int64_t>(p.rank) * p.max_tokens * k_n;
-  for (int t = threadIdx.x; t < p.max_tokens; t += blockDim.x) {
+  for (int64_t t = first; t < p.max_tokens; t += stride) {
     for (int d = 0; d < p.num_ranks; ++d) {
       bool visits = false;
       for (int k = 0; k < k_n; ++k) {
