@@ -131,7 +131,11 @@ def main() -> None:
     else:
         print(f"mok_megatron: installing the pure-Python package only ({reason})", file=sys.stderr)
         extension_args = {}
-    setup(packages=find_packages(include=["mok_megatron", "mok_megatron.*"]), **extension_args)
+    setup(
+        packages=find_packages(include=["mok_megatron", "mok_megatron.*"]),
+        package_data={"mok_megatron": ["tuned/*.yaml"]},  # MoKConfig's "auto" knobs read them
+        **extension_args,
+    )
 
 
 if __name__ == "__main__":

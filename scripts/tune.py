@@ -3,7 +3,8 @@
 
 For each benchmark shape (the layers, weights and routing of scripts/bench_moe.py) it times the
 MoK layer's forward with ``cuda_forward='megakernel'`` under every (fwd_num_comm_sms,
-minibatch_size) pair, and writes ``configs/tuned/<gpu>_ep<N>.yaml``: a ``mok:`` section with the
+minibatch_size) pair, and writes ``mok_megatron/tuned/<gpu>_ep<N>.yaml`` (the table MoKConfig's
+"auto" knobs read on that GPU and EP size): a ``mok:`` section with the
 pair that is best on the geometric mean over the shapes (usable as ``--mok-config`` or
 ``MoKConfig.from_yaml``) and, per shape, its own best pair and time. The full sweep goes to the
 JSON record (``--out``).
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_moe  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mok_megatron.functional.config import tuned_table_path  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,7 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--out", required=True, help="JSON record of the sweep")
-    p.add_argument("--table", default=None, help="YAML table (default configs/tuned/<gpu>_ep<N>)")
+    p.add_argument(
+        "--table", default=None, help="YAML table (default mok_megatron/tuned/<gpu>_ep<N>.yaml)"
+    )
     return p.parse_args(argv)
 
 
@@ -113,13 +116,12 @@ def main(argv=None) -> None:
         if rank == 0:
             case = record["cases"][-1]
             print(f"{name}: best (fwd_num_comm_sms, minibatch_size) = ({case['best']}): "
-                  f"{case['forward_ms'][case['best']]:.3f} ms; default (20,256): "
-                  f"{case['forward_ms'].get('20,256', float('nan')):.3f} ms", flush=True)  # fmt: skip
+                  f"{case['forward_ms'][case['best']]:.3f} ms; fallback (16,256): "
+                  f"{case['forward_ms'].get('16,256', float('nan')):.3f} ms", flush=True)  # fmt: skip
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
-        gpu = record["environment"].get("gpu", "gpu").split()[-1].lower()
-        table = args.table or os.path.join(ROOT, "configs", "tuned", f"{gpu}_ep{world}.yaml")
+        table = args.table or str(tuned_table_path(torch.device("cuda"), world))
         write_table(table, record, points)
         print(f"wrote {args.out} and {table}")
     dist.destroy_process_group()

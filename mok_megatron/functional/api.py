@@ -250,7 +250,7 @@ def _dequantize_if_mxfp8(w, dtype: torch.dtype):
 
 
 def _check_config(ws: MoKWorkspace, config: MoKConfig) -> None:
-    if config != ws.config:
+    if config != ws.config and config != ws.given_config:  # as resolved, or as given
         raise ValueError(
             f"config {config} differs from the one the workspace was made with ({ws.config}); "
             "make a workspace per config"

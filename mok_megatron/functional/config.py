@@ -21,9 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoKConfig", "BWD_SCHEDULES", "CUDA_FORWARDS", "MOK_ROW_ALIGN", "KNOB_USERS",
-           "warn_ignored_knobs"]  # fmt: skip
+__all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
+           "MOK_ROW_ALIGN", "KNOB_USERS", "tuned_table_path", "warn_ignored_knobs"]  # fmt: skip
 
+#: A knob left "auto" takes its value from the tuned table of the GPU and EP size the workspace
+#: runs on (``mok_megatron/tuned/<gpu>_ep<N>.yaml``, written by scripts/tune.py), else from
+#: AUTO_FALLBACKS.
+AUTO = "auto"
+#: The knobs that may be "auto", and their values where no tuned table covers the GPU and EP size.
+AUTO_FALLBACKS = {"fwd_num_comm_sms": 16, "minibatch_size": 256}
+#: Where the tuned tables live (package data).
+TUNED_DIR = Path(__file__).resolve().parent.parent / "tuned"
 #: Row tile height of the expert GEMMs: minibatches and macrobatches are multiples of it.
 MOK_ROW_ALIGN = 128
 #: Backward schedules that are implemented ("minibatch", the finer-overlap non-bitwise mode of
@@ -52,14 +60,18 @@ def _knob(default: Any, help: str) -> Any:
 class MoKConfig:
     """The knobs of one MoK layer; all ranks of an expert-parallel group must hold equal configs."""
 
-    fwd_num_comm_sms: int = _knob(
-        20, "SMs that move tokens (dispatch, combine) in the forward; the other SMs run GEMMs."
+    fwd_num_comm_sms: int | str = _knob(
+        AUTO,
+        "SMs that pull tokens in the megakernel's forward before they run GEMM tasks too; 'auto': "
+        "the GPU's tuned table (scripts/tune.py), else 16.",
     )
     bwd_num_comm_sms: int = _knob(
         20, "SMs that move tokens in the backward; tuned separately from the forward."
     )
-    minibatch_size: int = _knob(
-        256, "Overlap granularity: routed rows whose arrival releases GEMM work (multiple of 128)."
+    minibatch_size: int | str = _knob(
+        AUTO,
+        "Overlap granularity: routed rows whose arrival releases GEMM work (multiple of 128); "
+        "'auto': the GPU's tuned table (scripts/tune.py), else 256.",
     )
     macrobatch_size: int = _knob(
         131072,
@@ -88,20 +100,28 @@ class MoKConfig:
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
             value = getattr(self, name)
+            if name in AUTO_FALLBACKS and value == AUTO:
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MoKConfig.{name}={value!r} must be an int")
+                allowed = "an int or 'auto'" if name in AUTO_FALLBACKS else "an int"
+                raise TypeError(f"MoKConfig.{name}={value!r} must be {allowed}")
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
-            if not 1 <= getattr(self, name) <= 128:
+            if getattr(self, name) != AUTO and not 1 <= getattr(self, name) <= 128:
                 raise ValueError(
                     f"MoKConfig.{name}={getattr(self, name)} must be in [1, 128] (SMs given to "
                     "communication); try 20"
                 )
-        _check_multiple(
-            "minibatch_size", self.minibatch_size, MOK_ROW_ALIGN, "the GEMM tile height"
-        )
-        _check_multiple(
-            "macrobatch_size", self.macrobatch_size, self.minibatch_size, "minibatch_size"
-        )
+        if self.minibatch_size != AUTO:
+            _check_multiple(
+                "minibatch_size", self.minibatch_size, MOK_ROW_ALIGN, "the GEMM tile height"
+            )
+            _check_multiple(
+                "macrobatch_size", self.macrobatch_size, self.minibatch_size, "minibatch_size"
+            )
+        else:
+            _check_multiple(
+                "macrobatch_size", self.macrobatch_size, MOK_ROW_ALIGN, "the GEMM tile height"
+            )
         cap = self.schedule_capacity_multiplier
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1.0:
             raise ValueError(
@@ -125,6 +145,28 @@ class MoKConfig:
                 f"MoKConfig.bwd_schedule={self.bwd_schedule!r} must be one of {BWD_SCHEDULES}; "
                 "'macrobatch' is the deterministic default"
             )
+
+    # ------------------------------------------------------------------------------ "auto" knobs
+    def resolve(self, device: torch.device | str | None, num_ranks: int) -> MoKConfig:
+        """This config with every "auto" knob replaced: from the tuned table of ``device``'s GPU
+        at this EP size (``tuned_table_path``) where there is one, else ``AUTO_FALLBACKS``.
+
+        The workspace resolves its config when it is made; a config without "auto" knobs is
+        returned as it is. Raises if the resolved knobs break a rule (macrobatch_size a multiple
+        of minibatch_size)."""
+        auto = [name for name in AUTO_FALLBACKS if getattr(self, name) == AUTO]
+        if not auto:
+            return self
+        path = tuned_table_path(device, num_ranks)
+        table = _tuned_knobs(path)
+        values = {name: table.get(name, AUTO_FALLBACKS[name]) for name in auto}
+        try:
+            return dataclasses.replace(self, **values)
+        except ValueError as e:
+            source = f"the tuned table {path}" if table else "the fallbacks"
+            raise ValueError(
+                f"{e} (the 'auto' knobs {values} come from {source}; set them explicitly)"
+            ) from None
 
     # ----------------------------------------------------------------------------- dict / YAML
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +226,30 @@ class MoKConfig:
                 f"MoKConfig differs across the ranks of the expert-parallel group (this rank: "
                 f"{self.to_dict()}); every rank must use the same config (same YAML / flags)"
             )
+
+
+def tuned_table_path(device: torch.device | str | None, num_ranks: int) -> Path | None:
+    """``TUNED_DIR/<gpu>_ep<num_ranks>.yaml`` for a CUDA ``device`` (<gpu>: the last word of its
+    name, lower case, e.g. "h200", as scripts/tune.py names the tables), or None."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    gpu = torch.cuda.get_device_name(torch.device(device)).split()[-1].lower()
+    return TUNED_DIR / f"{gpu}_ep{num_ranks}.yaml"
+
+
+def _tuned_knobs(path: Path | None) -> dict[str, int]:
+    """The "auto"-able knobs of a tuned table's ``mok:`` section ({} without a table)."""
+    if path is None or not path.is_file():
+        return {}
+    import yaml
+
+    with open(path) as f:
+        section = (yaml.safe_load(f) or {}).get("mok", {})
+    knobs = {name: section[name] for name in AUTO_FALLBACKS if name in section}
+    for name, value in knobs.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: mok.{name}={value!r} must be an int; rerun scripts/tune.py")
+    return knobs
 
 
 _WARNED: set[tuple[str, str]] = set()

@@ -143,6 +143,8 @@ class MoKWorkspace:
     backend: Any
     monitor: ErrorMonitor
     buffers: Any = field(default=None, repr=False)
+    #: The config as given, "auto" knobs unresolved (``config`` is the resolved one).
+    given_config: MoKConfig | None = field(default=None, repr=False)
 
     def check_errors(self) -> None:
         """Wait for the device-side error flags of earlier passes and raise if any is set."""
@@ -215,9 +217,10 @@ def create_workspace(
     device = _resolve_device(device)
     rank, num_ranks = _group_info(group)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
-    config.check_same_across_ranks(group, _collective_device(group, device))
+    resolved = config.resolve(device, num_ranks)
+    resolved.check_same_across_ranks(group, _collective_device(group, device))
     ws = _new_workspace(
-        config,
+        resolved,
         group,
         rank,
         num_ranks,
@@ -230,6 +233,7 @@ def create_workspace(
         shared_intermediate_size,
         dtype,
     )
+    ws.given_config = config
     ws.backend = resolve_backend(backend, ws)
     ws.buffers = ws.backend.allocate(ws)
     warn_ignored_knobs(config, backend_path(ws))
@@ -291,12 +295,16 @@ def create_virtual_workspaces(
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
     device = _resolve_device(device)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
+    # NOTE: "auto" knobs take AUTO_FALLBACKS here: a tuned table is for real ranks on GPUs of
+    # their own, not for virtual ranks sharing one GPU's SMs.
+    resolved = config.resolve(None, num_ranks)
     workspaces = [
-        _new_workspace(config, None, r, num_ranks, device, num_local_tokens, hidden_size, topk,
+        _new_workspace(resolved, None, r, num_ranks, device, num_local_tokens, hidden_size, topk,
                        num_experts, intermediate_size, shared_intermediate_size, dtype)
         for r in range(num_ranks)
     ]  # fmt: skip
     for ws in workspaces:
+        ws.given_config = config
         ws.backend = resolve_backend("cuda", ws)
     for ws, buffers in zip(workspaces, workspaces[0].backend.allocate_virtual(workspaces)):
         ws.buffers = buffers
@@ -349,6 +357,8 @@ def workspace_bytes(
     from .backends import backend_class
 
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
+    # "auto" knobs as a workspace on the current GPU would resolve them.
+    config = config.resolve("cuda" if backend != "reference" else None, num_ranks)
     cap = row_capacity(config, num_ranks, num_local_tokens, topk)
     return backend_class(backend).workspace_bytes(
         config=config, num_ranks=num_ranks, num_local_tokens=num_local_tokens,

@@ -99,7 +99,20 @@ def _argparse_type(f: dataclasses.Field, hint) -> dict:
         return {"type": type(choices[0]), "choices": tuple(choices)}
     if hint in (int, float, str):
         return {"type": hint}
+    if set(typing.get_args(hint)) == {int, str}:  # an int knob that may be "auto"
+        return {"type": _int_or_auto, "metavar": "INT|auto"}
     raise TypeError(f"MoKConfig.{f.name}: no command-line form for type {hint}")
+
+
+def _int_or_auto(text: str) -> int | str:
+    from mok_megatron.functional.config import AUTO
+
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor {AUTO!r}") from None
 
 
 def _literal_choices(hint) -> tuple | None:

@@ -25,7 +25,11 @@ def test_every_knob_is_documented_and_defaults_validate():
     "kwargs,words",
     [
         ({"minibatch_size": 1000}, ["minibatch_size=1000", "multiple of 128", "try 1024"]),
-        ({"macrobatch_size": 300}, ["macrobatch_size=300", "minibatch_size", "try 512"]),
+        (
+            {"minibatch_size": 256, "macrobatch_size": 300},
+            ["macrobatch_size=300", "minibatch_size", "try 512"],
+        ),
+        ({"macrobatch_size": 300}, ["macrobatch_size=300", "tile height", "try 384"]),
         ({"fwd_num_comm_sms": 0}, ["fwd_num_comm_sms=0", "[1, 128]"]),
         ({"schedule_capacity_multiplier": 0.5}, ["schedule_capacity_multiplier=0.5", ">= 1.0"]),
         ({"bwd_schedule": "fast"}, ["bwd_schedule='fast'", "macrobatch"]),
@@ -39,9 +43,53 @@ def test_invalid_knobs_name_rule_value_and_fix(kwargs, words):
         assert word in str(info.value)
 
 
+def test_auto_knobs_resolve_from_the_tuned_table_or_the_fallbacks(tmp_path, monkeypatch):
+    from mok_megatron.functional import config as config_module
+
+    config = MoKConfig()
+    assert config.fwd_num_comm_sms == "auto" and config.minibatch_size == "auto"
+    # No table (a CPU device): the documented fallbacks.
+    resolved = config.resolve("cpu", 1)
+    assert (resolved.fwd_num_comm_sms, resolved.minibatch_size) == (16, 256)
+    assert resolved.resolve("cpu", 1) is resolved  # nothing left to resolve
+    # A table: its values; knobs given explicitly stay as given.
+    table = tmp_path / "gpu_ep2.yaml"
+    table.write_text("mok:\n  cuda_forward: megakernel\n  fwd_num_comm_sms: 8\n"
+                     "  minibatch_size: 1024\n")  # fmt: skip
+    monkeypatch.setattr(config_module, "tuned_table_path", lambda device, num_ranks: table)
+    resolved = MoKConfig(macrobatch_size=4096).resolve("cuda", 2)
+    assert (resolved.fwd_num_comm_sms, resolved.minibatch_size) == (8, 1024)
+    assert resolved.cuda_forward == "stage1"  # only the "auto" knobs come from the table
+    assert MoKConfig(fwd_num_comm_sms=4).resolve("cuda", 2).fwd_num_comm_sms == 4
+    # A resolved minibatch that the macrobatch is no multiple of breaks the rule, loudly.
+    with pytest.raises(ValueError, match="macrobatch_size=640 must be a positive multiple of 1024"):
+        MoKConfig(macrobatch_size=640).resolve("cuda", 2)
+    table.write_text("mok:\n  minibatch_size: big\n")
+    with pytest.raises(ValueError, match="must be an int; rerun scripts/tune.py"):
+        MoKConfig().resolve("cuda", 2)
+
+
+def test_the_shipped_tuned_tables_hold_valid_knobs():
+    from mok_megatron.functional.config import AUTO_FALLBACKS, TUNED_DIR, _tuned_knobs
+
+    tables = sorted(TUNED_DIR.glob("*_ep*.yaml"))
+    assert tables, f"no tuned tables under {TUNED_DIR}"
+    for path in tables:
+        knobs = _tuned_knobs(path)
+        assert set(knobs) == set(AUTO_FALLBACKS), path
+        MoKConfig(**knobs)  # validates
+
+
+def test_a_workspace_holds_its_resolved_config():
+    ws = _tiny_workspace(MoKConfig())
+    assert ws.config.fwd_num_comm_sms == 16 and ws.config.minibatch_size == 256
+
+
 def test_non_integer_knob_is_a_type_error():
     with pytest.raises(TypeError, match="minibatch_size"):
         MoKConfig(minibatch_size=256.0)
+    with pytest.raises(TypeError, match="fwd_num_comm_sms='many' must be an int or 'auto'"):
+        MoKConfig(fwd_num_comm_sms="many")
 
 
 def test_yaml_round_trip_and_unknown_keys(tmp_path):

@@ -69,6 +69,12 @@ def test_bad_values_fail_with_the_config_rule():
         _plain_parser().parse_args(["--mok-minibatch-size", "big"])
 
 
+def test_auto_knob_flags_take_an_int_or_auto():
+    args = _plain_parser().parse_args(["--mok-fwd-num-comm-sms", "auto", "--mok-minibatch-size",
+                                       "1024"])  # fmt: skip
+    assert mok_config_from_args(args) == MoKConfig(fwd_num_comm_sms="auto", minibatch_size=1024)
+
+
 def test_resolve_mok_config_forms():
     config = MoKConfig(minibatch_size=256)
     assert resolve_mok_config(config) is config
