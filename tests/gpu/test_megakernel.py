@@ -1,5 +1,6 @@
 """The forward megakernel (``MoKConfig.cuda_forward='megakernel'``) on one GPU: EP 1 and virtual
-ranks (W = 2 and 4 on one GPU), against the float64 oracle, the reference backend and stage 1.
+ranks (W = 2 and 4 on one GPU), against the float64 oracle, the reference backend and stage 1;
+and at EP 2 on two GPUs (``-m multigpu``, under torchrun: scripts/gpu_check.sh 2).
 
 Bitwise: at EP 1 in one round the megakernel computes what stage 1 computes, in the same order
 (the same 128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its
@@ -22,12 +23,15 @@ import textwrap
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_cuda_backend import (
     EDGE_CASES,
+    EP_CASES,
     ROUND_CASES,
     SHAPES,
     Run,
     VirtualRuns,
+    _assert_repeats_bitwise,
     _assert_schedule_equal,
     _bitwise_equal,
     _check_accuracy,
@@ -36,7 +40,9 @@ from test_cuda_backend import (
     _graph_check,
     _no_sync_check,
     _problem,
+    _schedule_failures,
     _virtual_failures,
+    dist_group,  # noqa: F401 (the fixture of the EP 2 tests)
 )
 
 from mok_megatron import functional as F
@@ -325,3 +331,57 @@ def test_a_stalled_virtual_rank_times_out_instead_of_hanging(tmp_path):
         output[-3000:]
     )
     assert "peer 1" in output, output[-3000:]
+
+
+# ------------------------------------------------------------------------ EP 2 (two GPUs)
+# Real ranks on two GPUs (run by scripts/gpu_check.sh 2 under torchrun); the same checks as the
+# virtual ranks above, over NVLink peers instead of one GPU's own memory.
+
+
+@pytest.mark.multigpu
+@pytest.mark.usefixtures("dist_group")
+@pytest.mark.parametrize("case", list(EP_CASES))
+def test_ep2_megakernel_matches_oracle_reference_and_stage1(case):
+    # NOTE: failures are collected, not raised early, so both ranks run the same collectives.
+    tokens, shape, kwargs = EP_CASES[case]
+    problem = _problem(tokens, shape, seed=21, **kwargs)
+    config = F.MoKConfig(cuda_forward="megakernel", schedule_capacity_multiplier=2.0)
+    mega = Run(problem, "cuda", config=config, form="fused_auto")
+    failures = [] if mega.ws.backend.path(mega.ws) == "megakernel" else ["not the megakernel"]
+    sched, got = mega()
+    failures += _schedule_failures(sched, problem, mega.ws)
+    failures += _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, config, form="fused")
+    stage1 = F.MoKConfig(cuda_forward="stage1", schedule_capacity_multiplier=2.0)
+    _, want = Run(problem, "cuda", config=stage1, form="fused_auto")()
+    # Stage 1 sums a token's slots rank by rank: the output within tolerance, gradients bitwise.
+    failures += [f"{name} differs from stage 1" for name in _bitwise_equal(want, got)
+                 if name != "out"]  # fmt: skip
+    assert not failures, f"rank {dist.get_rank()}: {failures}"
+
+
+@pytest.mark.multigpu
+@pytest.mark.usefixtures("dist_group")
+@pytest.mark.parametrize("case", ["all_to_one_expert", "uneven"])
+def test_ep2_megakernel_rounds_match_oracle(case):
+    tokens, shape, kwargs = EP_CASES[case]
+    problem = _problem(tokens, shape, seed=37, **kwargs)
+    config = F.MoKConfig(cuda_forward="megakernel", schedule_capacity_multiplier=2.0,
+                         minibatch_size=128, macrobatch_size=256)  # fmt: skip
+    run = Run(problem, "cuda", config=config, form="fused_auto")
+    _, got = run()
+    failures = [] if run.ws.buffers.mega.num_rounds > 1 else ["expected several rounds"]
+    failures += _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, config, form="fused")
+    assert not failures, f"rank {dist.get_rank()}: {failures}"
+
+
+@pytest.mark.multigpu
+@pytest.mark.usefixtures("dist_group")
+def test_ep2_megakernel_repeats_bitwise_replays_in_a_graph_without_host_sync():
+    problem = _problem([170, 130], SHAPES["qwen3-30b-a3b"], seed=9, shared_inter=64)
+    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    _, first = run()
+    _assert_repeats_bitwise(run, first, 4)
+    _graph_check(run)
+    _no_sync_check(run)
