@@ -18,6 +18,7 @@ workspace's data regions hold the same pattern (its guards are checked after ove
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -43,10 +44,17 @@ ROUTED = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
 SHARED = ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
 
 #: Routed-weight forms: separate gate and up; the fused interleaved gate_up (MoKExperts' form)
-#: with every engine step (MOK_EXPERT_GEMM=engine), on torch._grouped_mm only (=torch), and with
-#: the default choice (=auto).
+#: with every engine step (MoKConfig.expert_gemm='engine'), on torch._grouped_mm only ('torch'),
+#: and with the default choice ('auto').
 FORMS = ("split", "fused", "fused_torch")
 EXPERT_GEMM = {"fused": "engine", "fused_torch": "torch", "fused_auto": "auto"}
+
+
+def cuda_config(config, form="split"):
+    """``config`` (None: the defaults) as the CUDA runs of these tests take it: the expert GEMMs
+    of ``form``."""
+    return dataclasses.replace(config or F.MoKConfig(), expert_gemm=EXPERT_GEMM.get(form, "auto"))
+
 
 # Scaled-down benchmark shapes: (hidden, inter, experts, topk, shared_inter).
 SHAPES = {
@@ -122,6 +130,10 @@ class Run:
     def __init__(self, problem, backend, config=None, num_local_tokens=None, seed=0, form="split",
                  ws=None):  # fmt: skip
         self.rank, self.world = (ws.rank, ws.num_ranks) if ws is not None else _world()
+        if ws is not None:
+            config = ws.config
+        elif backend == "cuda":
+            config = cuda_config(config, form)
         self.problem, self.config, self.form = problem, config or F.MoKConfig(), form
         x, topk, rw, routed, shared = problem.local(self.rank, torch.bfloat16, _device())
         if form != "split":
@@ -144,18 +156,11 @@ class Run:
                                 router_weights=self.rw)  # fmt: skip
 
     def passes(self, sched):
-        gemm = os.environ.get("MOK_EXPERT_GEMM")
-        os.environ["MOK_EXPERT_GEMM"] = EXPERT_GEMM.get(self.form, "auto")
-        try:
-            out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
-            self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
-            grads = F.backward(
-                self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
-            )._asdict()
-        finally:
-            os.environ.pop("MOK_EXPERT_GEMM")
-            if gemm is not None:
-                os.environ["MOK_EXPERT_GEMM"] = gemm
+        out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
+        self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
+        grads = F.backward(
+            self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
+        )._asdict()
         if self.form != "split":  # the fused weight's gradient, split for the checks
             assert grads["d_w_routed_up"] is None
             gate_up = grads["d_w_routed_gate"]
@@ -182,7 +187,7 @@ class VirtualRuns:
     """W virtual ranks of one problem on one GPU: one ``Run`` per rank, each on its stream."""
 
     def __init__(self, problem, world, config=None, num_local_tokens=None, seed=0, form="split"):
-        config = config or F.MoKConfig()
+        config = cuda_config(config, form)
         shared = problem.shared[0].shape[0] if problem.shared else 0
         # NOTE: ranks wait for each other on one GPU: a protocol bug shows as a timeout, not as a
         # minute-long hang (the 2-GPU tests keep their longer budget)

@@ -4,10 +4,10 @@ ranks (W = 2 and 4 on one GPU), against the float64 oracle, the reference backen
 Bitwise: at EP 1 in one round the megakernel computes what stage 1 computes, in the same order
 (the same 128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its
 output and the gradients of stage 1's backward on its context are bitwise equal to stage 1's
-(fused gate/up form, MOK_EXPERT_GEMM=auto). Where stage 1 sums a token's slots in another order
-the output agrees within tolerance only (the gradients stay bitwise): in macrobatch rounds it sums
-round by round, with several ranks rank by rank; the megakernel always in slot order. Run to run,
-everything is bitwise equal.
+(fused gate/up form, MoKConfig.expert_gemm='auto'). Where stage 1 sums a token's slots in another
+order the output agrees within tolerance only (the gradients stay bitwise): in macrobatch rounds
+it sums round by round, with several ranks rank by rank; the megakernel always in slot order. Run
+to run, everything is bitwise equal.
 Outputs are poisoned before every run (``testing.poison``), the plan is checked integer for
 integer against stage 1's torch plan, and a stalled minibatch or rank times out with a record
 that names it instead of hanging.
@@ -197,14 +197,14 @@ def test_forward_without_grad_keeps_nothing():
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=12)
     run = Run(problem, "cuda", config=MEGA, form="fused")
     sched = run.schedule()
-    out, ctx = F.forward(MEGA, run.ws, sched, run.x, run.rw, *run.weights,
+    out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
                          save_for_backward=False)  # fmt: skip
     assert ctx.saved is None and ctx.x_recv is None
     with pytest.raises(RuntimeError, match="kept nothing"):
-        F.backward(MEGA, run.ws, sched, ctx, run.d_out, run.x, run.rw, *run.weights)
+        F.backward(run.config, run.ws, sched, ctx, run.d_out, run.x, run.rw, *run.weights)
     x = run.x.clone().requires_grad_(False)
     with torch.no_grad():  # functional.moe under no_grad: the same
-        y = F.moe(x, run.topk, run.rw, *run.routed, config=MEGA, workspace=run.ws)
+        y = F.moe(x, run.topk, run.rw, *run.routed, config=run.config, workspace=run.ws)
     assert torch.equal(y, out)
 
 
