@@ -1,6 +1,6 @@
 """``MoKConfig``: the knobs of the MoK layer (the five of DESIGN.md, the CUDA forward path, which
-expert GEMMs run on the GEMM engine, and the backward schedule), and how they are validated and
-stored.
+expert GEMMs run on the GEMM engine, the device-wait timeout and the backward schedule), and how
+they are validated and stored.
 
 Every field carries its documentation in ``metadata["help"]``: Megatron's ``--mok-*`` flags and the
 YAML loader are generated from it, so the dataclass is the one source of truth. The C++ launchers
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoKConfig", "BWD_SCHEDULES", "CUDA_FORWARDS", "ENGINE_STEPS", "EXPERT_GEMMS",
-           "MOK_ROW_ALIGN", "KNOB_USERS", "engine_step_list", "warn_ignored_knobs"]  # fmt: skip
+__all__ = ["MoKConfig", "BWD_SCHEDULES", "CUDA_FORWARDS", "DEFAULT_WAIT_TIMEOUT_MS",
+           "ENGINE_STEPS", "EXPERT_GEMMS", "MOK_ROW_ALIGN", "KNOB_USERS", "engine_step_list",
+           "warn_ignored_knobs"]  # fmt: skip
 
 #: Row tile height of the expert GEMMs: minibatches and macrobatches are multiples of it.
 MOK_ROW_ALIGN = 128
@@ -40,6 +41,8 @@ ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
 #: The named choices of MoKConfig.expert_gemm; a list of ENGINE_STEPS joined by "," or "+" is
 #: the other form.
 EXPERT_GEMMS = ("auto", "torch", "engine")
+#: Device waits give up after this long unless MoKConfig.wait_timeout_ms says otherwise.
+DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: Every backward schedule the design names (flags accept these; MoKConfig says which run).
 KNOWN_BWD_SCHEDULES = ("macrobatch", "minibatch")
 #: Which backend (and CUDA path) uses each knob whose effect depends on it; the README's knob
@@ -52,6 +55,7 @@ KNOB_USERS = {
     "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
+    "wait_timeout_ms": ("cuda/stage1", "cuda/megakernel"),  # the reference never waits
 }
 
 
@@ -97,6 +101,12 @@ class MoKConfig:
         "none where the engine cannot run, with a warning), 'torch' (none), 'engine' (all), or "
         "engine steps joined by ',' or '+' from l1, dswiglu, l2, dgrad, wgrad (docs/GEMM.md).",
     )
+    wait_timeout_ms: int = _knob(
+        DEFAULT_WAIT_TIMEOUT_MS,
+        "Every device-side wait of the CUDA backend (barriers, the megakernel's rows and tiles) "
+        "gives up after this many milliseconds, reporting rank, phase and flag, and fails the "
+        "launch instead of hanging. Raise it for slow starts.",
+    )
     bwd_schedule: str = _knob(
         "macrobatch",
         "Backward schedule: 'macrobatch' (deterministic, the only one implemented; 'minibatch', "
@@ -104,7 +114,8 @@ class MoKConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
+                     "wait_timeout_ms"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"MoKConfig.{name}={value!r} must be an int")
@@ -133,6 +144,12 @@ class MoKConfig:
                 "'stage1' is the default, 'auto' picks the megakernel where it can run"
             )
         _check_expert_gemm(self.expert_gemm)
+        if not 1 <= self.wait_timeout_ms < 2**31:
+            raise ValueError(
+                f"MoKConfig.wait_timeout_ms={self.wait_timeout_ms} must be a positive number of "
+                "milliseconds below 2**31 (a device wait never waits forever; error records are "
+                f"int32); try {DEFAULT_WAIT_TIMEOUT_MS}"
+            )
         if self.bwd_schedule == "minibatch":
             raise ValueError(
                 "MoKConfig.bwd_schedule='minibatch' is not implemented: no backend has the "

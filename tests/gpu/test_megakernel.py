@@ -264,7 +264,8 @@ from mok_megatron.ops.moe import check_mega_error
 from mok_megatron.testing import random_moe_problem
 p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128)
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
+                     wait_timeout_ms=1500)
 ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
                         num_experts=8, intermediate_size=64, backend="cuda")
 ws.buffers.stall_minibatch = 2
@@ -282,17 +283,19 @@ except Exception as exc:
 """
 
 
-def _child(script: str, tmp_path, timeout_ms: int) -> str:
+def _child(script: str, tmp_path) -> str:
+    """Run ``script`` in a child process (its device waits time out after the
+    MoKConfig.wait_timeout_ms it sets: a trap leaves the CUDA context unusable)."""
     path = tmp_path / "child.py"
     path.write_text(textwrap.dedent(script))
-    env = dict(os.environ, MOK_WAIT_TIMEOUT_MS=str(timeout_ms), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     return proc.stdout + proc.stderr
 
 
 def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(tmp_path):
-    output = _child(_STALL, tmp_path, 1500)
+    output = _child(_STALL, tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "rank 0 timed out" in output and "L1 task waiting for its rows" in output, output[-3000:]
     assert "minibatch 2" in output and "arrive" in output, output[-3000:]
@@ -304,7 +307,7 @@ from mok_megatron import functional as F
 from mok_megatron.ops import interleave_gate_up
 from mok_megatron.testing import random_moe_problem
 p = random_moe_problem([64, 64], 128, 64, 8, 2, seed=1)
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4)
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, wait_timeout_ms=1500)
 wss = F.create_virtual_workspaces(config, 2, device="cuda", num_local_tokens=64, hidden_size=128,
                                   topk=2, num_experts=8, intermediate_size=64)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
@@ -319,7 +322,7 @@ except Exception as exc:
 
 
 def test_a_stalled_virtual_rank_times_out_instead_of_hanging(tmp_path):
-    output = _child(_STALLED_RANK, tmp_path, 1500)
+    output = _child(_STALLED_RANK, tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "mok: rank 0 timed out after 1500 ms in phase 'schedule/routing staged'" in output, (
         output[-3000:]
