@@ -100,23 +100,31 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
 
 TORCH_LIBRARY_FRAGMENT(mok, m) {
   m.set_python_module("mok_megatron.ops.grouped_gemm");
+  // Every op ends with the tile order (launch::GemmTuning, apis/grouped_gemm.h): results are
+  // bitwise the same for every setting; the SwiGLU ops refuse schedule "pingpong".
+#define MOK_GEMM_TUNING_SCHEMA "str schedule=\"cooperative\", str raster=\"m\", int swizzle=1"
   m.def(
       "grouped_gemm_l1_swiglu_out(Tensor x, Tensor w_gu, Tensor offs, Tensor(a!) act, "
-      "Tensor(b!)? h) -> ()");
-  m.def("grouped_gemm_nt_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out) -> ()");
-  m.def("grouped_gemm_nn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out) -> ()");
+      "Tensor(b!)? h, " MOK_GEMM_TUNING_SCHEMA ") -> ()");
+  m.def("grouped_gemm_nt_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out, "
+        MOK_GEMM_TUNING_SCHEMA ") -> ()");
+  m.def("grouped_gemm_nn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out, "
+        MOK_GEMM_TUNING_SCHEMA ") -> ()");
   m.def(
       "grouped_gemm_dswiglu_out(Tensor d_y, Tensor w_down, Tensor h, Tensor offs, "
-      "Tensor(a!) d_h, Tensor(b!)? act) -> ()");
-  m.def("grouped_gemm_tn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out) -> ()");
+      "Tensor(a!) d_h, Tensor(b!)? act, " MOK_GEMM_TUNING_SCHEMA ") -> ()");
+  m.def("grouped_gemm_tn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out, "
+        MOK_GEMM_TUNING_SCHEMA ") -> ()");
   // The forward ops with the per-tile flag wait (csrc/include/mok/scheduler/flag_wait.cuh).
   m.def(
       "grouped_gemm_nt_wait_out(Tensor a, Tensor b, Tensor offs, Tensor ready, int rows_per_flag, "
-      "int epoch, int timeout_ms, Tensor(a!) out, Tensor(b!)? error) -> ()");
+      "int epoch, int timeout_ms, Tensor(a!) out, Tensor(b!)? error, " MOK_GEMM_TUNING_SCHEMA
+      ") -> ()");
   m.def(
       "grouped_gemm_l1_swiglu_wait_out(Tensor x, Tensor w_gu, Tensor offs, Tensor ready, "
       "int rows_per_flag, int epoch, int timeout_ms, Tensor(a!) act, Tensor(b!)? h, "
-      "Tensor(c!)? error) -> ()");
+      "Tensor(c!)? error, " MOK_GEMM_TUNING_SCHEMA ") -> ()");
+#undef MOK_GEMM_TUNING_SCHEMA
 }
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {

@@ -20,6 +20,7 @@ Writes JSON (GPU, driver, torch, commit, per (shape, op, impl): ms median + spre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -42,8 +43,8 @@ MODELS = {  # name: (hidden, intermediate, experts, topk)
 }
 TOKENS_PER_RANK, EP = 8192, 2
 PINGPONG_LESS = ("l1_swiglu", "l2_dgrad_dswiglu")  # the SwiGLU epilogues are cooperative-only
-SWEEP = [  # MOK_GG_* tile-order / schedule settings tried by --sweep (EP-2 full rows only)
-    {"MOK_GG_SCHEDULE": sch, "MOK_GG_RASTER": r, "MOK_GG_SWIZZLE": str(sw)}
+SWEEP = [  # tile-order / schedule settings (gg.GemmTuning) tried by --sweep (EP-2 full rows only)
+    gg.GemmTuning(sch, r, sw)
     for sch in ("cooperative", "pingpong") for r in ("m", "n") for sw in (1, 4)
 ]  # fmt: skip
 
@@ -98,6 +99,8 @@ def torch_wgrad(a, b, offs):
 
 
 def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) -> list[dict]:
+    """Rows of every op x impl on one shape; ``tuning`` (gg.GemmTuning, None: the default) is
+    the tile order ours run in, recorded in each row as its fields."""
     hidden, inter, experts, topk = MODELS[model]
     groups = experts // EP
     rows = int(TOKENS_PER_RANK * topk * scale)
@@ -116,14 +119,15 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
     h_cat = torch.randn(rows, 2 * inter, **bf)
     d_y = torch.randn(rows, hidden, **bf)
     _, h = gg.grouped_gemm_l1_swiglu(x, w_gu, offs, save_h=True)
+    t = tuning
     gate_t, up_t = h_cat[:, :inter], h_cat[:, inter:]
 
     l1_flops = 2.0 * rows * hidden * 2 * inter
     l2_flops = 2.0 * rows * hidden * inter
     ops = {  # op: (flops, {impl: fn})
         "l1_swiglu": (l1_flops, {
-            "mok": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs),
-            "mok_save_h": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs, save_h=True),
+            "mok": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs, tuning=t),
+            "mok_save_h": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs, save_h=True, tuning=t),
             "torch_gemm": lambda: torch._grouped_mm(x, w_cat.transpose(1, 2), offs=offs),
             "torch_swiglu_only": lambda: F.silu(gate_t) * up_t,
             "torch_gemm+swiglu": lambda: (lambda hh: F.silu(hh[:, :inter]) * hh[:, inter:])(
@@ -134,12 +138,13 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
                 torch._grouped_mm(x, w_gu.transpose(1, 2), offs=offs)),
         }),
         "l2": (l2_flops, {
-            "mok": lambda: gg.grouped_gemm_nt(act, w_down, offs),
+            "mok": lambda: gg.grouped_gemm_nt(act, w_down, offs, tuning=t),
             "torch_gemm": lambda: torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs),
         }),
         "l2_dgrad_dswiglu": (l2_flops, {
-            "mok": lambda: gg.grouped_gemm_dswiglu(d_y, w_down, h, offs),
-            "mok_with_act": lambda: gg.grouped_gemm_dswiglu(d_y, w_down, h, offs, want_act=True),
+            "mok": lambda: gg.grouped_gemm_dswiglu(d_y, w_down, h, offs, tuning=t),
+            "mok_with_act": lambda: gg.grouped_gemm_dswiglu(d_y, w_down, h, offs, want_act=True,
+                                                            tuning=t),
             "torch_gemm": lambda: torch._grouped_mm(d_y, w_down, offs=offs),
             "torch_gemm+dswiglu": lambda: swiglu_backward(
                 torch._grouped_mm(d_y, w_down, offs=offs), gate_t, up_t),
@@ -147,15 +152,15 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
                 torch._grouped_mm(d_y, w_down, offs=offs), h),
         }),
         "l1_dgrad": (l1_flops, {
-            "mok": lambda: gg.grouped_gemm_nn(h_cat, w_gu, offs),
+            "mok": lambda: gg.grouped_gemm_nn(h_cat, w_gu, offs, tuning=t),
             "torch_gemm": lambda: torch._grouped_mm(h_cat, w_cat, offs=offs),
         }),
         "wgrad_l1": (l1_flops, {
-            "mok": lambda: gg.grouped_gemm_tn(h_cat, x, offs),
+            "mok": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=t),
             "torch_gemm": lambda: torch_wgrad(h_cat, x, offs),
         }),
         "wgrad_l2": (l2_flops, {
-            "mok": lambda: gg.grouped_gemm_tn(d_y, act, offs),
+            "mok": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=t),
             "torch_gemm": lambda: torch_wgrad(d_y, act, offs),
         }),
     }  # fmt: skip
@@ -166,9 +171,9 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
         for impl, fn in impls.items():
             if mok_only and not impl.startswith("mok"):
                 continue
-            if tuning and tuning["MOK_GG_SCHEDULE"] == "pingpong" and op in PINGPONG_LESS:
-                continue
-            row = {"tuning": tuning} if tuning else {}
+            if tuning and tuning.schedule == "pingpong" and op in PINGPONG_LESS:
+                continue  # the op would refuse it
+            row = {"tuning": dataclasses.asdict(tuning)} if tuning else {}
             row |= {"model": model, "scale": scale, "rows": rows, "groups": groups,
                    "hidden": hidden, "intermediate": inter, "op": op, "impl": impl}  # fmt: skip
             try:
@@ -202,21 +207,17 @@ def main() -> None:
             torch.cuda.empty_cache()
     sweep = []
     if args.sweep:
-        saved = {k: os.environ.get(k) for k in SWEEP[0]}
         for tuning in SWEEP:
-            os.environ.update(tuning)
             for model in args.models:
                 sweep += bench_shape(model, 1.0, args, mok_only=True, tuning=tuning)
                 torch.cuda.empty_cache()
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     doc = {
         "bench": "grouped_gemm", "gpu": props.name, "sm_count": props.multi_processor_count,
         "driver": driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "commit": commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "tokens_per_rank": TOKENS_PER_RANK, "ep": EP, "routing": "balanced random",
         "timing": f"median of {args.samples} CUDA-event samples of {args.calls} calls each",
-        "tuning_env": {k: os.environ.get(k) for k in SWEEP[0]},
+        "tuning_default": dataclasses.asdict(gg.GemmTuning()),  # what "results" ran under
         "wall_s": round(time.time() - t0, 1), "results": results, "sweep": sweep,
     }  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

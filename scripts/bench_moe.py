@@ -56,8 +56,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--mok-expert-gemm",
         default="",
-        help="comma list of MOK_EXPERT_GEMM settings (torch, engine, or engine steps joined by "
-        "'+', e.g. l1+wgrad) to also time MoK under, as 'mok_gemm_<setting>', in the same "
+        help="comma list of MoKConfig.expert_gemm settings (torch, engine, or engine steps joined "
+        "by '+', e.g. l1+wgrad) to also time MoK under, as 'mok_gemm_<setting>', in the same "
         "process: which expert GEMMs win",
     )
     p.add_argument(
@@ -272,7 +272,7 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_stage1:
             contenders.append(("mok_stage1", layer, None, "stage1"))
         for who, module, expert_gemm, cuda_forward in contenders:
-            with _expert_gemm(expert_gemm), _cuda_forward(module, cuda_forward):
+            with _mok_knobs(module, expert_gemm=expert_gemm, cuda_forward=cuda_forward):
                 t = measure(module, sets, args, backward)
             module.zero_grad(set_to_none=True)  # one layer's gradients in memory at a time
             ms = t["median_ms_all_ranks_max"]
@@ -296,32 +296,20 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
 
 
 @contextlib.contextmanager
-def _cuda_forward(layer, choice: str | None):
-    """The MoK layer runs with MoKConfig.cuda_forward=choice inside (None: unchanged)."""
-    if choice is None:
+def _mok_knobs(layer, **knobs):
+    """The MoK layer runs with its MoKConfig's fields set to ``knobs`` inside (None: unchanged),
+    e.g. cuda_forward="stage1" or expert_gemm="torch"."""
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if not knobs:
         yield
         return
     runtime = layer.experts._layer_runtime
     old = runtime.mok_config
-    runtime.mok_config = dataclasses.replace(old, cuda_forward=choice)
+    runtime.mok_config = dataclasses.replace(old, **knobs)
     try:
         yield
     finally:
         runtime.mok_config = old
-
-
-@contextlib.contextmanager
-def _expert_gemm(choice: str | None):
-    """MOK_EXPERT_GEMM=choice inside (None: leave it as it is)."""
-    old = os.environ.get("MOK_EXPERT_GEMM")
-    if choice is not None:
-        os.environ["MOK_EXPERT_GEMM"] = choice
-    try:
-        yield
-    finally:
-        os.environ.pop("MOK_EXPERT_GEMM", None)
-        if old is not None:
-            os.environ["MOK_EXPERT_GEMM"] = old
 
 
 def _release_memory() -> None:
@@ -373,8 +361,7 @@ def _report(case, name, tokens, routing) -> None:
         return
     fb = case.get("fwd_bwd", case["fwd"])
     engine = "".join(
-        f", default vs MOK_EXPERT_GEMM={v}: fwd {x:.2f}x fwd+bwd "
-        f"{fb['default_gemm_speedup'][v]:.2f}x"
+        f", default vs expert_gemm={v}: fwd {x:.2f}x fwd+bwd {fb['default_gemm_speedup'][v]:.2f}x"
         for v, x in case["fwd"].get("default_gemm_speedup", {}).items()
     )
     stage1 = ""

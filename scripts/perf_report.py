@@ -101,7 +101,7 @@ STAGE1_HEAD = (
 
 
 def engine_rows(records):
-    """MoK with its default expert GEMMs against MoK under other MOK_EXPERT_GEMM settings
+    """MoK with its default expert GEMMs against MoK under other MoKConfig.expert_gemm settings
     (bench_moe.py --mok-expert-gemm), where a record has them."""
     for _, record in records:
         for case in record["cases"]:
@@ -140,8 +140,8 @@ def engine_summary(records):
 
 ENGINE_HEAD = (
     "## The expert GEMM engine's share\n\n"
-    "MoK as above (default `MOK_EXPERT_GEMM=auto`) against the same layer, same process, under "
-    "another `MOK_EXPERT_GEMM` setting (the settings in the records: {settings}; `torch` runs "
+    "MoK as above (default `MoKConfig.expert_gemm='auto'`) against the same layer, same process, "
+    "under another `expert_gemm` setting (the settings in the records: {settings}; `torch` runs "
     "every expert GEMM on `torch._grouped_mm`, with the interleaved SwiGLU kernels; `engine` runs "
     'every step the engine has; a list names the engine steps, see docs/GEMM.md, "In the '
     'backend"). Ratio > 1: the default is faster.\n\n'

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string_view>
 
 #include "launch/grouped_gemm.h"
 
@@ -43,6 +44,26 @@ void check_dim(const char* op, const char* what, int64_t value, int64_t multiple
   TORCH_CHECK(value % multiple == 0 && value > 0, op, ": ", what, "=", value,
               " must be a positive multiple of ", multiple, " (16-byte TMA rows); pad it");
   TORCH_CHECK(value < (int64_t{1} << 31), op, ": ", what, "=", value, " exceeds int32");
+}
+
+// The tile order from an op's trailing arguments. `has_pingpong`: the op has a pingpong kernel
+// (the plain-epilogue ops); the SwiGLU ops refuse pingpong rather than ignore it.
+launch::GemmTuning tuning_args(const char* op, std::string_view schedule, std::string_view raster,
+                               int64_t swizzle, bool has_pingpong) {
+  TORCH_CHECK(schedule == "cooperative" || schedule == "pingpong", op, ": schedule='", schedule,
+              "' must be 'cooperative' or 'pingpong'");
+  TORCH_CHECK(has_pingpong || schedule == "cooperative", op,
+              ": schedule='pingpong' is only for the plain-epilogue ops (grouped_gemm_nt, _nn, "
+              "_tn, _nt_wait); the SwiGLU epilogue runs on the cooperative schedule: use "
+              "'cooperative'");
+  TORCH_CHECK(raster == "m" || raster == "n", op, ": raster='", raster, "' must be 'm' or 'n'");
+  TORCH_CHECK(swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8, op,
+              ": swizzle=", swizzle, " must be 1, 2, 4 or 8");
+  launch::GemmTuning tuning;
+  tuning.pingpong = schedule == "pingpong";
+  tuning.raster_along_n = raster == "n";
+  tuning.swizzle = static_cast<int>(swizzle);
+  return tuning;
 }
 
 // Allocates the scratch buffer and launches on the current stream of `x`'s device.
@@ -156,26 +177,36 @@ launch::FlagWaitArgs flag_wait_args(const char* op, const at::Tensor& x, const a
 
 void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
                                 const at::Tensor& offs, const at::Tensor& act,
-                                const std::optional<at::Tensor>& h) {
-  auto args = l1_swiglu_args("mok::grouped_gemm_l1_swiglu", x, w_gu, offs, act, h);
+                                const std::optional<at::Tensor>& h, std::string_view schedule,
+                                std::string_view raster, int64_t swizzle) {
+  constexpr const char* kOp = "mok::grouped_gemm_l1_swiglu";
+  auto args = l1_swiglu_args(kOp, x, w_gu, offs, act, h);
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/false);
   launch_with_workspace(x, args, launch::grouped_gemm_l1_swiglu);
 }
 
 void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out) {
-  auto args = rows_in_m_args("mok::grouped_gemm_nt", a, b, offs, out, /*b_transposed=*/true);
+                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
+                         int64_t swizzle) {
+  constexpr const char* kOp = "mok::grouped_gemm_nt";
+  auto args = rows_in_m_args(kOp, a, b, offs, out, /*b_transposed=*/true);
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/true);
   launch_with_workspace(a, args, launch::grouped_gemm_nt);
 }
 
 void grouped_gemm_nn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out) {
-  auto args = rows_in_m_args("mok::grouped_gemm_nn", a, b, offs, out, /*b_transposed=*/false);
+                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
+                         int64_t swizzle) {
+  constexpr const char* kOp = "mok::grouped_gemm_nn";
+  auto args = rows_in_m_args(kOp, a, b, offs, out, /*b_transposed=*/false);
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/true);
   launch_with_workspace(a, args, launch::grouped_gemm_nn);
 }
 
 void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
                               const at::Tensor& h, const at::Tensor& offs, const at::Tensor& d_h,
-                              const std::optional<at::Tensor>& act) {
+                              const std::optional<at::Tensor>& act, std::string_view schedule,
+                              std::string_view raster, int64_t swizzle) {
   constexpr const char* kOp = "mok::grouped_gemm_dswiglu";
   check_bf16(kOp, "d_y", d_y, 2, d_y);
   check_bf16(kOp, "w_down", w_down, 3, d_y);
@@ -197,11 +228,13 @@ void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
     check_shape(kOp, "act", *act, {rows, inter});
     args.aux2 = act->data_ptr();
   }
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/false);
   launch_with_workspace(d_y, args, launch::grouped_gemm_dswiglu);
 }
 
 void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out) {
+                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
+                         int64_t swizzle) {
   constexpr const char* kOp = "mok::grouped_gemm_tn";
   check_bf16(kOp, "a", a, 2, a);
   check_bf16(kOp, "b", b, 2, a);
@@ -216,15 +249,18 @@ void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Ten
   auto args = base_args(a, b, offs, out);
   args.m = static_cast<int>(m);
   args.n = static_cast<int>(n);
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/true);
   launch_with_workspace(a, args, launch::grouped_gemm_tn);
 }
 
 void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                               const at::Tensor& ready, int64_t rows_per_flag, int64_t epoch,
                               int64_t timeout_ms, const at::Tensor& out,
-                              const std::optional<at::Tensor>& error) {
+                              const std::optional<at::Tensor>& error, std::string_view schedule,
+                              std::string_view raster, int64_t swizzle) {
   constexpr const char* kOp = "mok::grouped_gemm_nt_wait";
   auto args = rows_in_m_args(kOp, a, b, offs, out, /*b_transposed=*/true);
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/true);
   const auto wait = flag_wait_args(kOp, a, ready, rows_per_flag, epoch, timeout_ms, error);
   launch_with_workspace(a, args, [&](const launch::GroupedGemmArgs& gemm, cudaStream_t stream) {
     launch::grouped_gemm_nt_wait(gemm, wait, stream);
@@ -235,9 +271,12 @@ void grouped_gemm_l1_swiglu_wait_out(const at::Tensor& x, const at::Tensor& w_gu
                                      const at::Tensor& offs, const at::Tensor& ready,
                                      int64_t rows_per_flag, int64_t epoch, int64_t timeout_ms,
                                      const at::Tensor& act, const std::optional<at::Tensor>& h,
-                                     const std::optional<at::Tensor>& error) {
+                                     const std::optional<at::Tensor>& error,
+                                     std::string_view schedule, std::string_view raster,
+                                     int64_t swizzle) {
   constexpr const char* kOp = "mok::grouped_gemm_l1_swiglu_wait";
   auto args = l1_swiglu_args(kOp, x, w_gu, offs, act, h);
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/false);
   const auto wait = flag_wait_args(kOp, x, ready, rows_per_flag, epoch, timeout_ms, error);
   launch_with_workspace(x, args, [&](const launch::GroupedGemmArgs& gemm, cudaStream_t stream) {
     launch::grouped_gemm_l1_swiglu_wait(gemm, wait, stream);

@@ -5,11 +5,16 @@
 // Every op writes into caller-provided outputs (the wrappers allocate them). offs: int32
 // [num_groups] end rows (torch._grouped_mm's convention); rows at or past offs[-1] are not
 // written. All tensors are contiguous CUDA bf16 on one device.
+//
+// Every op ends with the tile order (launch::GemmTuning; results are bitwise the same for every
+// setting): schedule "cooperative" | "pingpong" (the plain-epilogue ops nt, nn, tn, nt_wait; the
+// SwiGLU ops refuse pingpong), raster "m" | "n", swizzle 1 | 2 | 4 | 8.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string_view>
 
 namespace mok::apis {
 
@@ -17,26 +22,31 @@ namespace mok::apis {
 // interleaved in blocks of 8 rows; h [rows, 2I] (optional) receives the pre-activation.
 void grouped_gemm_l1_swiglu_out(const at::Tensor& x, const at::Tensor& w_gu,
                                 const at::Tensor& offs, const at::Tensor& act,
-                                const std::optional<at::Tensor>& h);
+                                const std::optional<at::Tensor>& h, std::string_view schedule,
+                                std::string_view raster, int64_t swizzle);
 
 // out [rows, N] = a [rows, K] @ b[g]^T, b [G, N, K].
 void grouped_gemm_nt_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out);
+                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
+                         int64_t swizzle);
 
 // out [rows, N] = a [rows, K] @ b[g], b [G, K, N].
 void grouped_gemm_nn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out);
+                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
+                         int64_t swizzle);
 
 // d_h [rows, 2I] = SwiGLU backward of d_act = d_y [rows, H] @ w_down[g] (w_down [G, H, I]) at
 // h [rows, 2I] (interleaved); act [rows, I] (optional) receives silu(g) * u.
 void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
                               const at::Tensor& h, const at::Tensor& offs, const at::Tensor& d_h,
-                              const std::optional<at::Tensor>& act);
+                              const std::optional<at::Tensor>& act, std::string_view schedule,
+                              std::string_view raster, int64_t swizzle);
 
 // out [G, M, N] = a_g^T @ b_g over group g's rows, a [rows, M], b [rows, N]; zeros for a group
 // without rows.
 void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out);
+                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
+                         int64_t swizzle);
 
 // The same two forward ops with the per-tile flag wait: a tile reading rows [r0, r1) of a / x first
 // waits until ready[f] >= epoch for f in [r0 / rows_per_flag, (r1 - 1) / rows_per_flag];
@@ -46,11 +56,14 @@ void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Ten
 void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                               const at::Tensor& ready, int64_t rows_per_flag, int64_t epoch,
                               int64_t timeout_ms, const at::Tensor& out,
-                              const std::optional<at::Tensor>& error);
+                              const std::optional<at::Tensor>& error, std::string_view schedule,
+                              std::string_view raster, int64_t swizzle);
 void grouped_gemm_l1_swiglu_wait_out(const at::Tensor& x, const at::Tensor& w_gu,
                                      const at::Tensor& offs, const at::Tensor& ready,
                                      int64_t rows_per_flag, int64_t epoch, int64_t timeout_ms,
                                      const at::Tensor& act, const std::optional<at::Tensor>& h,
-                                     const std::optional<at::Tensor>& error);
+                                     const std::optional<at::Tensor>& error,
+                                     std::string_view schedule, std::string_view raster,
+                                     int64_t swizzle);
 
 }  // namespace mok::apis

@@ -14,6 +14,15 @@
 
 namespace mok::launch {
 
+// The order output tiles run in (results are bitwise the same for every setting: each output
+// tile is computed the same way). Mirrors ops.grouped_gemm.GemmTuning; the torch ops take it as
+// their trailing (schedule, raster, swizzle) arguments.
+struct GemmTuning {
+  bool pingpong = false;        // schedule: cooperative (default) | pingpong (plain-epilogue ops)
+  bool raster_along_n = false;  // raster: m (default) | n, which tile index runs fastest
+  int swizzle = 1;              // tile swizzle width: 1 (default) | 2 | 4 | 8
+};
+
 struct GroupedGemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
@@ -26,6 +35,7 @@ struct GroupedGemmArgs {
   int n = 0;
   int k = 0;
   void* workspace = nullptr;  // 256-byte aligned, grouped_gemm_workspace_bytes(num_groups)
+  GemmTuning tuning;          // pingpong: nt, nn, tn and nt_wait only (the SwiGLU ops refuse it)
 };
 
 // Scratch bytes any op below needs for `num_groups` groups on the current device.

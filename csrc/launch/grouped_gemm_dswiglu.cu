@@ -11,20 +11,22 @@ using DSwigluConfig = detail::Config<gemm::RowMajor, gemm::RowMajor, Epilogue>;
 
 void grouped_gemm_dswiglu(const GroupedGemmArgs& args, cudaStream_t stream) {
   detail::check_common(args, "mok::grouped_gemm_dswiglu");
+  detail::check_cooperative(args, "mok::grouped_gemm_dswiglu");
   MOK_HOST_CHECK(args.aux != nullptr, "mok::grouped_gemm_dswiglu: h (aux) is required");
   gemm::GroupedProblemDesc desc = detail::rows_in_m_desc(args);
   desc.d = {args.out, 2 * int64_t{args.n}, 0};  // d_h [rows, 2I]
   desc.aux = {args.aux, 2 * int64_t{args.n}, 0};
   desc.aux2 = {args.aux2, args.n, 0};
   const bool write_act = args.aux2 != nullptr;
-  detail::run_grouped<DSwigluConfig>(desc, args.workspace, stream, [&](const auto& arrays) {
-    typename Epilogue::Arguments epi;
-    epi.ptr_out = arrays.ptr_d;
-    epi.ptr_aux = arrays.ptr_aux;
-    epi.ptr_aux2 = arrays.ptr_aux2;
-    epi.write_aux2 = write_act;
-    return epi;
-  });
+  detail::run_grouped<DSwigluConfig>(
+      desc, args.workspace, args.tuning, stream, [&](const auto& arrays) {
+        typename Epilogue::Arguments epi;
+        epi.ptr_out = arrays.ptr_d;
+        epi.ptr_aux = arrays.ptr_aux;
+        epi.ptr_aux2 = arrays.ptr_aux2;
+        epi.write_aux2 = write_act;
+        return epi;
+      });
 }
 
 }  // namespace mok::launch

@@ -6,8 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "launch/grouped_gemm.h"
 #include "mok/common/macros.cuh"
@@ -32,30 +30,6 @@ inline int sm_count_of_current_device() {
 
 inline size_t arrays_bytes(int num_groups) { return AnyArrays::bytes(num_groups); }
 
-// Tuning knobs read per launch from the environment (tile order only: results are bitwise the
-// same for every setting, since each output tile is computed the same way):
-//   MOK_GG_SCHEDULE = cooperative (default) | pingpong   (plain-epilogue ops only)
-//   MOK_GG_RASTER   = m (default) | n                    (which tile index runs fastest)
-//   MOK_GG_SWIZZLE  = 1 (default) | 2 | 4 | 8            (tile swizzle width)
-struct Tuning {
-  bool pingpong = false;
-  bool raster_along_n = false;
-  int swizzle = 1;
-};
-
-inline Tuning tuning_from_env() {
-  Tuning t;
-  const char* schedule = std::getenv("MOK_GG_SCHEDULE");
-  t.pingpong = schedule != nullptr && std::strcmp(schedule, "pingpong") == 0;
-  const char* raster = std::getenv("MOK_GG_RASTER");
-  t.raster_along_n = raster != nullptr && std::strcmp(raster, "n") == 0;
-  const char* swizzle = std::getenv("MOK_GG_SWIZZLE");
-  if (swizzle != nullptr) t.swizzle = std::atoi(swizzle);
-  MOK_HOST_CHECK(t.swizzle == 1 || t.swizzle == 2 || t.swizzle == 4 || t.swizzle == 8,
-                 "MOK_GG_SWIZZLE=%s must be 1, 2, 4 or 8", swizzle);
-  return t;
-}
-
 inline void check_common(const GroupedGemmArgs& args, const char* op) {
   MOK_HOST_CHECK(args.num_groups > 0, "%s: num_groups=%d must be positive", op, args.num_groups);
   MOK_HOST_CHECK(args.offs != nullptr && args.workspace != nullptr, "%s: null offs/workspace", op);
@@ -64,6 +38,17 @@ inline void check_common(const GroupedGemmArgs& args, const char* op) {
   MOK_HOST_CHECK(args.n % 8 == 0 && args.k % 8 == 0 && args.m % 8 == 0,
                  "%s: m=%d, n=%d, k=%d must be multiples of 8 (16-byte TMA rows)", op, args.m,
                  args.n, args.k);
+  const int swizzle = args.tuning.swizzle;
+  MOK_HOST_CHECK(swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8,
+                 "%s: tuning swizzle=%d must be 1, 2, 4 or 8", op, swizzle);
+}
+
+// The SwiGLU epilogues have a cooperative kernel only: an op asked for pingpong refuses it.
+inline void check_cooperative(const GroupedGemmArgs& args, const char* op) {
+  MOK_HOST_CHECK(!args.tuning.pingpong,
+                 "%s: the pingpong schedule is for the plain-epilogue ops (nt, nn, tn, nt_wait); "
+                 "the SwiGLU epilogue runs cooperative only",
+                 op);
 }
 
 inline void check_flag_wait(const FlagWaitArgs& wait, const char* op) {
@@ -92,12 +77,14 @@ struct DefaultScheduler {
   void operator()(SchedulerArguments&) const {}
 };
 
-// Builds the device-side problem arrays, then runs the CUTLASS kernel `Config::Gemm`.
+// Builds the device-side problem arrays, then runs the CUTLASS kernel `Config::Gemm` in the tile
+// order `tuning` gives (its schedule is the caller's choice of Config).
 // `make_epilogue(arrays)` returns the epilogue arguments; `set_scheduler(arguments.scheduler)`
 // fills a custom scheduler's extra arguments (the flag wait's).
 template <class Config, class MakeEpilogue, class SetScheduler = DefaultScheduler>
-void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream_t stream,
-                 MakeEpilogue make_epilogue, SetScheduler set_scheduler = {}) {
+void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, const GemmTuning& tuning,
+                 cudaStream_t stream, MakeEpilogue make_epilogue,
+                 SetScheduler set_scheduler = {}) {
   using Gemm = typename Config::Gemm;
   using Arrays = gemm::GroupedProblemArrays<typename Config::StrideA, typename Config::StrideB,
                                             typename Config::StrideD>;
@@ -123,7 +110,6 @@ void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStre
       {arrays.ptr_a, arrays.stride_a, arrays.ptr_b, arrays.stride_b},
       make_epilogue(arrays),
       hw_info};
-  const Tuning tuning = tuning_from_env();
   using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
   arguments.scheduler.raster_order =
       tuning.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
@@ -157,19 +143,20 @@ typename Config::Gemm::GemmKernel::EpilogueArguments plain_epilogue(const Arrays
 }
 
 template <class Config>
-void run_plain(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream_t stream) {
-  run_grouped<Config>(desc, workspace, stream,
+void run_plain(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
+               cudaStream_t stream) {
+  run_grouped<Config>(desc, args.workspace, args.tuning, stream,
                       [](const auto& arrays) { return plain_epilogue<Config>(arrays); });
 }
 
-// The plain-epilogue GEMM on the schedule MOK_GEMM_* tuning picks; ConfigOf<Schedule> is its
-// Config.
+// The plain-epilogue GEMM on the schedule args.tuning picks; ConfigOf<Schedule> is its Config.
 template <template <class> class ConfigOf>
-void run_plain_tuned(const gemm::GroupedProblemDesc& desc, void* workspace, cudaStream_t stream) {
-  if (tuning_from_env().pingpong) {
-    run_plain<ConfigOf<gemm::Pingpong>>(desc, workspace, stream);
+void run_plain_tuned(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
+                     cudaStream_t stream) {
+  if (args.tuning.pingpong) {
+    run_plain<ConfigOf<gemm::Pingpong>>(desc, args, stream);
   } else {
-    run_plain<ConfigOf<gemm::Cooperative>>(desc, workspace, stream);
+    run_plain<ConfigOf<gemm::Cooperative>>(desc, args, stream);
   }
 }
 

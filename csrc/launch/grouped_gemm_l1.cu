@@ -12,6 +12,7 @@ using L1WaitConfig = detail::Config<gemm::RowMajor, gemm::ColumnMajor, Epilogue,
 
 void check_l1(const GroupedGemmArgs& args, const char* op) {
   detail::check_common(args, op);
+  detail::check_cooperative(args, op);
   MOK_HOST_CHECK(args.n % 16 == 0, "%s: n=2I=%d must be a multiple of 16", op, args.n);
 }
 
@@ -26,7 +27,7 @@ template <class Config, class SetScheduler = detail::DefaultScheduler>
 void run_l1(const GroupedGemmArgs& args, cudaStream_t stream, SetScheduler set_scheduler = {}) {
   const bool write_h = args.aux != nullptr;
   detail::run_grouped<Config>(
-      l1_desc(args), args.workspace, stream,
+      l1_desc(args), args.workspace, args.tuning, stream,
       [&](const auto& arrays) {
         typename Epilogue::Arguments epi;
         epi.ptr_out = arrays.ptr_d;

@@ -10,7 +10,7 @@ using NNConfig = detail::Config<gemm::RowMajor, gemm::RowMajor,
 
 void grouped_gemm_nn(const GroupedGemmArgs& args, cudaStream_t stream) {
   detail::check_common(args, "mok::grouped_gemm_nn");
-  detail::run_plain_tuned<NNConfig>(detail::rows_in_m_desc(args), args.workspace, stream);
+  detail::run_plain_tuned<NNConfig>(detail::rows_in_m_desc(args), args, stream);
 }
 
 }  // namespace mok::launch

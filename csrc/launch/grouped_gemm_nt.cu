@@ -14,7 +14,7 @@ using NTWaitConfig = NTConfig<Schedule, gemm::FlagWaitProblemShape>;
 
 void grouped_gemm_nt(const GroupedGemmArgs& args, cudaStream_t stream) {
   detail::check_common(args, "mok::grouped_gemm_nt");
-  detail::run_plain_tuned<NTPlainConfig>(detail::rows_in_m_desc(args), args.workspace, stream);
+  detail::run_plain_tuned<NTPlainConfig>(detail::rows_in_m_desc(args), args, stream);
 }
 
 void grouped_gemm_nt_wait(const GroupedGemmArgs& args, const FlagWaitArgs& wait,
@@ -25,14 +25,14 @@ void grouped_gemm_nt_wait(const GroupedGemmArgs& args, const FlagWaitArgs& wait,
   const auto set_wait = [&](auto& scheduler) {
     scheduler.wait = detail::flag_wait_params(args, wait);
   };
-  if (detail::tuning_from_env().pingpong) {
+  if (args.tuning.pingpong) {
     using Config = NTWaitConfig<gemm::Pingpong>;
-    detail::run_grouped<Config>(desc, args.workspace, stream,
+    detail::run_grouped<Config>(desc, args.workspace, args.tuning, stream,
                                 [](const auto& a) { return detail::plain_epilogue<Config>(a); },
                                 set_wait);
   } else {
     using Config = NTWaitConfig<gemm::Cooperative>;
-    detail::run_grouped<Config>(desc, args.workspace, stream,
+    detail::run_grouped<Config>(desc, args.workspace, args.tuning, stream,
                                 [](const auto& a) { return detail::plain_epilogue<Config>(a); },
                                 set_wait);
   }

@@ -1,5 +1,6 @@
-"""``MoKConfig``: the knobs of the MoK layer (the five of DESIGN.md, the CUDA forward path and the
-backward schedule), and how they are validated and stored.
+"""``MoKConfig``: the knobs of the MoK layer (the five of DESIGN.md, the CUDA forward path, which
+expert GEMMs run on the GEMM engine, the device-wait timeout and the backward schedule), and how
+they are validated and stored.
 
 Every field carries its documentation in ``metadata["help"]``: Megatron's ``--mok-*`` flags and the
 YAML loader are generated from it, so the dataclass is the one source of truth. The C++ launchers
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
-           "MOK_ROW_ALIGN", "KNOB_USERS", "tuned_table_path", "warn_ignored_knobs"]  # fmt: skip
+           "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "MOK_ROW_ALIGN", "KNOB_USERS",
+           "engine_step_list", "tuned_table_path", "warn_ignored_knobs"]  # fmt: skip
 
 #: A knob left "auto" takes its value from the tuned table of the GPU and EP size the workspace
 #: runs on (``mok_megatron/tuned/<gpu>_ep<N>.yaml``, written by scripts/tune.py), else from
@@ -39,6 +41,16 @@ MOK_ROW_ALIGN = 128
 BWD_SCHEDULES = ("macrobatch",)
 #: The CUDA backend's forward paths (MoKConfig.cuda_forward).
 CUDA_FORWARDS = ("auto", "megakernel", "stage1")
+#: The fused gate/up form's GEMM steps the expert GEMM engine can run (MoKConfig.expert_gemm):
+#: "l1" L1 + SwiGLU (forward, and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU
+#: backward, and the plain GEMMs: "l2" the L2 forward, "dgrad" the dgrads (against W_down without
+#: "dswiglu", and against W_gu), "wgrad" the weight gradients.
+ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
+#: The named choices of MoKConfig.expert_gemm; a list of ENGINE_STEPS joined by "," or "+" is
+#: the other form.
+EXPERT_GEMMS = ("auto", "torch", "engine")
+#: Device waits give up after this long unless MoKConfig.wait_timeout_ms says otherwise.
+DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: Every backward schedule the design names (flags accept these; MoKConfig says which run).
 KNOWN_BWD_SCHEDULES = ("macrobatch", "minibatch")
 #: Which backend (and CUDA path) uses each knob whose effect depends on it; the README's knob
@@ -49,6 +61,9 @@ KNOB_USERS = {
     "minibatch_size": ("cuda/megakernel",),
     "macrobatch_size": ("cuda/stage1", "cuda/megakernel"),
     "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
+    # the megakernel's backward is stage 1's, which runs the expert GEMM engine
+    "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
+    "wait_timeout_ms": ("cuda/stage1", "cuda/megakernel"),  # the reference never waits
 }
 
 
@@ -91,6 +106,19 @@ class MoKConfig:
         "the fused gate/up weights of MoKExperts) or 'auto' (the megakernel wherever it can run "
         "the call, else stage 1).",
     )
+    expert_gemm: str = _knob(
+        "auto",
+        "Which GEMMs of the fused gate/up weight form (MoKExperts') the CUDA backend runs on the "
+        "expert GEMM engine rather than torch._grouped_mm: 'auto' (the steps that win on Hopper, "
+        "none where the engine cannot run, with a warning), 'torch' (none), 'engine' (all), or "
+        "engine steps joined by ',' or '+' from l1, dswiglu, l2, dgrad, wgrad (docs/GEMM.md).",
+    )
+    wait_timeout_ms: int = _knob(
+        DEFAULT_WAIT_TIMEOUT_MS,
+        "Every device-side wait of the CUDA backend (barriers, the megakernel's rows and tiles) "
+        "gives up after this many milliseconds, reporting rank, phase and flag, and fails the "
+        "launch instead of hanging. Raise it for slow starts.",
+    )
     bwd_schedule: str = _knob(
         "macrobatch",
         "Backward schedule: 'macrobatch' (deterministic, the only one implemented; 'minibatch', "
@@ -98,7 +126,8 @@ class MoKConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
+                     "wait_timeout_ms"):  # fmt: skip
             value = getattr(self, name)
             if name in AUTO_FALLBACKS and value == AUTO:
                 continue
@@ -133,6 +162,13 @@ class MoKConfig:
             raise ValueError(
                 f"MoKConfig.cuda_forward={self.cuda_forward!r} must be one of {CUDA_FORWARDS}; "
                 "'stage1' is the default, 'auto' picks the megakernel where it can run"
+            )
+        _check_expert_gemm(self.expert_gemm)
+        if not 1 <= self.wait_timeout_ms < 2**31:
+            raise ValueError(
+                f"MoKConfig.wait_timeout_ms={self.wait_timeout_ms} must be a positive number of "
+                "milliseconds below 2**31 (a device wait never waits forever; error records are "
+                f"int32); try {DEFAULT_WAIT_TIMEOUT_MS}"
             )
         if self.bwd_schedule == "minibatch":
             raise ValueError(
@@ -275,6 +311,22 @@ def warn_ignored_knobs(config: MoKConfig, path: str) -> list[str]:
                 stacklevel=3,
             )
     return ignored
+
+
+def engine_step_list(choice: str) -> tuple[str, ...]:
+    """The steps a MoKConfig.expert_gemm list names: "l1,l2" or "l1+wgrad" -> ("l1", ...)."""
+    return tuple(s.strip() for s in choice.replace("+", ",").split(","))
+
+
+def _check_expert_gemm(choice: Any) -> None:
+    if isinstance(choice, str) and (
+        choice in EXPERT_GEMMS or set(engine_step_list(choice)) <= set(ENGINE_STEPS)
+    ):
+        return
+    raise ValueError(
+        f"MoKConfig.expert_gemm={choice!r} must be one of {EXPERT_GEMMS} or engine steps from "
+        f"{ENGINE_STEPS} joined by ',' or '+' (e.g. 'l1,l2'); 'auto' is the default"
+    )
 
 
 def _check_multiple(name: str, value: int, multiple: int, what: str) -> None:

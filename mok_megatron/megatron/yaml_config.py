@@ -9,7 +9,8 @@ the file, the section, the key and the closest known key::
     parallelism:  tensor / pipeline / expert / expert-tensor / context parallel sizes,
                   sequence_parallel, data_parallel_size (ranks to spawn without torchrun)
     training:     micro/global batch, iterations, optimizer, seed, dtype, device
-    mok:          functional.MoKConfig fields (the knobs, cuda_forward and bwd_schedule)
+    mok:          functional.MoKConfig fields (the knobs, cuda_forward, expert_gemm,
+                  wait_timeout_ms, bwd_schedule)
     mok_layer:    MoKMoELayer options: fused_experts, fuse_shared_experts, backend,
                   max_local_tokens
 

@@ -11,6 +11,7 @@ offers.
 from mok_megatron.ops import moe  # stage-1 expert-parallel MoE ops (and their fakes)
 from mok_megatron.ops._extension import extension_available, extension_error, has_op
 from mok_megatron.ops.grouped_gemm import (  # expert GEMM engine (issue 7)
+    GemmTuning,
     deinterleave_gate_up,
     grouped_gemm_available,
     grouped_gemm_dswiglu,
@@ -29,6 +30,7 @@ from mok_megatron.ops.mxfp8 import (
 )
 
 __all__ = [
+    "GemmTuning",
     "MXFP8Tensor",
     "MXFP8Weight",
     "deinterleave_gate_up",

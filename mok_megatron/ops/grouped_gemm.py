@@ -23,15 +23,25 @@ Ops (shapes per call; ``R`` rows, ``G`` groups, ``H`` hidden, ``I`` intermediate
 ``grouped_gemm_nt_wait`` and ``grouped_gemm_l1_swiglu_wait`` are the two forward ops with a
 per-tile *flag wait* (the persistent megakernel's hook, docs/GEMM.md): before a tile loads its
 rows of ``a`` / ``x``, it waits until ``ready[f] >= epoch`` for every flag ``f`` covering them.
+
+Every op takes an optional :class:`GemmTuning`: the order its output tiles run in (results are
+bitwise the same for every setting); the torch ops take it as their trailing ``schedule``,
+``raster`` and ``swizzle`` arguments.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from mok_megatron.ops._extension import extension_available, has_op
 
 __all__ = [
+    "GEMM_SCHEDULES",
+    "GEMM_RASTERS",
+    "GEMM_SWIZZLES",
+    "GemmTuning",
     "SWIGLU_INTERLEAVE",
     "DEFAULT_FLAG_WAIT_TIMEOUT_MS",
     "FLAG_WAIT_ERROR_FIELDS",
@@ -53,6 +63,51 @@ __all__ = [
 
 #: Gate/up block width (rows of w_gu, columns of h); mirrors mok::gemm::kSwigluInterleave.
 SWIGLU_INTERLEAVE = 8
+#: GemmTuning's values; mirrors mok::launch::GemmTuning (checked again by the ops).
+GEMM_SCHEDULES = ("cooperative", "pingpong")
+GEMM_RASTERS = ("m", "n")
+GEMM_SWIZZLES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class GemmTuning:
+    """The order a grouped GEMM's output tiles run in; every setting gives bitwise the same
+    result (each tile is computed the same way). docs/GEMM.md has the sweep behind the defaults.
+
+    schedule: "cooperative" (one 128-row tile over both consumer warpgroups) or "pingpong" (a
+    128x128 tile per warpgroup; the plain-epilogue ops nt, nn, tn and nt_wait only: the SwiGLU
+    ops raise for it). raster: "m" or "n", the tile index that runs fastest. swizzle: 1, 2, 4
+    or 8, the tile swizzle width.
+    """
+
+    schedule: str = "cooperative"
+    raster: str = "m"
+    swizzle: int = 1
+
+    def __post_init__(self) -> None:
+        if self.schedule not in GEMM_SCHEDULES:
+            raise ValueError(
+                f"GemmTuning.schedule={self.schedule!r} must be one of {GEMM_SCHEDULES}; "
+                "'cooperative' is the default"
+            )
+        if self.raster not in GEMM_RASTERS:
+            raise ValueError(
+                f"GemmTuning.raster={self.raster!r} must be one of {GEMM_RASTERS}; 'm' is the "
+                "default"
+            )
+        if isinstance(self.swizzle, bool) or self.swizzle not in GEMM_SWIZZLES:
+            raise ValueError(
+                f"GemmTuning.swizzle={self.swizzle!r} must be one of {GEMM_SWIZZLES}; 1 is the "
+                "default"
+            )
+
+    def op_args(self) -> tuple[str, str, int]:
+        """The ops' trailing (schedule, raster, swizzle) arguments."""
+        return self.schedule, self.raster, self.swizzle
+
+
+def _tuning_args(tuning: GemmTuning | None) -> tuple[str, str, int]:
+    return (tuning or GemmTuning()).op_args()
 
 
 def grouped_gemm_available() -> bool:
@@ -87,47 +142,56 @@ def deinterleave_gate_up(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, 
 
 
 def grouped_gemm_l1_swiglu(
-    x: torch.Tensor, w_gu: torch.Tensor, offs: torch.Tensor, save_h: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor, w_gu: torch.Tensor, offs: torch.Tensor, save_h: bool = False,
+    tuning: GemmTuning | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """x: [R, H] bf16, w_gu: [G, 2I, H] bf16 (interleaved), offs: [G] int32 ->
-    (act [R, I] = silu(gate) * up, h [R, 2I] pre-activation or None)."""
+    (act [R, I] = silu(gate) * up, h [R, 2I] pre-activation or None). ``tuning``: cooperative
+    schedule only."""
     act = x.new_empty(x.shape[0], w_gu.shape[1] // 2)
     h = x.new_empty(x.shape[0], w_gu.shape[1]) if save_h else None
-    torch.ops.mok.grouped_gemm_l1_swiglu_out(x, w_gu, offs, act, h)
+    torch.ops.mok.grouped_gemm_l1_swiglu_out(x, w_gu, offs, act, h, *_tuning_args(tuning))
     return act, h
 
 
-def grouped_gemm_nt(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_nt(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, tuning: GemmTuning | None = None
+) -> torch.Tensor:
     """a: [R, K], b: [G, N, K] bf16 -> out [R, N], group g's rows times b[g]^T (L2 forward)."""
     out = a.new_empty(a.shape[0], b.shape[1])
-    torch.ops.mok.grouped_gemm_nt_out(a, b, offs, out)
+    torch.ops.mok.grouped_gemm_nt_out(a, b, offs, out, *_tuning_args(tuning))
     return out
 
 
-def grouped_gemm_nn(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_nn(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, tuning: GemmTuning | None = None
+) -> torch.Tensor:
     """a: [R, K], b: [G, K, N] bf16 -> out [R, N], group g's rows times b[g] (L1 dgrad)."""
     out = a.new_empty(a.shape[0], b.shape[2])
-    torch.ops.mok.grouped_gemm_nn_out(a, b, offs, out)
+    torch.ops.mok.grouped_gemm_nn_out(a, b, offs, out, *_tuning_args(tuning))
     return out
 
 
 def grouped_gemm_dswiglu(
     d_y: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor, offs: torch.Tensor,
-    want_act: bool = False,
+    want_act: bool = False, tuning: GemmTuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """d_y: [R, H], w_down: [G, H, I], h: [R, 2I] (interleaved) bf16 -> (d_h [R, 2I] interleaved,
-    act [R, I] recomputed or None): the L2 dgrad with the SwiGLU backward fused."""
+    act [R, I] recomputed or None): the L2 dgrad with the SwiGLU backward fused. ``tuning``:
+    cooperative schedule only."""
     d_h = d_y.new_empty(d_y.shape[0], 2 * w_down.shape[2])
     act = d_y.new_empty(d_y.shape[0], w_down.shape[2]) if want_act else None
-    torch.ops.mok.grouped_gemm_dswiglu_out(d_y, w_down, h, offs, d_h, act)
+    torch.ops.mok.grouped_gemm_dswiglu_out(d_y, w_down, h, offs, d_h, act, *_tuning_args(tuning))
     return d_h, act
 
 
-def grouped_gemm_tn(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_tn(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, tuning: GemmTuning | None = None
+) -> torch.Tensor:
     """a: [R, M], b: [R, N] bf16 -> out [G, M, N] = a_g^T @ b_g over each group's rows, in a
     fixed order (zeros for an empty group): the weight gradients."""
     out = a.new_empty(offs.shape[0], a.shape[1], b.shape[1])
-    torch.ops.mok.grouped_gemm_tn_out(a, b, offs, out)
+    torch.ops.mok.grouped_gemm_tn_out(a, b, offs, out, *_tuning_args(tuning))
     return out
 
 
@@ -183,7 +247,7 @@ def check_flag_wait_error(error: torch.Tensor | None = None) -> None:
 def grouped_gemm_nt_wait(
     a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ready: torch.Tensor,
     rows_per_flag: int, epoch: int, timeout_ms: int = DEFAULT_FLAG_WAIT_TIMEOUT_MS,
-    error: torch.Tensor | None = None,
+    error: torch.Tensor | None = None, tuning: GemmTuning | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`grouped_gemm_nt` whose tiles first wait for their rows of ``a`` to land.
 
@@ -193,11 +257,11 @@ def grouped_gemm_nt_wait(
     the writer sets a flag with release semantics after its rows). A wait still short after
     ``timeout_ms`` writes the error record ``error`` (default :func:`default_flag_wait_error`) and
     traps: the launch fails (it never hangs) and :func:`check_flag_wait_error` names the flag.
-    Returns out ``[R, N]``, bitwise equal to :func:`grouped_gemm_nt`."""
+    Returns out ``[R, N]``, bitwise equal to :func:`grouped_gemm_nt` (with the same ``tuning``)."""
     error = default_flag_wait_error() if error is None else error
     out = a.new_empty(a.shape[0], b.shape[1])
     torch.ops.mok.grouped_gemm_nt_wait_out(
-        a, b, offs, ready, rows_per_flag, epoch, timeout_ms, out, error
+        a, b, offs, ready, rows_per_flag, epoch, timeout_ms, out, error, *_tuning_args(tuning)
     )
     return out
 
@@ -206,6 +270,7 @@ def grouped_gemm_l1_swiglu_wait(
     x: torch.Tensor, w_gu: torch.Tensor, offs: torch.Tensor, ready: torch.Tensor,
     rows_per_flag: int, epoch: int, save_h: bool = False,
     timeout_ms: int = DEFAULT_FLAG_WAIT_TIMEOUT_MS, error: torch.Tensor | None = None,
+    tuning: GemmTuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """:func:`grouped_gemm_l1_swiglu` whose tiles first wait for their rows of ``x`` to land;
     ``ready``, ``rows_per_flag``, ``epoch``, ``timeout_ms`` and ``error`` as in
@@ -214,13 +279,14 @@ def grouped_gemm_l1_swiglu_wait(
     act = x.new_empty(x.shape[0], w_gu.shape[1] // 2)
     h = x.new_empty(x.shape[0], w_gu.shape[1]) if save_h else None
     torch.ops.mok.grouped_gemm_l1_swiglu_wait_out(
-        x, w_gu, offs, ready, rows_per_flag, epoch, timeout_ms, act, h, error
-    )
+        x, w_gu, offs, ready, rows_per_flag, epoch, timeout_ms, act, h, error,
+        *_tuning_args(tuning),
+    )  # fmt: skip
     return act, h
 
 
 # ------------------------------------------------------------------------------------ fakes
-def _out_fake(*args) -> None:  # every op writes into caller-provided outputs
+def _out_fake(*args, **kwargs) -> None:  # every op writes into caller-provided outputs
     return None
 
 

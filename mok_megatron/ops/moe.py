@@ -120,7 +120,7 @@ def check_mega_error(record: torch.Tensor) -> None:
         f"phase '{what}' (round {values['round']}, {index_name} {values['index']}): counter "
         f"{counter} (word {values['counter']}) = {values['seen']} < {values['expected']}. "
         "Did the comm CTAs run (fwd_num_comm_sms), or is a rank stalled? Raise "
-        "MOK_WAIT_TIMEOUT_MS if it is only slow."
+        "MoKConfig.wait_timeout_ms if it is only slow."
     )
 
 

@@ -15,7 +15,8 @@ def test_every_knob_is_documented_and_defaults_validate():
     config = MoKConfig()
     names = [f.name for f in dataclasses.fields(MoKConfig)]
     assert names == ["fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
-                     "schedule_capacity_multiplier", "cuda_forward", "bwd_schedule"]  # fmt: skip
+                     "schedule_capacity_multiplier", "cuda_forward", "expert_gemm",
+                     "wait_timeout_ms", "bwd_schedule"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -34,6 +35,13 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"schedule_capacity_multiplier": 0.5}, ["schedule_capacity_multiplier=0.5", ">= 1.0"]),
         ({"bwd_schedule": "fast"}, ["bwd_schedule='fast'", "macrobatch"]),
         ({"cuda_forward": "mega"}, ["cuda_forward='mega'", "'auto'"]),
+        ({"expert_gemm": "fast"}, ["expert_gemm='fast'", "'auto'", "'l1'", "joined by"]),
+        ({"expert_gemm": "l1,fp8"}, ["expert_gemm='l1,fp8'", "'wgrad'"]),
+        ({"expert_gemm": ""}, ["expert_gemm=''"]),
+        ({"expert_gemm": 2}, ["expert_gemm=2"]),
+        ({"wait_timeout_ms": 0}, ["wait_timeout_ms=0", "positive", "try 10000"]),
+        ({"wait_timeout_ms": -5}, ["wait_timeout_ms=-5", "positive"]),
+        ({"wait_timeout_ms": 2**31}, ["wait_timeout_ms=2147483648", "below 2**31"]),
     ],
 )
 def test_invalid_knobs_name_rule_value_and_fix(kwargs, words):
@@ -85,16 +93,33 @@ def test_a_workspace_holds_its_resolved_config():
     assert ws.config.fwd_num_comm_sms == 16 and ws.config.minibatch_size == 256
 
 
+@pytest.mark.parametrize("choice", ["auto", "torch", "engine", "l1", "l1,l2", "l1+wgrad",
+                                    "l1, dswiglu, l2, dgrad, wgrad"])  # fmt: skip
+def test_expert_gemm_accepts_the_named_choices_and_step_lists(choice):
+    assert MoKConfig(expert_gemm=choice).expert_gemm == choice
+
+
 def test_non_integer_knob_is_a_type_error():
     with pytest.raises(TypeError, match="minibatch_size"):
         MoKConfig(minibatch_size=256.0)
     with pytest.raises(TypeError, match="fwd_num_comm_sms='many' must be an int or 'auto'"):
         MoKConfig(fwd_num_comm_sms="many")
+    with pytest.raises(TypeError, match="wait_timeout_ms=1.5 must be an int"):
+        MoKConfig(wait_timeout_ms=1.5)
+    with pytest.raises(TypeError, match="wait_timeout_ms=True must be an int"):
+        MoKConfig(wait_timeout_ms=True)
+
+
+def test_wait_timeout_default_is_the_one_constant():
+    from mok_megatron.functional.config import DEFAULT_WAIT_TIMEOUT_MS
+
+    assert MoKConfig().wait_timeout_ms == DEFAULT_WAIT_TIMEOUT_MS == 10_000
 
 
 def test_yaml_round_trip_and_unknown_keys(tmp_path):
     config = MoKConfig(fwd_num_comm_sms=24, minibatch_size=512, macrobatch_size=4096,
-                       schedule_capacity_multiplier=3)  # fmt: skip
+                       schedule_capacity_multiplier=3, expert_gemm="l1+wgrad",
+                       wait_timeout_ms=60_000)  # fmt: skip
     path = tmp_path / "mok.yaml"
     config.to_yaml(path)
     assert "mok:" in path.read_text()
@@ -145,7 +170,8 @@ def _tiny_workspace(config):
 
 
 @pytest.mark.parametrize("knob,value", [("fwd_num_comm_sms", 24), ("bwd_num_comm_sms", 7),
-                                        ("minibatch_size", 512)])  # fmt: skip
+                                        ("minibatch_size", 512), ("expert_gemm", "torch"),
+                                        ("wait_timeout_ms", 500)])  # fmt: skip
 def test_a_knob_the_backend_ignores_warns_once_naming_knob_and_backend(knob, value):
     from mok_megatron.functional import config as config_module
 
@@ -166,6 +192,9 @@ def test_default_knobs_and_used_knobs_do_not_warn():
         warnings.simplefilter("error")
         _tiny_workspace(MoKConfig())
         assert warn_ignored_knobs(MoKConfig(macrobatch_size=1024), "cuda/stage1") == []
+        for path in ("cuda/stage1", "cuda/megakernel"):  # the megakernel's backward is stage 1's
+            assert warn_ignored_knobs(MoKConfig(expert_gemm="engine"), path) == []
+            assert warn_ignored_knobs(MoKConfig(wait_timeout_ms=500), path) == []
     with pytest.warns(UserWarning, match="fwd_num_comm_sms=30 has no effect on the cuda/stage1"):
         assert warn_ignored_knobs(MoKConfig(fwd_num_comm_sms=30), "cuda/stage1") == [
             "fwd_num_comm_sms"

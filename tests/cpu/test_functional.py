@@ -167,11 +167,11 @@ def test_fused_gate_up_form_rejects_bad_weights(inter, shape_fix, match):
         F.forward(cfg, ws, sched, x, rw, None, None, None, gate_up, None, wd)
 
 
-def test_expert_gemm_setting_is_checked(monkeypatch):
+def test_expert_gemm_setting_is_checked():
     from mok_megatron.functional.cuda.experts import engine_steps
 
-    monkeypatch.setenv("MOK_EXPERT_GEMM", "torch")
-    assert engine_steps(torch.device("cpu")) == ()
-    monkeypatch.setenv("MOK_EXPERT_GEMM", "l1,fp8")
+    assert engine_steps("torch", torch.device("cpu")) == ()
     with pytest.raises(ValueError, match="list of"):
-        engine_steps(torch.device("cpu"))
+        engine_steps("l1,fp8", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="expert_gemm='l1\\+l2' but the expert GEMM engine"):
+        engine_steps("l1+l2", torch.device("cpu"))  # asked for explicitly where it can't run

@@ -18,6 +18,7 @@ workspace's data regions hold the same pattern (its guards are checked after ove
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -34,8 +35,11 @@ from mok_megatron.testing.poison import poison_, poisoned_memory
 from mok_megatron.testing.runs import GRAD_NAMES, global_d_out, run_oracle
 from mok_megatron.testing.virtual import rank_streams, run_ranks
 
-# Generous device-wait budget: ranks also do CPU-side oracle work between passes.
-WAIT_TIMEOUT_MS = os.environ.setdefault("MOK_WAIT_TIMEOUT_MS", "60000")
+# Generous device-wait budget (MoKConfig.wait_timeout_ms): ranks also do CPU-side oracle work
+# between passes.
+WAIT_TIMEOUT_MS = 60_000
+# NOTE: virtual ranks wait for each other on one GPU: a protocol bug shows as a timeout, not as a
+# minute-long hang (the 2-GPU tests keep their longer budget)
 VIRTUAL_TIMEOUT_MS = 10_000
 
 PER_TOKEN = ("out", "d_x", "d_router_weights")
@@ -43,10 +47,18 @@ ROUTED = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
 SHARED = ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
 
 #: Routed-weight forms: separate gate and up; the fused interleaved gate_up (MoKExperts' form)
-#: with every engine step (MOK_EXPERT_GEMM=engine), on torch._grouped_mm only (=torch), and with
-#: the default choice (=auto).
+#: with every engine step (MoKConfig.expert_gemm='engine'), on torch._grouped_mm only ('torch'),
+#: and with the default choice ('auto').
 FORMS = ("split", "fused", "fused_torch")
 EXPERT_GEMM = {"fused": "engine", "fused_torch": "torch", "fused_auto": "auto"}
+
+
+def cuda_config(config, form="split", wait_timeout_ms=WAIT_TIMEOUT_MS):
+    """``config`` (None: the defaults) as the CUDA runs of these tests take it: the expert GEMMs
+    of ``form`` and the tests' device-wait budget."""
+    return dataclasses.replace(config or F.MoKConfig(), expert_gemm=EXPERT_GEMM.get(form, "auto"),
+                               wait_timeout_ms=wait_timeout_ms)  # fmt: skip
+
 
 # Scaled-down benchmark shapes: (hidden, inter, experts, topk, shared_inter).
 SHAPES = {
@@ -122,6 +134,10 @@ class Run:
     def __init__(self, problem, backend, config=None, num_local_tokens=None, seed=0, form="split",
                  ws=None):  # fmt: skip
         self.rank, self.world = (ws.rank, ws.num_ranks) if ws is not None else _world()
+        if ws is not None:
+            config = ws.config
+        elif backend == "cuda":
+            config = cuda_config(config, form)
         self.problem, self.config, self.form = problem, config or F.MoKConfig(), form
         x, topk, rw, routed, shared = problem.local(self.rank, torch.bfloat16, _device())
         if form != "split":
@@ -144,18 +160,11 @@ class Run:
                                 router_weights=self.rw)  # fmt: skip
 
     def passes(self, sched):
-        gemm = os.environ.get("MOK_EXPERT_GEMM")
-        os.environ["MOK_EXPERT_GEMM"] = EXPERT_GEMM.get(self.form, "auto")
-        try:
-            out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
-            self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
-            grads = F.backward(
-                self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
-            )._asdict()
-        finally:
-            os.environ.pop("MOK_EXPERT_GEMM")
-            if gemm is not None:
-                os.environ["MOK_EXPERT_GEMM"] = gemm
+        out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
+        self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
+        grads = F.backward(
+            self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
+        )._asdict()
         if self.form != "split":  # the fused weight's gradient, split for the checks
             assert grads["d_w_routed_up"] is None
             gate_up = grads["d_w_routed_gate"]
@@ -182,11 +191,8 @@ class VirtualRuns:
     """W virtual ranks of one problem on one GPU: one ``Run`` per rank, each on its stream."""
 
     def __init__(self, problem, world, config=None, num_local_tokens=None, seed=0, form="split"):
-        config = config or F.MoKConfig()
+        config = cuda_config(config, form, VIRTUAL_TIMEOUT_MS)
         shared = problem.shared[0].shape[0] if problem.shared else 0
-        # NOTE: ranks wait for each other on one GPU: a protocol bug shows as a timeout, not as a
-        # minute-long hang (the 2-GPU tests keep their longer budget)
-        os.environ["MOK_WAIT_TIMEOUT_MS"] = str(VIRTUAL_TIMEOUT_MS)
         self.workspaces = F.create_virtual_workspaces(
             config, world, device=_device(),
             num_local_tokens=num_local_tokens or max(max(problem.tokens_per_rank), 1),
@@ -194,7 +200,6 @@ class VirtualRuns:
             num_experts=problem.w_gate.shape[0], intermediate_size=problem.w_gate.shape[1],
             shared_intermediate_size=shared, dtype=torch.bfloat16,
         )  # fmt: skip
-        os.environ["MOK_WAIT_TIMEOUT_MS"] = WAIT_TIMEOUT_MS
         self.runs = [Run(problem, "cuda", config, seed=seed, form=form, ws=ws)
                      for ws in self.workspaces]  # fmt: skip
         self.streams = rank_streams(world)
@@ -598,7 +603,8 @@ from mok_megatron.ops import moe
 rank = int(os.environ["RANK"])
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl")
-ws = F.create_workspace(F.MoKConfig(), dist.group.WORLD, device="cuda", num_local_tokens=16,
+ws = F.create_workspace(F.MoKConfig(wait_timeout_ms=1500), dist.group.WORLD, device="cuda",
+                        num_local_tokens=16,
                         hidden_size=64, topk=2, num_experts=4, intermediate_size=32,
                         backend="cuda")
 if rank == 1:  # never enters the dispatch barrier
@@ -618,8 +624,8 @@ os._exit(3)
 
 @pytest.mark.gpu
 def test_device_wait_times_out_with_rank_phase_and_flag(tmp_path):
-    """A peer that never arrives: the wait gives up after MOK_WAIT_TIMEOUT_MS, says who and where
-    (device printf), and the launch fails instead of hanging."""
+    """A peer that never arrives: the wait gives up after MoKConfig.wait_timeout_ms, says who and
+    where (device printf), and the launch fails instead of hanging."""
     import subprocess
     import sys
 
@@ -627,8 +633,8 @@ def test_device_wait_times_out_with_rank_phase_and_flag(tmp_path):
         pytest.skip("needs 2 GPUs (run in a child torchrun)")
     script = tmp_path / "timeout_script.py"
     script.write_text(_TIMEOUT_SCRIPT)
-    env = dict(os.environ, MOK_WAIT_TIMEOUT_MS="1500", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")  # fmt: skip
+    env = dict(os.environ, TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
+               PYTHONUNBUFFERED="1")  # fmt: skip
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

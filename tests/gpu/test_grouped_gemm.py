@@ -132,12 +132,12 @@ ALL_CASES = [pytest.param(i, id=f"small{i}") for i in range(len(SMALL))] + [
 ]
 
 
-SCHEDULES = ["cooperative", "pingpong"]  # MOK_GG_SCHEDULE: the plain-epilogue ops have both
+SCHEDULES = ["cooperative", "pingpong"]  # GemmTuning.schedule: the plain-epilogue ops have both
 
 
 @pytest.fixture(params=SCHEDULES)
-def schedule(request, monkeypatch):
-    monkeypatch.setenv("MOK_GG_SCHEDULE", request.param)
+def schedule(request):
+    """The schedule the plain-epilogue ops run on (the ops' trailing ``schedule`` argument)."""
     return request.param
 
 
@@ -193,7 +193,7 @@ def test_l2_forward(case, schedule):
 
     def run():
         out = poisoned(a.shape[0], p.hidden)
-        torch.ops.mok.grouped_gemm_nt_out(a, p.w_down, p.offs, out)
+        torch.ops.mok.grouped_gemm_nt_out(a, p.w_down, p.offs, out, schedule)
         return (out,)
 
     (out,) = run_twice(run)
@@ -245,7 +245,7 @@ def test_l1_dgrad(case, schedule):
 
     def run():
         out = poisoned(d_h.shape[0], p.hidden)
-        torch.ops.mok.grouped_gemm_nn_out(d_h, p.w_gu, p.offs, out)
+        torch.ops.mok.grouped_gemm_nn_out(d_h, p.w_gu, p.offs, out, schedule)
         return (out,)
 
     (out,) = run_twice(run)
@@ -282,7 +282,7 @@ def test_wgrad(case, which, schedule):
 
     def run():
         out = poisoned(p.groups, a.shape[1], b.shape[1])
-        torch.ops.mok.grouped_gemm_tn_out(a, b, p.offs, out)
+        torch.ops.mok.grouped_gemm_tn_out(a, b, p.offs, out, schedule)
         return (out,)
 
     (out,) = run_twice(run)
@@ -328,17 +328,40 @@ def test_no_host_sync_and_graph_capture():
 
 
 @pytest.mark.parametrize("raster,swizzle", [("n", 1), ("m", 4), ("n", 8)])
-def test_tile_order_does_not_change_bits(raster, swizzle, monkeypatch):
-    """MOK_GG_RASTER / MOK_GG_SWIZZLE reorder tiles only: outputs stay bitwise identical."""
+def test_tile_order_does_not_change_bits(raster, swizzle):
+    """GemmTuning's raster / swizzle reorder tiles only: outputs stay bitwise identical."""
     p = big_problem("qwen3-30b-a3b", 0.25, "skewed")
     base = [gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, save_h=True)[1],
             gg.grouped_gemm_tn(p.d_y, p.x, p.offs)]  # fmt: skip
-    monkeypatch.setenv("MOK_GG_RASTER", raster)
-    monkeypatch.setenv("MOK_GG_SWIZZLE", str(swizzle))
-    again = [gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, save_h=True)[1],
-             gg.grouped_gemm_tn(p.d_y, p.x, p.offs)]  # fmt: skip
+    tuning = gg.GemmTuning(raster=raster, swizzle=swizzle)
+    again = [gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, save_h=True, tuning=tuning)[1],
+             gg.grouped_gemm_tn(p.d_y, p.x, p.offs, tuning=tuning)]  # fmt: skip
     for a, b in zip(base, again):
         assert torch.equal(a, b)
+
+
+def test_tuning_an_op_cannot_honour_raises():
+    """The SwiGLU ops have no pingpong kernel: asked for one they raise (never ignore it); bad
+    values name the allowed ones."""
+    p = small_problem(0)
+    pingpong = gg.GemmTuning(schedule="pingpong")
+    _, h = gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, save_h=True)
+    with pytest.raises(RuntimeError, match="pingpong.*plain-epilogue ops.*use 'cooperative'"):
+        gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, tuning=pingpong)
+    with pytest.raises(RuntimeError, match="grouped_gemm_dswiglu: schedule='pingpong'"):
+        gg.grouped_gemm_dswiglu(p.d_y, p.w_down, h, p.offs, tuning=pingpong)
+    act = poisoned(p.x.shape[0], p.inter)
+    out = poisoned(p.x.shape[0], p.hidden)
+    for call, match in [
+        (lambda: torch.ops.mok.grouped_gemm_nt_out(act, p.w_down, p.offs, out, "fast"),
+         "schedule='fast' must be 'cooperative' or 'pingpong'"),
+        (lambda: torch.ops.mok.grouped_gemm_nt_out(act, p.w_down, p.offs, out, raster="k"),
+         "raster='k' must be 'm' or 'n'"),
+        (lambda: torch.ops.mok.grouped_gemm_nt_out(act, p.w_down, p.offs, out, swizzle=3),
+         "swizzle=3 must be 1, 2, 4 or 8"),
+    ]:  # fmt: skip
+        with pytest.raises(RuntimeError, match=match):
+            call()
 
 
 def test_bad_input_errors():
@@ -381,12 +404,12 @@ def test_flag_wait_nt_preset(case, rows_per_flag, schedule):
     rows, epoch = p.x.shape[0], 5
     a = torch.randn(rows, p.inter, device="cuda", dtype=torch.bfloat16)
     ready = landed_flags(rows, rows_per_flag, epoch)
-    plain = gg.grouped_gemm_nt(a, p.w_down, p.offs)
+    plain = gg.grouped_gemm_nt(a, p.w_down, p.offs, tuning=gg.GemmTuning(schedule=schedule))
 
     def run():
         out = poisoned(rows, p.hidden)
         torch.ops.mok.grouped_gemm_nt_wait_out(
-            a, p.w_down, p.offs, ready, rows_per_flag, epoch, 10_000, out, None
+            a, p.w_down, p.offs, ready, rows_per_flag, epoch, 10_000, out, None, schedule
         )
         return (out,)
 

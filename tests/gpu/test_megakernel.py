@@ -5,10 +5,10 @@ and at EP 2 on two GPUs (``-m multigpu``, under torchrun: scripts/gpu_check.sh 2
 Bitwise: at EP 1 in one round the megakernel computes what stage 1 computes, in the same order
 (the same 128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its
 output and the gradients of stage 1's backward on its context are bitwise equal to stage 1's
-(fused gate/up form, MOK_EXPERT_GEMM=auto). Where stage 1 sums a token's slots in another order
-the output agrees within tolerance only (the gradients stay bitwise): in macrobatch rounds it sums
-round by round, with several ranks rank by rank; the megakernel always in slot order. Run to run,
-everything is bitwise equal.
+(fused gate/up form, MoKConfig.expert_gemm='auto'). Where stage 1 sums a token's slots in another
+order the output agrees within tolerance only (the gradients stay bitwise): in macrobatch rounds
+it sums round by round, with several ranks rank by rank; the megakernel always in slot order. Run
+to run, everything is bitwise equal.
 Outputs are poisoned before every run (``testing.poison``), the plan is checked integer for
 integer against stage 1's torch plan, and a stalled minibatch or rank times out with a record
 that names it instead of hanging.
@@ -203,14 +203,14 @@ def test_forward_without_grad_keeps_nothing():
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=12)
     run = Run(problem, "cuda", config=MEGA, form="fused")
     sched = run.schedule()
-    out, ctx = F.forward(MEGA, run.ws, sched, run.x, run.rw, *run.weights,
+    out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
                          save_for_backward=False)  # fmt: skip
     assert ctx.saved is None and ctx.x_recv is None
     with pytest.raises(RuntimeError, match="kept nothing"):
-        F.backward(MEGA, run.ws, sched, ctx, run.d_out, run.x, run.rw, *run.weights)
+        F.backward(run.config, run.ws, sched, ctx, run.d_out, run.x, run.rw, *run.weights)
     x = run.x.clone().requires_grad_(False)
     with torch.no_grad():  # functional.moe under no_grad: the same
-        y = F.moe(x, run.topk, run.rw, *run.routed, config=MEGA, workspace=run.ws)
+        y = F.moe(x, run.topk, run.rw, *run.routed, config=run.config, workspace=run.ws)
     assert torch.equal(y, out)
 
 
@@ -270,7 +270,8 @@ from mok_megatron.ops.moe import check_mega_error
 from mok_megatron.testing import random_moe_problem
 p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128)
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
+                     wait_timeout_ms=1500)
 ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
                         num_experts=8, intermediate_size=64, backend="cuda")
 ws.buffers.stall_minibatch = 2
@@ -288,17 +289,19 @@ except Exception as exc:
 """
 
 
-def _child(script: str, tmp_path, timeout_ms: int) -> str:
+def _child(script: str, tmp_path) -> str:
+    """Run ``script`` in a child process (its device waits time out after the
+    MoKConfig.wait_timeout_ms it sets: a trap leaves the CUDA context unusable)."""
     path = tmp_path / "child.py"
     path.write_text(textwrap.dedent(script))
-    env = dict(os.environ, MOK_WAIT_TIMEOUT_MS=str(timeout_ms), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     return proc.stdout + proc.stderr
 
 
 def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(tmp_path):
-    output = _child(_STALL, tmp_path, 1500)
+    output = _child(_STALL, tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "rank 0 timed out" in output and "L1 task waiting for its rows" in output, output[-3000:]
     assert "minibatch 2" in output and "arrive" in output, output[-3000:]
@@ -310,7 +313,7 @@ from mok_megatron import functional as F
 from mok_megatron.ops import interleave_gate_up
 from mok_megatron.testing import random_moe_problem
 p = random_moe_problem([64, 64], 128, 64, 8, 2, seed=1)
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4)
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, wait_timeout_ms=1500)
 wss = F.create_virtual_workspaces(config, 2, device="cuda", num_local_tokens=64, hidden_size=128,
                                   topk=2, num_experts=8, intermediate_size=64)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
@@ -325,7 +328,7 @@ except Exception as exc:
 
 
 def test_a_stalled_virtual_rank_times_out_instead_of_hanging(tmp_path):
-    output = _child(_STALLED_RANK, tmp_path, 1500)
+    output = _child(_STALLED_RANK, tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "mok: rank 0 timed out after 1500 ms in phase 'schedule/routing staged'" in output, (
         output[-3000:]

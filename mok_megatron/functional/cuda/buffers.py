@@ -16,12 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CudaBuffers", "allocate", "allocate_virtual", "DEFAULT_WAIT_TIMEOUT_MS", "MAX_RANKS"]
+__all__ = ["CudaBuffers", "allocate", "allocate_virtual", "MAX_RANKS"]
 
 #: Ranks one barrier kernel serves (one thread per peer in a warp: csrc/launch/moe.cu).
 MAX_RANKS = 32
-#: Device waits give up after this long (env MOK_WAIT_TIMEOUT_MS), reporting rank, phase, flag.
-DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: The byte every guard holds (workspace.cuh: no kernel writes a guard).
 GUARD_BYTE = 0xA5
 
@@ -74,10 +72,6 @@ def _layout(ws, mega_shape):
     )
 
 
-def _timeout_ms() -> int:
-    return int(os.environ.get("MOK_WAIT_TIMEOUT_MS", DEFAULT_WAIT_TIMEOUT_MS))
-
-
 def _finish(ws, buffer, handle, peers, signal_table, layout, mega_shape, keep=()) -> CudaBuffers:
     from mok_megatron.ops.moe import MEGA_ERROR_FIELDS, make_comm
 
@@ -90,7 +84,7 @@ def _finish(ws, buffer, handle, peers, signal_table, layout, mega_shape, keep=()
         max_tokens=ws.num_local_tokens, topk=ws.topk, hidden=ws.hidden_size,
         slot_rows=int(mega_shape is not None),
         counter_words=mega_shape.counter_words if mega_shape is not None else 0,
-        timeout_ms=_timeout_ms(), error_record=error.data_ptr(),
+        timeout_ms=ws.config.wait_timeout_ms, error_record=error.data_ptr(),
     )  # fmt: skip
     bufs = CudaBuffers(buffer, handle, peer_table, signal_table, comm, layout, mega_shape, error,
                        list(keep))  # fmt: skip

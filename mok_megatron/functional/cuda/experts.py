@@ -1,32 +1,27 @@
-"""The routed expert MLP on one round's rows (``_Experts``), for either weight form, and the
-choice of which of its GEMMs run on the expert GEMM engine (env MOK_EXPERT_GEMM)."""
+"""The routed expert MLP on one round's rows (``Experts``), for either weight form, and the
+choice of which of its GEMMs run on the expert GEMM engine (``MoKConfig.expert_gemm``)."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from ..config import ENGINE_STEPS, engine_step_list
 from ..types import FusedExpertWeights
 
 __all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "ExpertRows", "Experts", "engine_steps",
            "grouped_mm", "accumulate"]  # fmt: skip
 
-#: The fused gate/up form's steps the expert GEMM engine can run (env MOK_EXPERT_GEMM: "auto",
-#: "torch" (none), "engine" (all) or a list joined by "," or "+"): "l1" L1 + SwiGLU (forward,
-#: and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU backward, and the plain GEMMs:
-#: "l2" the L2 forward, "dgrad" the dgrads (against W_down without "dswiglu", and against W_gu),
-#: "wgrad" the weight gradients.
-ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
-#: What "auto" picks on Hopper. "l2": its engine GEMM beat torch._grouped_mm on all six points of
-#: the same-process micro-benchmark (docs/GEMM.md). "l1" (which also writes h for the backward):
-#: in that micro-benchmark it is compared with torch._grouped_mm + MoK's interleaved SwiGLU
-#: kernel, the backend's alternative (pair "mok_save_h" / "torch_gemm+mok_swiglu"); in the layer
-#: at EP 2 the default's forward was ahead of all-torch GEMMs (docs/PERF.md). Not the dgrads (the
-#: L1 dgrad lost on one shape), the weight gradients (lost on most) or the fused dSwiGLU (its
-#: d_h store is not staged through shared memory; pair "mok" / "torch_gemm+mok_dswiglu").
+#: What MoKConfig.expert_gemm="auto" picks on Hopper. "l2": its engine GEMM beat
+#: torch._grouped_mm on all six points of the same-process micro-benchmark (docs/GEMM.md). "l1"
+#: (which also writes h for the backward): in that micro-benchmark it is compared with
+#: torch._grouped_mm + MoK's interleaved SwiGLU kernel, the backend's alternative (pair
+#: "mok_save_h" / "torch_gemm+mok_swiglu"); in the layer at EP 2 the default's forward was ahead
+#: of all-torch GEMMs (docs/PERF.md). Not the dgrads (the L1 dgrad lost on one shape), the weight
+#: gradients (lost on most) or the fused dSwiGLU (its d_h store is not staged through shared
+#: memory; pair "mok" / "torch_gemm+mok_dswiglu").
 AUTO_ENGINE_STEPS = ("l1", "l2")
 
 
@@ -50,17 +45,17 @@ class Experts:
 
     Separate gate/up: two grouped GEMMs and the SwiGLU kernel. Fused gate/up
     (``FusedExpertWeights``): each step on the expert GEMM engine or on torch GEMMs, as
-    ``engine_steps`` says: L1 + SwiGLU in one engine GEMM (``h`` kept when the backward needs
-    it) or one ``torch._grouped_mm`` over both halves and the interleaved SwiGLU kernel; the L2
-    dgrad with the SwiGLU backward in one engine GEMM, or ``torch._grouped_mm`` and the
-    interleaved SwiGLU-backward kernel; the plain GEMMs (L2 forward, dgrads, weight gradients)
-    likewise (``mm_nt``, ``mm_nn``, ``mm_tn``).
+    ``engine_steps`` says for ``expert_gemm`` (MoKConfig.expert_gemm): L1 + SwiGLU in one
+    engine GEMM (``h`` kept when the backward needs it) or one ``torch._grouped_mm`` over both
+    halves and the interleaved SwiGLU kernel; the L2 dgrad with the SwiGLU backward in one
+    engine GEMM, or ``torch._grouped_mm`` and the interleaved SwiGLU-backward kernel; the plain
+    GEMMs (L2 forward, dgrads, weight gradients) likewise (``mm_nt``, ``mm_nn``, ``mm_tn``).
     """
 
-    def __init__(self, routed, device: torch.device):
+    def __init__(self, routed, expert_gemm: str, device: torch.device):
         self.routed = routed
         self.fused = isinstance(routed, FusedExpertWeights)
-        self.engine = engine_steps(device) if self.fused else ()
+        self.engine = engine_steps(expert_gemm, device) if self.fused else ()
         if self.fused:
             self.pre_weights = (routed.gate_up,)
             self.grad_slots = (0, 2)  # d_w_routed_gate holds gate_up's gradient
@@ -133,22 +128,19 @@ class Experts:
         return grouped_mm(a.T, b, offs)
 
 
-def engine_steps(device: torch.device) -> tuple[str, ...]:
-    """The steps of the fused gate/up form that run on the expert GEMM engine (ENGINE_STEPS),
-    from env MOK_EXPERT_GEMM; "auto" is AUTO_ENGINE_STEPS where the engine can run, else none
-    (with a warning that says why)."""
+def engine_steps(expert_gemm: str, device: torch.device) -> tuple[str, ...]:
+    """The steps of the fused gate/up form that run on the expert GEMM engine (ENGINE_STEPS)
+    for ``expert_gemm`` (MoKConfig.expert_gemm, validated there); "auto" is AUTO_ENGINE_STEPS
+    where the engine can run, else none (with a warning that says why)."""
     from mok_megatron.ops.grouped_gemm import grouped_gemm_available
 
-    choice = os.environ.get("MOK_EXPERT_GEMM", "auto")
-    if choice in ("auto", "torch", "engine"):
-        steps = {"auto": AUTO_ENGINE_STEPS, "torch": (), "engine": ENGINE_STEPS}[choice]
-    else:
-        steps = tuple(s.strip() for s in choice.replace("+", ",").split(","))
-        if not set(steps) <= set(ENGINE_STEPS):
-            raise ValueError(
-                f"MOK_EXPERT_GEMM={choice!r}; choose auto, torch, engine or a comma list of "
-                f"{ENGINE_STEPS}"
-            )
+    named = {"auto": AUTO_ENGINE_STEPS, "torch": (), "engine": ENGINE_STEPS}
+    steps = named[expert_gemm] if expert_gemm in named else engine_step_list(expert_gemm)
+    if not set(steps) <= set(ENGINE_STEPS):
+        raise ValueError(
+            f"MoKConfig.expert_gemm={expert_gemm!r}: choose auto, torch, engine or a comma list "
+            f"of {ENGINE_STEPS}"
+        )
     if not steps:
         return ()
     why_not = None
@@ -161,13 +153,14 @@ def engine_steps(device: torch.device) -> tuple[str, ...]:
         why_not = f"it is built for sm_90a and this GPU is sm_{major}{minor}"
     if why_not is None:
         return steps
-    if choice != "auto":
+    if expert_gemm != "auto":
         raise RuntimeError(
-            f"MOK_EXPERT_GEMM={choice} but the expert GEMM engine can't run: {why_not}"
+            f"MoKConfig.expert_gemm={expert_gemm!r} but the expert GEMM engine can't run: "
+            f"{why_not}; use expert_gemm='auto' or 'torch'"
         )
     _warn_once(
         f"mok: the fused gate/up experts run on torch._grouped_mm, not the expert GEMM engine: "
-        f"{why_not} (MOK_EXPERT_GEMM=torch chooses this without the warning)"
+        f"{why_not} (MoKConfig.expert_gemm='torch' chooses this without the warning)"
     )
     return ()
 
@@ -194,20 +187,9 @@ def accumulate(total, part: torch.Tensor, offs: torch.Tensor, rounds, r: int):
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm`` (bf16, no host sync), or a masked dense loop when
-    MOK_GROUPED_MM=loop (a slow fallback with the same semantics, for debugging).
+    """``torch._grouped_mm`` (bf16, no host sync).
 
     2d x 3d: a [P, K], b [G, K, N] → [P, N] (rows past offs[-1] are undefined);
     2d x 2d: a [M, P], b [P, N] → [G, M, N], reducing each group's rows.
     """
-    if os.environ.get("MOK_GROUPED_MM", "torch") != "loop":
-        return torch._grouped_mm(a, b, offs=offs)
-    group_rows = a.shape[0] if b.dim() == 3 else a.shape[1]
-    idx = torch.arange(group_rows, device=a.device)
-    group = torch.searchsorted(offs.to(torch.int64), idx, right=True)
-    if b.dim() == 3:
-        out = a.new_zeros(a.shape[0], b.shape[2])
-        for g in range(b.shape[0]):
-            out = torch.where((group == g)[:, None], a @ b[g], out)
-        return out
-    return torch.stack([torch.where((group == g)[None, :], a, 0) @ b for g in range(offs.shape[0])])
+    return torch._grouped_mm(a, b, offs=offs)

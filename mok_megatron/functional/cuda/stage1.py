@@ -84,7 +84,7 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
     recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
     shared_out, shared_gu, shared_a = shared_forward(x, shared)
     acc = round_accumulator(rounds, recv)
-    experts = Experts(routed, x.device)
+    experts = Experts(routed, ws.config.expert_gemm, x.device)
     for r in range(rounds.count):
         window = rounds.window(r)
         offs = window_offs(plan, window)
@@ -117,7 +117,7 @@ def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, rout
     if shared is not None:
         d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
-    experts = Experts(routed, x.device)
+    experts = Experts(routed, ws.config.expert_gemm, x.device)
     d_w = [None, None, None]  # gate (or fused gate_up), up, down
     acc = round_accumulator(rounds, d_recv)
     for r in range(rounds.count):

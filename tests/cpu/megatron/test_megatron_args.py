@@ -59,6 +59,16 @@ def test_defaults_then_file_then_flags(tmp_path):
     assert mok_config_from_args(_plain_parser().parse_args([])) == MoKConfig()
 
 
+def test_cuda_knobs_parse_from_flags():
+    args = _plain_parser().parse_args(
+        ["--mok-expert-gemm", "l1+l2", "--mok-wait-timeout-ms", "500"]
+    )
+    assert mok_config_from_args(args) == MoKConfig(expert_gemm="l1+l2", wait_timeout_ms=500)
+    args = _plain_parser().parse_args(["--mok-expert-gemm", "l1+fp8"])
+    with pytest.raises(ValueError, match="expert_gemm='l1\\+fp8' must be one of"):
+        mok_config_from_args(args)
+
+
 def test_bad_values_fail_with_the_config_rule():
     args = _plain_parser().parse_args(["--mok-minibatch-size", "1000"])
     with pytest.raises(ValueError, match="minibatch_size=1000 must be a positive multiple of 128"):

@@ -101,3 +101,15 @@ def test_dispatcher_override_and_layer_params():
     assert run.transformer_config("alltoall").moe_token_dispatcher_type == "alltoall"
     params = run.layer_params()
     assert params["mok_config"] == run.mok and params["backend"] == "auto"
+
+
+def test_cuda_knobs_reach_the_config_and_the_command_line():
+    doc = _tiny_doc()
+    doc["mok"] = {**(doc.get("mok") or {}), "expert_gemm": "l1,l2", "wait_timeout_ms": 30_000}
+    run = run_config_from_dict(doc, source="tiny.yaml")
+    assert run.mok.expert_gemm == "l1,l2" and run.mok.wait_timeout_ms == 30_000
+    args = megatron_lm_parser().parse_args(run.megatron_lm_args())
+    assert args.mok_expert_gemm == "l1,l2" and args.mok_wait_timeout_ms == 30_000
+    doc["mok"]["expert_gemm"] = "l3"
+    with pytest.raises(ValueError, match=r"tiny.yaml: section 'mok:'.*expert_gemm='l3'"):
+        run_config_from_dict(doc, source="tiny.yaml")

@@ -50,7 +50,7 @@ MOK_DEVICE void cas_with_timeout(uint32_t* flag, uint32_t expect, uint32_t desir
     if (static_cast<int64_t>(global_timer_ns() - start) > timeout_ns) {
       printf("mok: rank %d timed out after %lld ms in phase '%s' waiting for the signal flag "
              "of peer %d to go %u -> %u (is every rank running the same pass? raise "
-             "MOK_WAIT_TIMEOUT_MS if this is a slow start)\n",
+             "MoKConfig.wait_timeout_ms if this is a slow start)\n",
              rank, static_cast<long long>(timeout_ns / 1000000), phase_name(phase), peer, expect,
              desired);
       __trap();

@@ -1,0 +1,45 @@
+"""GemmTuning (the grouped-GEMM engine's tile order): validation, and the trailing op arguments
+every ``mok::grouped_gemm_*_out`` schema ends with, where the extension is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron import ops
+from mok_megatron.ops import grouped_gemm as gg
+
+OPS = ("l1_swiglu", "nt", "nn", "dswiglu", "tn", "nt_wait", "l1_swiglu_wait")
+
+
+def test_defaults_and_op_args():
+    assert gg.GemmTuning().op_args() == ("cooperative", "m", 1)
+    assert gg.GemmTuning("pingpong", "n", 8).op_args() == ("pingpong", "n", 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"schedule": "ping"}, ["schedule='ping'", "'cooperative'", "'pingpong'"]),
+        ({"raster": "k"}, ["raster='k'", "'m'", "'n'"]),
+        ({"swizzle": 3}, ["swizzle=3", "(1, 2, 4, 8)"]),
+        ({"swizzle": "4"}, ["swizzle='4'"]),
+        ({"swizzle": True}, ["swizzle=True"]),
+    ],
+)
+def test_bad_values_name_the_allowed_ones(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        gg.GemmTuning(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.skipif(not ops.grouped_gemm_available(), reason="mok::grouped_gemm_* not built")
+@pytest.mark.parametrize("name", OPS)
+def test_every_op_schema_ends_with_the_tuning_arguments(name):
+    if not ops.has_op(f"grouped_gemm_{name}_out"):
+        pytest.skip(f"mok::grouped_gemm_{name}_out not built")
+    schema = getattr(torch.ops.mok, f"grouped_gemm_{name}_out").default._schema
+    tail = [(a.name, str(a.type), a.default_value) for a in schema.arguments[-3:]]
+    assert tail == [("schedule", "str", "cooperative"), ("raster", "str", "m"),
+                    ("swizzle", "int", 1)]  # fmt: skip
