@@ -101,7 +101,9 @@ def write_table(path, record, points) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("# Written by scripts/tune.py: the megakernel's forward knobs on this GPU and EP "
-                "size.\n# `mok:` is the best pair on the geometric mean over the shapes.\n")  # fmt: skip
+                "size.\n# `mok:` is the best pair on the geometric mean over the shapes. MoKConfig's "
+                "'auto' knobs read its\n# fwd_num_comm_sms and minibatch_size on this GPU and EP "
+                "size; as --mok-config it also selects the megakernel.\n")  # fmt: skip
         yaml.safe_dump(table, f, sort_keys=False)
 
 
