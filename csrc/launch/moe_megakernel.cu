@@ -51,7 +51,8 @@ void check_args(const MegaForwardArgs& a) {
   MOK_HOST_CHECK(a.num_comm_ctas >= 1, "megakernel: num_comm_ctas=%d must be >= 1",
                  a.num_comm_ctas);
   MOK_HOST_CHECK(a.num_ctas - a.num_comm_ctas >= 1,
-                 "megakernel: num_ctas=%d must exceed num_comm_ctas=%d (>= 1 compute CTA)",
+                 "megakernel: num_ctas=%d must exceed num_comm_ctas=%d (>= 1 CTA takes tasks from "
+                 "the start)",
                  a.num_ctas, a.num_comm_ctas);
   MOK_HOST_CHECK(s.hidden > 0 && s.hidden % 8 == 0 && s.inter > 0 && s.inter % 8 == 0,
                  "megakernel: hidden=%lld and inter=%lld must be positive multiples of 8 "

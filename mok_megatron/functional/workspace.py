@@ -232,8 +232,8 @@ def create_workspace(
         intermediate_size,
         shared_intermediate_size,
         dtype,
+        given=config,
     )
-    ws.given_config = config
     ws.backend = resolve_backend(backend, ws)
     ws.buffers = ws.backend.allocate(ws)
     warn_ignored_knobs(config, backend_path(ws))
@@ -250,8 +250,9 @@ def _resolve_device(device: torch.device | str) -> torch.device:
 
 
 def _new_workspace(config, group, rank, num_ranks, device, num_local_tokens, hidden_size, topk,
-                   num_experts, inter, shared_inter, dtype) -> MoKWorkspace:  # fmt: skip
-    """The workspace record with its capacities and monitor; no backend or buffers yet."""
+                   num_experts, inter, shared_inter, dtype, *, given) -> MoKWorkspace:  # fmt: skip
+    """The workspace record with its capacities and monitor; no backend or buffers yet.
+    ``config`` is resolved, ``given`` as the caller gave it ("auto" knobs unresolved)."""
     cap = row_capacity(config, num_ranks, num_local_tokens, topk)
     return MoKWorkspace(
         config=config, group=group, rank=rank, num_ranks=num_ranks, device=device,
@@ -259,7 +260,7 @@ def _new_workspace(config, group, rank, num_ranks, device, num_local_tokens, hid
         num_experts=num_experts, num_local_experts=num_experts // num_ranks,
         intermediate_size=inter, shared_intermediate_size=shared_inter, dtype=dtype,
         row_capacity=cap, token_capacity=min(cap, num_ranks * num_local_tokens), backend=None,
-        monitor=ErrorMonitor(num_experts, device),
+        monitor=ErrorMonitor(num_experts, device), given_config=given,
     )  # fmt: skip
 
 
@@ -300,11 +301,11 @@ def create_virtual_workspaces(
     resolved = config.resolve(None, num_ranks)
     workspaces = [
         _new_workspace(resolved, None, r, num_ranks, device, num_local_tokens, hidden_size, topk,
-                       num_experts, intermediate_size, shared_intermediate_size, dtype)
+                       num_experts, intermediate_size, shared_intermediate_size, dtype,
+                       given=config)
         for r in range(num_ranks)
     ]  # fmt: skip
     for ws in workspaces:
-        ws.given_config = config
         ws.backend = resolve_backend("cuda", ws)
     for ws, buffers in zip(workspaces, workspaces[0].backend.allocate_virtual(workspaces)):
         ws.buffers = buffers

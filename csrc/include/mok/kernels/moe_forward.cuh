@@ -1,7 +1,7 @@
 // Kernel: the forward megakernel (sm_90a), one persistent launch per rank per pass. Thin: its
 // parameters and its shared memory. Every CTA runs GEMM tasks (roles/megakernel_compute.cuh), the
-// first num_comm_ctas after pulling each round's rows (roles/megakernel_comm.cuh); task order, waits and the round barrier:
-// roles/megakernel_tasks.cuh. Host launcher: launch/moe_megakernel.cu.
+// first num_comm_ctas after pulling each round's rows (roles/megakernel_comm.cuh); task order,
+// waits and the round barrier: roles/megakernel_tasks.cuh. Host launcher: launch/moe_megakernel.cu.
 // NOTE: include from one translation unit only (it defines the __global__).
 #pragma once
 
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
     moe_forward_megakernel(const __grid_constant__ MegaKernelParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem[];
-  roles::compute_role(params.p, params.gemm, compute_storage(smem));
+  roles::cta_role(params.p, params.gemm, compute_storage(smem));
 #endif
 }
 

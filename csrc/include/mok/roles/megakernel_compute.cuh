@@ -206,16 +206,22 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
   }
 }
 
+// This thread's side of both pipelines (the mainloop's and the ticket queue): the consumer
+// warpgroups consume, the producer warp produces, the producer warpgroup's other warps neither.
+template <class Category>
+MOK_DEVICE Category pipeline_role(int warp_group) {
+  return warp_group != 0 ? Category::Consumer
+         : threadIdx.x / 32 == 0 ? Category::Producer
+                                 : Category::NonParticipant;
+}
+
 // A CTA's whole launch: the pipelines, then the warpgroup roles with their register budgets
 // (setmaxnreg, in one if/else as CUTLASS's kernel does).
-CUTLASS_DEVICE void compute_role(const MegaParams& p, const MegaGemmParams& gp,
+CUTLASS_DEVICE void cta_role(const MegaParams& p, const MegaGemmParams& gp,
                                  MegaComputeStorage& storage) {
   const int warp_group = static_cast<int>(threadIdx.x) / 128;
   typename MegaPipeline::Params pipe;
-  using Role = typename MegaPipeline::ThreadCategory;
-  pipe.role = warp_group != 0 ? Role::Consumer
-              : threadIdx.x / 32 == 0 ? Role::Producer
-                                      : Role::NonParticipant;
+  pipe.role = pipeline_role<typename MegaPipeline::ThreadCategory>(warp_group);
   pipe.is_leader = threadIdx.x % 128 == 0;
   pipe.num_consumers = kMegaConsumerThreads;
   pipe.num_producers = 1;
@@ -224,10 +230,7 @@ CUTLASS_DEVICE void compute_role(const MegaParams& p, const MegaGemmParams& gp,
   pipe.transaction_bytes = gp.l1.tma_transaction_bytes;
   MegaPipeline pipeline(storage.pipeline, pipe, gemm::ClusterShape{});
   typename MegaTicketQueue::Params qp;
-  using QueueRole = typename MegaTicketQueue::ThreadCategory;
-  qp.role = warp_group != 0 ? QueueRole::Consumer
-            : threadIdx.x / 32 == 0 ? QueueRole::Producer
-                                    : QueueRole::NonParticipant;
+  qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group);
   qp.producer_arv_count = 1;                     // the producer warp's lane 0
   qp.consumer_arv_count = kMegaConsumerThreads;  // every consumer thread releases its read
   qp.dst_blockid = 0;

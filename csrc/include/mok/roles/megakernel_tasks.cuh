@@ -147,7 +147,9 @@ struct MegaTaskOrder {
 };
 
 // One thread: the next task of the running round (>= num_tasks once the round is used up).
-MOK_DEVICE int next_ticket(const MegaParams& p) { return atomicAdd(p.counters + layout::kTicket, 1); }
+MOK_DEVICE int next_ticket(const MegaParams& p) {
+  return atomicAdd(p.counters + layout::kTicket, 1);
+}
 
 // Where a wait stands, for the error record: word j of the waited range names index + step * j.
 struct MegaWaitSite {
