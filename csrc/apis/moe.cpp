@@ -40,7 +40,7 @@ std::vector<int64_t> moe_mega_shape(int64_t row_capacity, int64_t num_local_expe
   const layout::MegaShape s{row_capacity, num_local_experts, hidden,
                             inter,        minibatch_rows,    macrobatch_rows};
   return {s.padded_rows(), s.num_rounds(),  s.ring_rows(),  s.num_minibatches(),
-          s.max_tiles(),   s.l1_ntiles(),   s.l2_ntiles(), s.counter_words()};
+          s.max_tiles(),   s.l1_ntiles(),   s.l2_ntiles(), s.counter_words(), s.max_tasks()};
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,

@@ -1,6 +1,7 @@
 #include "apis/moe_mega.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "apis/comm.h"
@@ -138,7 +139,7 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& shared_out, at::TensorList given_plan,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    int64_t stall_minibatch) {
+    int64_t stall_minibatch, bool trace) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(x, "x", at::kBFloat16, 2);
@@ -194,6 +195,10 @@ std::vector<at::Tensor> moe_mega_forward(
   out[kForward_h_ring] = at::empty({keep_rows ? ring : 0, 2 * inter}, bf16);
   out[kForward_y_rows] = at::empty({keep_rows ? ring : 0, lay.hidden}, bf16);
   out[kForward_x_recv] = at::empty({keep_tokens ? token_capacity : 0, lay.hidden}, bf16);
+  const auto i64 = opts(x, at::kLong);
+  out[kForward_trace_ctas] = at::zeros({trace ? grid : 0, layout::kTraceCtaWords}, i64);
+  out[kForward_trace_tasks] =
+      at::zeros({trace ? rounds : 0, shape.max_tasks(), layout::kTraceTaskWords}, i64);
   const int num_tokens = static_cast<int>(x.size(0));
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens,
@@ -227,6 +232,10 @@ std::vector<at::Tensor> moe_mega_forward(
   a.tile_count = plan[kPlan_tile_count].data_ptr<int32_t>();
   a.tiles = reinterpret_cast<const layout::MegaTile*>(plan[kPlan_tiles].data_ptr<int32_t>());
   a.stall_minibatch = static_cast<int>(stall_minibatch);
+  if (trace) {
+    a.trace_ctas = out[kForward_trace_ctas].data_ptr<int64_t>();
+    a.trace_tasks = out[kForward_trace_tasks].data_ptr<int64_t>();
+  }
   launch::moe_forward_megakernel(a, stream);
 
   out[kForward_out] = at::empty({x.size(0), lay.hidden}, bf16);

@@ -20,8 +20,11 @@
 
 // The forward's outputs: out [T, H]; the ring's rows x, act ([ring, H], [ring, I]); kept for a
 // backward when asked: h [ring, 2I] and y [ring, H] (one round) or x_recv [C_tok, H] (rounds);
-// each is [0] when not kept.
-#define MOK_MEGA_FORWARD_FIELDS(X) X(out) X(x_ring) X(act_ring) X(h_ring) X(y_rows) X(x_recv)
+// each is [0] when not kept; with `trace`, the megakernel's timeline (layout/mega.cuh:
+// trace_ctas [num_ctas, kTraceCtaWords], trace_tasks [R, max_tasks, kTraceTaskWords] int64),
+// else [0] each.
+#define MOK_MEGA_FORWARD_FIELDS(X) \
+  X(out) X(x_ring) X(act_ring) X(h_ring) X(y_rows) X(x_recv) X(trace_ctas) X(trace_tasks)
 
 namespace mok::apis {
 
@@ -44,6 +47,6 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& shared_out, at::TensorList plan,
     at::IntArrayRef comm, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    int64_t stall_minibatch);
+    int64_t stall_minibatch, bool trace);
 
 }  // namespace mok::apis

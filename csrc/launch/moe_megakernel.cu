@@ -89,6 +89,11 @@ void check_args(const MegaForwardArgs& a) {
   MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr && a.x_ring != nullptr &&
                      a.act_ring != nullptr,
                  "megakernel: null w_gate_up, w_down, x_ring or act_ring");
+  MOK_HOST_CHECK((a.trace_ctas == nullptr) == (a.trace_tasks == nullptr),
+                 "megakernel: trace_ctas and trace_tasks are both given or both null");
+  MOK_HOST_CHECK(fits_int32(s.num_rounds() * s.max_tasks()),
+                 "megakernel: %lld rounds of %lld tasks are too many for int32 tickets",
+                 static_cast<long long>(s.num_rounds()), static_cast<long long>(s.max_tasks()));
   MOK_HOST_CHECK(a.row_src != nullptr && a.row_dst != nullptr && a.tile_count != nullptr &&
                      a.tiles != nullptr,
                  "megakernel: null row_src, row_dst, tile_count or tiles");
@@ -134,6 +139,9 @@ roles::MegaParams device_params(const MegaForwardArgs& a) {
   p.row_dst = a.row_dst;
   p.tile_count = a.tile_count;
   p.tiles = a.tiles;
+  p.trace_ctas = a.trace_ctas;
+  p.trace_tasks = a.trace_tasks;
+  p.max_tasks = to_int32(s.max_tasks(), "max_tasks");
   return p;
 }
 

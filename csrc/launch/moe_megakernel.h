@@ -44,6 +44,10 @@ struct MegaForwardArgs {
 
   // ---- fault injection (tests only): the comm role never releases this minibatch of round 0
   int stall_minibatch = -1;
+
+  // ---- diagnostics: the timeline (layout/mega.cuh), both null (off) or both set, zeroed
+  int64_t* trace_ctas = nullptr;          // [num_ctas, kTraceCtaWords]
+  int64_t* trace_tasks = nullptr;         // [R, shape.max_tasks(), kTraceTaskWords]
 };
 
 // Dynamic shared memory and threads of one megakernel CTA.

@@ -37,7 +37,8 @@ MEGA_OPS = ("moe_mega_plan", "moe_mega_forward")
 __all__ = [
     "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "mega_plan_fields", "mega_forward_fields",
     "MoeWorkspaceLayout", "moe_workspace_layout", "MegaShape", "moe_mega_shape", "make_comm",
-    "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "check_mega_error", "CUDA_OPS", *CUDA_OPS,
+    "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "MEGA_TRACE_CTA_FIELDS",
+    "MEGA_TRACE_TASK_FIELDS", "check_mega_error", "CUDA_OPS", *CUDA_OPS,
 ]  # fmt: skip
 
 #: Region names in the order of ``mok::layout::Region`` (csrc/include/mok/layout/workspace.cuh).
@@ -85,6 +86,7 @@ class MegaShape:
     l1_ntiles: int
     l2_ntiles: int
     counter_words: int
+    max_tasks: int
 
 
 def moe_mega_shape(row_capacity, num_local_experts, hidden, inter, minibatch, macrobatch):
@@ -99,6 +101,12 @@ def moe_mega_shape(row_capacity, num_local_experts, hidden, inter, minibatch, ma
 MEGA_ERROR_FIELDS = (
     "timed_out", "rank", "phase", "round", "index", "counter", "seen", "expected", "timeout_ms",
 )  # fmt: skip
+#: The megakernel's timeline records (diagnostics, ``moe_mega_forward(..., trace=True)``): the
+#: words of one CTA's and of one task's record, int64 global-timer ns unless named otherwise;
+#: mirror mok::layout::MegaTraceCta / MegaTraceTask (None: a word that is not used).
+MEGA_TRACE_CTA_FIELDS = ("start", "pull_ns", "barrier_ns", "end")
+MEGA_TRACE_TASK_FIELDS = ("cta", "task", "take", "ready", "got", "mma_end", "epi_end", None)
+
 #: mok::layout::MegaPhase: which wait of the megakernel timed out.
 MEGA_PHASES = {
     1: ("L1 task waiting for its rows to land", "minibatch", "arrive"),
@@ -264,20 +272,22 @@ def moe_mega_plan(topk, router_weights, comm, num_experts, row_capacity, token_c
 
 def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm, *,
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
-                     num_comm_sms, num_sms, save, stall_minibatch=-1):  # fmt: skip
+                     num_comm_sms, num_sms, save, stall_minibatch=-1, trace=False):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging, the megakernel, the slot-ordered sum at the source. Collective.
 
     x: [T, H] bf16; topk / router_weights: [T, K]; w_gate_up: [E_l, 2I, H] (interleaved);
     w_down: [E_l, H, I]; shared_out: [T, H] or None. Returns (forward outputs, plan), dicts by
     name (``mega_forward_fields``, ``mega_plan_fields``). ``stall_minibatch`` (tests only): the
-    comm CTAs never release that minibatch of round 0, so its tiles time out.
+    comm CTAs never release that minibatch of round 0, so its tiles time out. ``trace``
+    (diagnostics, scripts/megakernel_trace.py): the outputs ``trace_ctas`` / ``trace_tasks`` hold
+    the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` / ``MEGA_TRACE_TASK_FIELDS``), else [0].
     """
     given = [plan[name] for name in mega_plan_fields()] if plan is not None else []
     values = torch.ops.mok.moe_mega_forward(
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
-        stall_minibatch,
+        stall_minibatch, trace,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -304,7 +314,7 @@ def _mega_plan_fake(topk, router_weights, comm, num_experts, row_capacity, token
 
 def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm,
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
-                       num_comm_sms, num_sms, save, stall_minibatch):  # fmt: skip
+                       num_comm_sms, num_sms, save, stall_minibatch, trace=False):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring, one = shape.ring_rows, shape.num_rounds == 1
@@ -316,6 +326,12 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
         x.new_empty(ring if save and one else 0, hidden),
         x.new_empty(token_capacity if save and not one else 0, hidden),
     ]  # fmt: skip
+    grid = num_sms
+    if trace and grid <= 0:  # the op's grid: every SM of the device
+        grid = torch.cuda.get_device_properties(x.device).multi_processor_count
+    i64 = lambda *s: x.new_empty(*s, dtype=torch.int64)  # noqa: E731
+    out += [i64(grid if trace else 0, len(MEGA_TRACE_CTA_FIELDS)),
+            i64(shape.num_rounds if trace else 0, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS))]
     return out + plan
 
 

@@ -199,6 +199,56 @@ def test_knob_values_change_the_launch_not_the_result():
         run()
 
 
+@pytest.mark.parametrize("config", [MEGA, MEGA_ROUNDS], ids=["one_round", "rounds"])
+def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config):
+    """The timeline (diagnostics, scripts/megakernel_trace.py): with the trace on, the pass gives
+    the same bits; every CTA and every (round, m-tile, n-tile) task of the plan is recorded
+    once; each record's stamps are in the order the kernel reaches them, and an L2 task's inputs
+    were ready only after all of its m-tile's L1 mainloops had ended."""
+    from mok_megatron.ops.moe import MEGA_TRACE_CTA_FIELDS, MEGA_TRACE_TASK_FIELDS
+
+    problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=31)
+    run = Run(problem, "cuda", config=config, form="fused_auto")
+    _, want = run()
+    run.ws.buffers.trace = True
+    sched, got = run()
+    run.ws.buffers.trace = False
+    assert not _bitwise_equal(want, got), "the trace changed the result"
+    ctas, tasks = run.ws.buffers.last_trace
+    shape = run.ws.buffers.mega
+    sms = run.ws.buffers.num_sms or torch.cuda.get_device_properties(0).multi_processor_count
+    assert ctas.shape == (sms, len(MEGA_TRACE_CTA_FIELDS))
+    assert tasks.shape == (shape.num_rounds, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS))
+    c = dict(zip(MEGA_TRACE_CTA_FIELDS, ctas.cpu().T))
+    assert (c["start"] > 0).all() and (c["end"] >= c["start"]).all()
+    assert c["pull_ns"][0] > 0 and (c["pull_ns"][config.fwd_num_comm_sms :] == 0).all()
+    if shape.num_rounds > 1:
+        assert c["barrier_ns"].sum() > 0
+    else:
+        assert (c["barrier_ns"] == 0).all()
+    # every task of the plan once: (l2, m-tile, n-tile) per round from the plan's tile counts
+    tile_count = sched.device_plan["tile_count"].cpu().tolist()
+    words = dict(zip(MEGA_TRACE_TASK_FIELDS, tasks.cpu().permute(2, 0, 1)))
+    for r, mtiles in enumerate(tile_count):
+        ran = words["cta"][r] > 0
+        ids = words["task"][r][ran].tolist()
+        want_ids = [(l2 << 40) | (m << 20) | n for l2, nt in ((0, shape.l1_ntiles),
+                    (1, shape.l2_ntiles)) for m in range(mtiles) for n in range(nt)]  # fmt: skip
+        assert sorted(ids) == sorted(want_ids), f"round {r}: tasks recorded != the plan's"
+        assert (words["cta"][r][ran] <= sms).all()
+        t = {k: words[k][r][ran] for k in ("take", "ready", "got", "mma_end", "epi_end")}
+        assert (t["take"] > 0).all() and (t["take"] <= t["ready"]).all()
+        assert (t["got"] <= t["mma_end"]).all() and (t["mma_end"] <= t["epi_end"]).all()
+        assert (t["ready"] <= t["mma_end"]).all(), "a mainloop ended before its inputs were ready"
+        task = torch.tensor(ids)
+        l2, tile = task >> 40, (task >> 20) & 0xFFFFF
+        for m in range(mtiles):
+            l1_end = t["mma_end"][(l2 == 0) & (tile == m)].max()
+            assert (t["ready"][(l2 == 1) & (tile == m)] >= l1_end).all(), (
+                f"round {r}: an L2 task of m-tile {m} was ready before its L1 tasks ended"
+            )
+
+
 def test_forward_without_grad_keeps_nothing():
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=12)
     run = Run(problem, "cuda", config=MEGA, form="fused")

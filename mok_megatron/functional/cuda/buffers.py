@@ -39,6 +39,10 @@ class CudaBuffers:
     keep: list[Any] = field(default_factory=list)  # storage the tables point into
     num_sms: int = 0  # SMs the megakernel may take: 0 = all; a virtual rank's share of the GPU
     stall_minibatch: int = -1  # fault injection (tests): a minibatch the comm role never releases
+    # diagnostics (scripts/megakernel_trace.py): record each megakernel pass's timeline into
+    # last_trace = (trace_ctas, trace_tasks), ops.moe.moe_mega_forward's trace outputs
+    trace: bool = False
+    last_trace: Any = None
 
     def region(self, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat typed view of one layout region of this rank's copy."""

@@ -116,7 +116,10 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         token_capacity=ws.token_capacity, minibatch=c.minibatch_size,
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
         num_sms=ws.buffers.num_sms, save=save, stall_minibatch=ws.buffers.stall_minibatch,
+        trace=ws.buffers.trace,
     )  # fmt: skip
+    if ws.buffers.trace:
+        ws.buffers.last_trace = (outs["trace_ctas"], outs["trace_tasks"])
     if sched.is_pending():
         _fill(ws, sched, plan)
     return outs["out"], _context(ws, sched, plan, outs, save, shared_gu, shared_a)

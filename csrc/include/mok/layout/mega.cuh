@@ -35,6 +35,7 @@ namespace mok::layout {
 constexpr int kGroupAlign = 8;   // rows: each expert's padded group starts at a multiple of this
 constexpr int kBlockM = 128;     // rows of one GEMM tile (the minibatch granularity too)
 constexpr int kBlockN = 256;     // columns of one GEMM tile
+constexpr int kOrderBlockTiles = 16;  // m-tiles per block of a round's task order
 
 // Counter words before the flag arrays.
 constexpr int kEpoch = 0;
@@ -77,12 +78,40 @@ struct MegaShape {
   }
   MOK_HOST_DEVICE int64_t l1_ntiles() const { return ceil_div(2 * inter, kBlockN); }
   MOK_HOST_DEVICE int64_t l2_ntiles() const { return ceil_div(hidden, kBlockN); }
+  // Tickets of a round at most: every block of the task order padded to kOrderBlockTiles m-tiles
+  // (roles/megakernel_tasks.cuh, MegaTaskOrder::num_tasks).
+  MOK_HOST_DEVICE int64_t max_tasks() const {
+    const int64_t blocks = ceil_div(max_tiles(), kOrderBlockTiles);
+    return blocks * kOrderBlockTiles * (l1_ntiles() + l2_ntiles());
+  }
 
   MOK_HOST_DEVICE int64_t arrive_word() const { return kCounterHeader; }
   MOK_HOST_DEVICE int64_t l1_done_word() const { return kCounterHeader + num_minibatches(); }
   MOK_HOST_DEVICE int64_t counter_words() const {
     return l1_done_word() + max_tiles() * l1_ntiles();
   }
+};
+
+// The megakernel's timeline (diagnostics, scripts/megakernel_trace.py): given trace buffers, it
+// records global-timer nanoseconds (0: never reached) per CTA, [num_ctas, kTraceCtaWords] int64,
+// and per task, [R, max_tasks, kTraceTaskWords] int64 indexed by (round, ticket). Off (null
+// buffers) it records nothing. Mirrored by name in mok_megatron/ops/moe.py (MEGA_TRACE_*).
+enum MegaTraceCta : int {
+  kTraceStart = 0,      // the CTA's pipelines are set up
+  kTracePullNs = 1,     // time its consumer warpgroups spent pulling rows, all rounds
+  kTraceBarrierNs = 2,  // time it spent in round barriers
+  kTraceEnd = 3,        // its consumers finished their last task
+  kTraceCtaWords = 4,
+};
+enum MegaTraceTask : int {
+  kTraceTaskCta = 0,    // 1 + the CTA that ran the task
+  kTraceTaskId = 1,     // l2 << 40 | m-tile << 20 | n-tile
+  kTraceTake = 2,       // the producer took the ticket
+  kTraceReady = 3,      // the task's inputs were ready (its waits returned)
+  kTraceGot = 4,        // the consumers got the ticket
+  kTraceMmaEnd = 5,     // the mainloop's last wgmma retired
+  kTraceEpiEnd = 6,     // the epilogue's stores are issued (and an L1 task's flag released)
+  kTraceTaskWords = 8,
 };
 
 // Which wait of the megakernel timed out (MegaError::kPhase).

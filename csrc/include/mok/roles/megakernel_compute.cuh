@@ -67,9 +67,10 @@ MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
 CUTLASS_DEVICE void produce_task(const MegaParams& p, const MegaGemmParams& gp,
                                  MegaPipeline& pipeline, MegaPipelineState& state,
                                  typename MegaMainloop::TensorStorage& smem, const MegaRound& rd,
-                                 const MegaTask& task) {
+                                 int ticket, const MegaTask& task) {
   const MegaTile tile = p.tile(rd.round, task.tile);
   const bool leader = threadIdx.x % 32 == 0;  // NOTE: thread 0 is the pipeline's is_leader
+  if (leader) trace_task(p, rd.round, ticket, layout::kTraceTake);
   if (!task.l2) {
     // The rows [row_begin, row_end) landed: every minibatch covering them was released.
     const int mb_first = tile.row_begin / p.minibatch_rows;
@@ -77,6 +78,7 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p, const MegaGemmParams& gp,
     const int num_mb = tile.row_end > tile.row_begin ? mb_last - mb_first + 1 : 0;
     wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
                   {MegaPhase::kL1WaitRows, rd.round, mb_first, 1});
+    if (leader) trace_task(p, rd.round, ticket, layout::kTraceReady);
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        2 * p.inter,
                               p.hidden,       p.l1_ktiles, p.num_local_experts};
     if (leader) gemm::load_task(gp.l1, pipeline, state, smem, load);
@@ -85,6 +87,7 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p, const MegaGemmParams& gp,
     // The m-tile's act rows are stored: all n1 L1 tasks of the m-tile released l1_done.
     wait_counters(p, p.l1_done_word + task.tile * p.l1_ntiles, p.l1_ntiles, rd.gen,
                   {MegaPhase::kL2WaitL1, rd.round, task.tile, 0});
+    if (leader) trace_task(p, rd.round, ticket, layout::kTraceReady);
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        p.hidden,
                               p.inter,        p.l2_ktiles, p.num_local_experts};
     if (leader) gemm::load_task(gp.l2, pipeline, state, smem, load);
@@ -111,20 +114,29 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
 CUTLASS_DEVICE void consume_task(const MegaParams& p, const MegaGemmParams& gp,
                                  MegaPipeline& pipeline, MegaPipelineState& state,
                                  typename MegaMainloop::TensorStorage& smem, const MegaRound& rd,
-                                 const MegaTask& task, int mma_thread_idx) {
+                                 int ticket, const MegaTask& task, int mma_thread_idx) {
   const MegaTile tile = p.tile(rd.round, task.tile);
   const int rows = tile.row_end - tile.row_begin;
+  const bool tracer = mma_thread_idx == 0;
+  if (tracer) {
+    trace_task(p, rd.round, ticket, layout::kTraceGot);
+    trace_task(p, rd.round, ticket, layout::kTraceTaskCta, 1 + blockIdx.x);
+    trace_task(p, rd.round, ticket, layout::kTraceTaskId,
+               (int64_t{task.l2} << 40) | (int64_t{task.tile} << 20) | task.n);
+  }
   MegaAccumulators acc;
   // NOTE: the collective's mma() reads no Params field (the data comes through shared memory),
   // so one call serves both GEMMs; only the k-tile count differs.
   gemm::mma_task(gp.l1, pipeline, state, smem, acc, task.l2 ? p.l2_ktiles : p.l1_ktiles,
                  mma_thread_idx);
+  if (tracer) trace_task(p, rd.round, ticket, layout::kTraceMmaEnd);
   if (!task.l2) {
     gemm::l1_epilogue(p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
     release_l1_done(p, rd, task, mma_thread_idx);
   } else {
     gemm::l2_epilogue(p, acc, mma_thread_idx, rd.round, tile.row_begin, rows, task.n);
   }
+  if (tracer) trace_task(p, rd.round, ticket, layout::kTraceEpiEnd);
 }
 
 // Whether this CTA pulls rows (its comm index) or not (-1).
@@ -163,7 +175,7 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p, const MegaGemmParams& gp,
         if (t >= rd.order.num_tasks()) break;
         const MegaTask task = rd.order.decode(t);
         if (!rd.order.skipped(task)) {
-          produce_task(p, gp, pipeline, state, storage.tensors, rd, task);
+          produce_task(p, gp, pipeline, state, storage.tensors, rd, t, task);
         }
       }
     }
@@ -187,7 +199,9 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
       const auto sync = [] {
         ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kConsumers), kMegaConsumerThreads);
       };
+      const int64_t began = mma_thread_idx == 0 && p.trace_ctas != nullptr ? trace_now() : 0;
       comm_round(p, comm_idx, round, rd.gen, mma_thread_idx / 32, sync);
+      if (mma_thread_idx == 0) trace_cta_add(p, layout::kTracePullNs, trace_now() - began);
       ptx::named_barrier_arrive(static_cast<int>(MegaBarrier::kPulled),
                                 32 + kMegaConsumerThreads);
     }
@@ -199,11 +213,12 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
       if (t >= rd.order.num_tasks()) break;
       const MegaTask task = rd.order.decode(t);
       if (!rd.order.skipped(task)) {
-        consume_task(p, gp, pipeline, state, storage.tensors, rd, task, mma_thread_idx);
+        consume_task(p, gp, pipeline, state, storage.tensors, rd, t, task, mma_thread_idx);
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
   }
+  if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
 }
 
 // This thread's side of both pipelines (the mainloop's and the ticket queue): the consumer
@@ -240,6 +255,7 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p, const MegaGemmParams& gp,
     MegaMainloop::prefetch_tma_descriptors(gp.l2);
   }
   __syncthreads();  // the pipelines' barriers are initialised before anyone uses them
+  if (threadIdx.x == 0) trace_cta_set(p, layout::kTraceStart, trace_now());
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kMegaProducerRegs>();
     producer_role(p, gp, pipeline, queue, storage);

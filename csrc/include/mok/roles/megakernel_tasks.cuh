@@ -63,6 +63,11 @@ struct MegaParams {
   const int32_t* tile_count;   // [R]
   const MegaTile* tiles;       // [R, max_tiles]
 
+  // ---- diagnostics: the timeline (layout/mega.cuh, MegaTraceCta / MegaTraceTask), or null
+  int64_t* trace_ctas;         // [num_ctas, kTraceCtaWords]
+  int64_t* trace_tasks;        // [R, max_tasks, kTraceTaskWords]
+  int max_tasks;
+
   // Round r of this pass works with gen = epoch * R + r, which no earlier round or pass reached.
   // NOTE: an earlier kernel advanced the epoch and nothing writes it during the launch, so every
   // read gives the value it had at the start; it is re-read per round rather than kept live
@@ -83,8 +88,7 @@ struct MegaTask {
   int n;
 };
 
-// m-tiles per block of the task order (below).
-constexpr int kOrderBlockTiles = 16;
+using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 
 // The task order of one round, the same for every CTA. The m-tiles are taken in blocks of
 // kOrderBlockTiles consecutive ones (the last block padded with m-tiles past the round's, whose
@@ -145,6 +149,26 @@ struct MegaTaskOrder {
 
   MOK_DEVICE bool skipped(const MegaTask& task) const { return task.tile >= num_mtiles; }
 };
+
+// ---- the timeline (diagnostics; each a no-op without trace buffers)
+MOK_DEVICE int64_t trace_now() { return static_cast<int64_t>(comm::global_timer_ns()); }
+
+// One thread: word `word` of this CTA's record = value, or += value.
+MOK_DEVICE void trace_cta_set(const MegaParams& p, int word, int64_t value) {
+  if (p.trace_ctas != nullptr) p.trace_ctas[blockIdx.x * layout::kTraceCtaWords + word] = value;
+}
+MOK_DEVICE void trace_cta_add(const MegaParams& p, int word, int64_t value) {
+  if (p.trace_ctas != nullptr) p.trace_ctas[blockIdx.x * layout::kTraceCtaWords + word] += value;
+}
+
+// One thread: word `word` of the record of ticket `ticket` of round `round` = value (the time
+// now when value < 0).
+MOK_DEVICE void trace_task(const MegaParams& p, int round, int ticket, int word,
+                           int64_t value = -1) {
+  if (p.trace_tasks == nullptr) return;
+  const int64_t record = static_cast<int64_t>(round) * p.max_tasks + ticket;
+  p.trace_tasks[record * layout::kTraceTaskWords + word] = value < 0 ? trace_now() : value;
+}
 
 // One thread: the next task of the running round (>= num_tasks once the round is used up).
 MOK_DEVICE int next_ticket(const MegaParams& p) {
@@ -260,6 +284,7 @@ MOK_DEVICE void wait_released(const MegaParams& p, int32_t gen, int round) {
 MOK_DEVICE void round_barrier(const MegaParams& p, int32_t gen, int round) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    const int64_t began = p.trace_ctas != nullptr ? trace_now() : 0;
     int32_t* arrivals = p.counters + layout::kGridBar;
     __threadfence();  // release: the CTA's writes of this round (ordered by the barrier above)
     const int32_t old = atomicAdd(arrivals, 1);
@@ -272,6 +297,7 @@ MOK_DEVICE void round_barrier(const MegaParams& p, int32_t gen, int round) {
       wait_released(p, gen, round);
     }
     __threadfence();
+    if (p.trace_ctas != nullptr) trace_cta_add(p, layout::kTraceBarrierNs, trace_now() - began);
   }
   __syncthreads();
 }

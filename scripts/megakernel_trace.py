@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Where the megakernel's forward time goes, from its own timeline: the kernel records global-timer
+stamps per CTA and per task when asked (``moe_mega_forward(..., trace=True)``, layout/mega.cuh),
+and this script runs scripts/bench_moe.py's MoK layer (weights, routing, "auto" knobs) with the
+trace on and splits every CTA's time, from the first CTA's start to the last one's end, into:
+
+- ``pull``: its consumer warpgroups pull rows (comm CTAs only);
+- ``wait``: the consumers wait for their next ticket (the producer is waiting for inputs, or
+  for the ticket itself);
+- ``stall``: a task's consumers hold its ticket but its inputs are not ready yet (its rows have
+  not landed, or its m-tile's L1 tasks are not done);
+- ``mainloop``: the wgmma mainloop once the inputs are ready (TMA latency included);
+- ``epilogue``: the epilogue's stores (and an L1 task's flag release);
+- ``barrier``: end-of-round barriers;
+- ``start`` / ``end``: before the CTA started / after it finished its last task.
+
+It also reports each GEMM's mainloop time per k-tile (tasks whose inputs were ready before the
+consumers took them), against the time the SM's tensor cores need for one k-tile at the dense
+BF16 peak. JSON record.
+
+  python3 scripts/megakernel_trace.py --out docs/results/megakernel_trace_h200_<commit>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_moe  # noqa: E402
+
+#: The categories every CTA's time is split into, in timeline order.
+CATEGORIES = ("start", "pull", "wait", "stall", "mainloop", "epilogue", "barrier", "end")
+#: The megakernel's tile (layout/mega.cuh kBlockM, kBlockN; 64-deep k-tiles).
+TILE_M, TILE_N, TILE_K = 128, 256, 64
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(bench_moe.SHAPES))
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
+    p.add_argument("--passes", type=int, default=3, help="traced passes per case (median taken)")
+    p.add_argument("--fwd-num-comm-sms", default=None, help="int; default: the config's (auto)")
+    p.add_argument("--minibatch-size", default=None, help="int; default: the config's (auto)")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def decode(trace_ctas: torch.Tensor, trace_tasks: torch.Tensor) -> tuple[list, list]:
+    """The records as dicts (ops.moe.MEGA_TRACE_*_FIELDS); tasks only where one ran."""
+    from mok_megatron.ops.moe import MEGA_TRACE_CTA_FIELDS, MEGA_TRACE_TASK_FIELDS
+
+    ctas = [dict(zip(MEGA_TRACE_CTA_FIELDS, row)) for row in trace_ctas.cpu().tolist()]
+    tasks = []
+    for rnd, records in enumerate(trace_tasks.cpu().tolist()):
+        for ticket, row in enumerate(records):
+            rec = {k: v for k, v in zip(MEGA_TRACE_TASK_FIELDS, row) if k is not None}
+            if rec["cta"] == 0:
+                continue
+            task = rec.pop("task")
+            rec.update(round=rnd, ticket=ticket, cta=rec["cta"] - 1, l2=bool(task >> 40),
+                       tile=(task >> 20) & 0xFFFFF, n=task & 0xFFFFF)  # fmt: skip
+            tasks.append(rec)
+    return ctas, tasks
+
+
+def split_time(ctas: list, tasks: list) -> dict:
+    """Nanoseconds of every category, summed over CTAs, and the kernel's span."""
+    t0 = min(c["start"] for c in ctas)
+    t1 = max(c["end"] for c in ctas)
+    total = dict.fromkeys(CATEGORIES, 0)
+    by_cta: dict[int, list] = {}
+    for t in tasks:
+        by_cta.setdefault(t["cta"], []).append(t)
+    for cta, rec in enumerate(ctas):
+        mine = sorted(by_cta.get(cta, []), key=lambda t: t["got"])
+        total["start"] += rec["start"] - t0
+        total["pull"] += rec["pull_ns"]
+        total["barrier"] += rec["barrier_ns"]
+        # NOTE: the consumers' own timeline: pulls (before the first task of a round), then
+        # tasks back to back; what is not a task, a pull or a barrier is waiting for a ticket.
+        busy = rec["pull_ns"] + rec["barrier_ns"]
+        for t in mine:
+            ready = max(t["got"], t["ready"])
+            total["stall"] += ready - t["got"]
+            total["mainloop"] += t["mma_end"] - ready
+            total["epilogue"] += t["epi_end"] - t["mma_end"]
+            busy += t["epi_end"] - t["got"]
+        total["wait"] += (rec["end"] - rec["start"]) - busy
+        total["end"] += t1 - rec["end"]
+    return {"span_ns": t1 - t0, "cta_ns": total}
+
+
+def ktile_times(tasks: list, k_tiles: dict) -> dict:
+    """Median mainloop nanoseconds per k-tile of each GEMM, over tasks whose inputs were ready
+    when their consumers took them (no stall inside the mainloop)."""
+    out = {}
+    for gemm, l2 in (("l1", False), ("l2", True)):
+        per = [(t["mma_end"] - t["got"]) / k_tiles[gemm] for t in tasks
+               if t["l2"] == l2 and t["ready"] <= t["got"]]  # fmt: skip
+        out[gemm] = {"tasks": len(per), "median_ns_per_ktile": statistics.median(per) if per else None}
+    return out
+
+
+def peak_ns_per_ktile() -> float:
+    """One 128 x 256 x 64 k-tile on one SM at the dense BF16 peak (timing.H200_CEILINGS)."""
+    from mok_megatron.testing.timing import H200_CEILINGS
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_sm = H200_CEILINGS.bf16_tflops * 1e12 / sms
+    return 2 * TILE_M * TILE_N * TILE_K / per_sm * 1e9
+
+
+def summarise(ctas, tasks, hidden, inter) -> dict:
+    k_tiles = {"l1": -(-hidden // TILE_K), "l2": -(-inter // TILE_K)}
+    split = split_time(ctas, tasks)
+    cta_total = sum(split["cta_ns"].values())
+    first_l1 = min((t["ready"] for t in tasks if not t["l2"]), default=0)
+    t0 = min(c["start"] for c in ctas)
+    return {
+        "span_us": split["span_ns"] / 1e3,
+        "fractions": {k: v / cta_total for k, v in split["cta_ns"].items()},
+        "tasks": {"l1": sum(not t["l2"] for t in tasks), "l2": sum(t["l2"] for t in tasks)},
+        "first_l1_ready_us": (first_l1 - t0) / 1e3,
+        "mainloop": ktile_times(tasks, k_tiles),
+        "epilogue_median_ns": {
+            g: statistics.median([t["epi_end"] - t["mma_end"] for t in tasks if t["l2"] == l2])
+            for g, l2 in (("l1", False), ("l2", True)) if any(t["l2"] == l2 for t in tasks)
+        },  # fmt: skip
+    }
+
+
+def trace_case(name, args, rank) -> dict:
+    import dataclasses
+
+    shape = bench_moe.SHAPES[name]
+    config = bench_moe.transformer_config(shape, "cuda")
+    _, layer = bench_moe.build_layers(config, "cuda", args.tokens, "megakernel")
+    runtime = layer.experts._layer_runtime
+    knobs = {k: int(v) for k, v in (("fwd_num_comm_sms", args.fwd_num_comm_sms),
+                                    ("minibatch_size", args.minibatch_size)) if v is not None}  # fmt: skip
+    if knobs:
+        runtime.mok_config = dataclasses.replace(runtime.mok_config, **knobs)
+    sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
+                                 config.params_dtype, 1234, rank)  # fmt: skip
+    with torch.no_grad():
+        bench_moe.run_layer(layer, sets[0], backward=False)  # the workspace, warm
+        ws = runtime.last_workspace
+        ws.buffers.trace = True
+        passes = []
+        for _ in range(args.passes):
+            bench_moe.run_layer(layer, sets[0], backward=False)
+            torch.cuda.synchronize()
+            ctas, tasks = decode(*ws.buffers.last_trace)
+            passes.append(summarise(ctas, tasks, shape[0], shape[1]))
+        ws.buffers.trace = False
+    resolved = ws.config
+    middle = sorted(passes, key=lambda s: s["span_us"])[len(passes) // 2]
+    case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing,
+            "fwd_num_comm_sms": resolved.fwd_num_comm_sms,
+            "minibatch_size": resolved.minibatch_size, "num_ctas": len(ctas),
+            "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip
+    del layer, sets
+    bench_moe._release_memory()
+    return case
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rank, _ = bench_moe.init_distributed("cuda")
+    record = {"benchmark": "megakernel_trace",
+              "environment": bench_moe.environment(bench_moe.parse_args([])),
+              "args": vars(args), "peak_ns_per_ktile": peak_ns_per_ktile(), "cases": []}  # fmt: skip
+    for name in args.shapes.split(","):
+        case = trace_case(name, args, rank)
+        record["cases"].append(case)
+        frac = ", ".join(f"{k} {v:.2f}" for k, v in case["fractions"].items())
+        ml = case["mainloop"]
+        print(f"{name} {args.tokens} (comm {case['fwd_num_comm_sms']}, minibatch "
+              f"{case['minibatch_size']}): span {case['span_us']:.0f} us; {frac}; ns/k-tile "
+              f"L1 {ml['l1']['median_ns_per_ktile']} L2 {ml['l2']['median_ns_per_ktile']} "
+              f"(peak {record['peak_ns_per_ktile']:.0f}); epilogue "
+              f"{case['epilogue_median_ns']}; first L1 ready {case['first_l1_ready_us']:.1f} us",
+              flush=True)  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
