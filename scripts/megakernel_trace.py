@@ -24,6 +24,7 @@ BF16 peak. JSON record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=3, help="traced passes per case (median taken)")
     p.add_argument("--fwd-num-comm-sms", default=None, help="int; default: the config's (auto)")
     p.add_argument("--minibatch-size", default=None, help="int; default: the config's (auto)")
+    p.add_argument("--keep", action="store_true",
+                   help="trace forwards that keep h and y for a backward (default: no_grad)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -150,7 +153,7 @@ def trace_case(name, args, rank) -> dict:
         runtime.mok_config = dataclasses.replace(runtime.mok_config, **knobs)
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
                                  config.params_dtype, 1234, rank)  # fmt: skip
-    with torch.no_grad():
+    with contextlib.nullcontext() if args.keep else torch.no_grad():
         bench_moe.run_layer(layer, sets[0], backward=False)  # the workspace, warm
         ws = runtime.last_workspace
         ws.buffers.trace = True
@@ -164,6 +167,7 @@ def trace_case(name, args, rank) -> dict:
     resolved = ws.config
     middle = sorted(passes, key=lambda s: s["span_us"])[len(passes) // 2]
     case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing,
+            "keep": args.keep,
             "fwd_num_comm_sms": resolved.fwd_num_comm_sms,
             "minibatch_size": resolved.minibatch_size, "num_ctas": len(ctas),
             "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip

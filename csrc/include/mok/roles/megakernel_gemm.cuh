@@ -113,41 +113,110 @@ CUTLASS_DEVICE auto thread_coords(int mma_thread_idx) {
 }
 
 // NOTE: wgmma accumulator fragment: mode 0 is (2 cols, 2 row halves, N/8 col blocks), one MMA
-// along M and N for the 128x256 cooperative tile: element i is column pair i, i + 1 of row half
-// (i / 2) % 2, and the element 8 columns right of i is i + 4 (epilogue_swiglu.cuh's kPartner).
+// along M and N for the 128x256 cooperative tile: element 2 * half + 4 * j (+ 1) is column
+// 8 j + 2 q (+ 1) of the thread's row `half`, q = lane % 4; the element 8 columns right of i is
+// i + 4 (epilogue_swiglu.cuh's kPartner). The 4 lanes of a quad share their rows.
 constexpr int kFragPartner = 4;
+constexpr int kFragBlockCols = 8;  // columns of one block j
+constexpr int kFragBlocks = layout::kBlockN / kFragBlockCols;
 using MegaAccLayout = typename MegaAccumulators::layout_type;
 static_assert(cute::size<0, 0>(MegaAccLayout{}) == 2 && cute::size<0, 1>(MegaAccLayout{}) == 2 &&
-              cute::size<0, 2>(MegaAccLayout{}) % 2 == 0 && cute::size<1>(MegaAccLayout{}) == 1 &&
-              cute::size<2>(MegaAccLayout{}) == 1,
+              cute::size<0, 2>(MegaAccLayout{}) == kFragBlocks &&
+              cute::size<1>(MegaAccLayout{}) == 1 && cute::size<2>(MegaAccLayout{}) == 1,
               "unexpected wgmma accumulator fragment");
+static_assert(kFragBlockCols == kSwigluInterleave, "a gate (or up) block is one fragment block");
 
-MOK_DEVICE void store_bf16x2(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+MOK_DEVICE uint32_t pack_bf16x2(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A quad's 4 lanes hold column pairs 2q, 2q + 1 of 4 blocks: w[b] is this lane's pair of block
+// b. Returns block q's 8 columns (its 4 pairs in column order) to lane q, so that each lane
+// stores 16 contiguous bytes and a quad 64: full 32-byte sectors and a quarter of the store
+// instructions of one 4-byte store per pair (which left the epilogue request-bound).
+// NOTE: a 4 x 4 transpose over the quad in two exchange rounds (lane bit 1, then bit 0); every
+// lane of the warp takes part (the callers guard only the stores).
+MOK_DEVICE uint4 quad_gather(const uint32_t (&w)[4]) {
+  constexpr uint32_t kFull = 0xffffffffu;
+  const int q = static_cast<int>(threadIdx.x % 4);
+  const bool hi = (q & 2) != 0, odd = (q & 1) != 0;
+  // Round 1, with lane q ^ 2: keep blocks 2h, 2h + 1 (h = bit 1 of q), send the other two.
+  const uint32_t keep0 = hi ? w[2] : w[0], keep1 = hi ? w[3] : w[1];
+  const uint32_t got0 = __shfl_xor_sync(kFull, hi ? w[0] : w[2], 2);
+  const uint32_t got1 = __shfl_xor_sync(kFull, hi ? w[1] : w[3], 2);
+  // keep*: this lane's blocks 2h, 2h + 1; got*: lane q ^ 2's. Round 2, with lane q ^ 1: keep
+  // block q (= 2h + odd) of both, send block q ^ 1 of both.
+  const uint32_t from_q1 = __shfl_xor_sync(kFull, odd ? keep0 : keep1, 1);  // lane q ^ 1's
+  const uint32_t from_q3 = __shfl_xor_sync(kFull, odd ? got0 : got1, 1);    // lane q ^ 3's
+  const uint32_t from_q0 = odd ? keep1 : keep0;                             // this lane's
+  const uint32_t from_q2 = odd ? got1 : got0;                               // lane q ^ 2's
+  // Pair k of block q came from lane k = q ^ d.
+  uint32_t out[4];
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 4; ++k) {
+    const int d = k ^ q;
+    out[k] = d == 0 ? from_q0 : d == 1 ? from_q1 : d == 2 ? from_q2 : from_q3;
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+MOK_DEVICE void store16(__nv_bfloat16* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// One row half's accumulators in groups of 4 blocks (32 columns), as `fn(group, 16 bytes)`
+// for this lane's block 4 group + q: bf16 of the raw columns.
+template <class Fn>
+MOK_DEVICE void for_each_raw_group(const MegaAccumulators& acc, int half, Fn fn) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int g = 0; g < kFragBlocks / 4; ++g) {
+    uint32_t w[4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < 4; ++b) {
+      const int i = 2 * half + kFragPartner * (4 * g + b);
+      w[b] = pack_bf16x2(acc(i), acc(i + 1));
+    }
+    fn(g, quad_gather(w));
+  }
 }
 
 // L1 epilogue (consumers): rows [0, rows) of the tile at ring row row_begin, n-tile n_tile of the
 // interleaved 2I columns: act_ring = silu(g) * u (SwigluMath, as stage 1), h_ring = g, u if set.
+// NOTE: gate blocks are the even fragment blocks (col % 16 < 8), their up partners the odd ones;
+// act block a of the tile is gate block 2a's (act columns n_tile * kBlockN / 2 + 8 a + c).
 CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
                                 int mma_thread_idx, int row_begin, int rows, int n_tile) {
   auto coords = thread_coords(mma_thread_idx);
+  const int q = static_cast<int>(threadIdx.x % 4);
   const int h_cols = 2 * p.inter;
-  const int col0 = n_tile * layout::kBlockN;
+  const int h_col0 = n_tile * layout::kBlockN;
+  const int act_col0 = n_tile * (layout::kBlockN / 2);
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < cute::size(acc); i += 2) {
-    if ((i / kFragPartner) % 2 != 0) continue;  // up columns: taken with their gate partner
-    const int row = cute::get<0>(coords(i));
-    const int col = col0 + cute::get<1>(coords(i));  // a gate column (col % 16 < 8)
-    if (row >= rows || col >= h_cols) continue;
-    const float g0 = acc(i), g1 = acc(i + 1);
-    const float u0 = acc(i + kFragPartner), u1 = acc(i + kFragPartner + 1);
+  for (int half = 0; half < 2; ++half) {
+    const int row = cute::get<0>(coords(2 * half));
+    const bool live = row < rows;
     const int64_t ring_row = row_begin + row;
-    store_bf16x2(p.act_ring + ring_row * p.inter + SwigluMath::act_col_of(col),
-                 SwigluMath::act(g0, u0), SwigluMath::act(g1, u1));
+    __nv_bfloat16* act = p.act_ring + ring_row * p.inter;
+    constexpr int kActBlocks = kFragBlocks / 2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kActBlocks / 4; ++g) {
+      uint32_t w[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < 4; ++b) {
+        const int gi = 2 * half + kFragPartner * 2 * (4 * g + b);  // gate block 2 (4 g + b)
+        const int ui = gi + kFragPartner;                           // its up partner
+        w[b] = pack_bf16x2(SwigluMath::act(acc(gi), acc(ui)),
+                           SwigluMath::act(acc(gi + 1), acc(ui + 1)));
+      }
+      const uint4 v = quad_gather(w);
+      const int col = act_col0 + (4 * g + q) * kFragBlockCols;
+      if (live && col < p.inter) store16(act + col, v);
+    }
     if (p.h_ring != nullptr) {
-      __nv_bfloat16* h = p.h_ring + ring_row * h_cols + col;
-      store_bf16x2(h, g0, g1);
-      store_bf16x2(h + kSwigluInterleave, u0, u1);
+      __nv_bfloat16* h = p.h_ring + ring_row * h_cols;
+      for_each_raw_group(acc, half, [&](int g, uint4 v) {
+        const int col = h_col0 + (4 * g + q) * kFragBlockCols;
+        if (live && col < h_cols) store16(h + col, v);
+      });
     }
   }
 }
@@ -177,21 +246,19 @@ CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const MegaAccumulato
                                 int mma_thread_idx, int round, int row_begin, int rows,
                                 int n_tile) {
   auto coords = thread_coords(mma_thread_idx);
-  L2RowDst dst[2];
+  const int q = static_cast<int>(threadIdx.x % 4);
+  const int col0 = n_tile * layout::kBlockN;
   CUTLASS_PRAGMA_UNROLL
   for (int half = 0; half < 2; ++half) {
     const int row = cute::get<0>(coords(2 * half));
-    dst[half] = row < rows ? l2_row_dst(p, round, row_begin + row) : L2RowDst{nullptr, nullptr};
-  }
-  const int col0 = n_tile * layout::kBlockN;
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < cute::size(acc); i += 2) {
-    const L2RowDst& d = dst[(i / 2) % 2];
-    const int col = col0 + cute::get<1>(coords(i));
-    if (col >= p.hidden) continue;
-    const __nv_bfloat162 y = __floats2bfloat162_rn(acc(i), acc(i + 1));
-    if (d.y != nullptr) *reinterpret_cast<__nv_bfloat162*>(d.y + col) = y;
-    if (d.slot != nullptr) *reinterpret_cast<__nv_bfloat162*>(d.slot + col) = y;
+    const L2RowDst d =
+        row < rows ? l2_row_dst(p, round, row_begin + row) : L2RowDst{nullptr, nullptr};
+    for_each_raw_group(acc, half, [&](int g, uint4 v) {
+      const int col = col0 + (4 * g + q) * kFragBlockCols;
+      if (col >= p.hidden) return;
+      if (d.y != nullptr) store16(d.y + col, v);
+      if (d.slot != nullptr) store16(d.slot + col, v);
+    });
   }
 }
 
