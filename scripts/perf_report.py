@@ -211,6 +211,36 @@ def breakdown_tables(path):
     yield ""
 
 
+def trace_tables(path):
+    """scripts/megakernel_trace.py: the megakernel's own timeline, every CTA's time split into
+    categories, and the mainloop's time per k-tile."""
+    record = json.load(open(path))
+    env = record["environment"]
+    cats = list(record["cases"][0]["fractions"])
+    yield "## The megakernel's forward, from its timeline\n"
+    yield (
+        f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
+        f"`{(env.get('commit') or 'unknown')[:12]}`), written by `scripts/megakernel_trace.py`: "
+        "the kernel's span (first CTA start to last CTA end, the median of the traced passes), the "
+        "share of all CTAs' time in each category (see the script), and the median mainloop time "
+        "of one 128 x 256 x 64 k-tile per GEMM against its time at the floor model's BF16 ceiling, "
+        f"{record['ceiling_ns_per_ktile']:.0f} ns.\n"
+    )
+    yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
+           + " | L1 / L2 ns per k-tile | L1 / L2 epilogue (us) |")  # fmt: skip
+    yield "|---|---|---|---|" + "---|" * len(cats) + "---|---|"
+    for case in record["cases"]:
+        ml, ep = case["mainloop"], case["epilogue_median_ns"]
+        yield (
+            f"| {case['shape']} | {case['tokens_per_rank']} | {case['fwd_num_comm_sms']} / "
+            f"{case['minibatch_size']} | {case['span_us']:.0f} | "
+            + " | ".join(f"{case['fractions'][c]:.2f}" for c in cats)
+            + f" | {ml['l1']['median_ns_per_ktile']:.0f} / {ml['l2']['median_ns_per_ktile']:.0f}"
+            f" | {ep['l1'] / 1e3:.1f} / {ep['l2'] / 1e3:.1f} |"
+        )
+    yield ""
+
+
 def plot(records, png_path) -> None:
     import matplotlib
 
@@ -246,6 +276,7 @@ def main(argv=None) -> None:
     p.add_argument("--notes", default=None, help="a markdown file appended as the analysis")
     p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
     p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
+    p.add_argument("--trace", default=None, help="a scripts/megakernel_trace.py JSON")
     args = p.parse_args(argv)
     records = load(args.records)
     parts = [HEADER, "## Records\n", *[env_line(p, r) for p, r in records], ""]
@@ -267,6 +298,8 @@ def main(argv=None) -> None:
                   *engine_summary(records)]  # fmt: skip
     if args.breakdown:
         parts += ["", *breakdown_tables(args.breakdown)]
+    if args.trace:
+        parts += ["", *trace_tables(args.trace)]
     if args.profile:
         parts += ["", *profile_tables(args.profile)]
     if args.notes:

@@ -85,13 +85,14 @@ ScheduleTensors make_schedule(const at::Tensor& global_topk, int64_t rank, int64
   p.token_capacity = static_cast<int>(token_capacity);
   const int64_t chunks = p.num_chunks(), e_l = p.num_local_experts;
   const int64_t slot_row_at = chunks * e_l + chunks * w + chunks;
-  auto scratch = at::empty({slot_row_at + w * t_max * k + w * t_max}, i32);
+  auto scratch = at::empty({slot_row_at + w * t_max * k + w * t_max + p.num_token_chunks()}, i32);
   int* s = scratch.data_ptr<int>();
   p.chunk_expert_rows = s;
   p.chunk_rank_slots = s + chunks * e_l;
   p.chunk_bad = p.chunk_rank_slots + chunks * w;
   p.slot_row = p.chunk_bad + chunks;
   p.token_pos = p.slot_row + w * t_max * k;
+  p.chunk_tokens = p.token_pos + w * t_max;
   std::vector<at::Tensor> out{
       at::empty({row_capacity}, i64),      at::empty({row_capacity}, i64),
       at::empty({row_capacity}, i64),      at::empty({row_capacity}, i64),

@@ -71,7 +71,9 @@ void moe_build_schedule(const scheduler::ScheduleParams& p, cudaStream_t stream)
   check_launch();
   place_rows<<<p.num_chunks(), kChunk, 0, stream>>>(p);
   check_launch();
-  place_tokens<<<1, kTokenThreads, 0, stream>>>(p);
+  count_tokens<<<p.num_token_chunks(), kTokenChunk, 0, stream>>>(p);
+  check_launch();
+  place_tokens<<<p.num_token_chunks(), kTokenChunk, 0, stream>>>(p);
   check_launch();
   place_token_rows<<<grid_for(std::max<int64_t>(p.row_capacity, p.max_tokens)), kThreads, 0,
                      stream>>>(p);

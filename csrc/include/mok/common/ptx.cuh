@@ -36,6 +36,16 @@ MOK_DEVICE int32_t ld_acquire_gpu(const int32_t* ptr) {
   return value;
 }
 
+// A poll that does not acquire (an acquire load also invalidates the SM's L1 on sm_90): once the
+// awaited value is seen, one fence_acq_rel_gpu makes it an acquire.
+MOK_DEVICE int32_t ld_relaxed_gpu(const int32_t* ptr) {
+  int32_t value;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+
+MOK_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 MOK_DEVICE void st_release_gpu(int32_t* ptr, int32_t value) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ptr), "r"(value) : "memory");
 }

@@ -80,8 +80,8 @@ MOK_DEVICE void comm_round(const MegaParams& p, int comm_idx, int round, int32_t
     ptx::fence_proxy_async_global();
     sync();
     const bool stalled = round == 0 && mb == p.stall_minibatch;  // fault injection (tests)
+    // NOTE: the release is cumulative over the barrier above: no further fence.
     if (warp == 0 && threadIdx.x % 32 == 0 && !stalled) {
-      __threadfence();
       ptx::st_release_gpu(p.counters + p.arrive_word + mb, gen);
     }
   }

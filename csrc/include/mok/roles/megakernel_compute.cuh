@@ -103,9 +103,10 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
   // NOTE: L2 tasks read the act rows by TMA (the async proxy): each writer fences its own
   // generic stores against it; the reader fences again after its acquire.
   ptx::fence_proxy_async_global();
+  // NOTE: the barrier orders every consumer's stores before thread 0's release, which is
+  // cumulative: no further fence (a __threadfence here is an SC fence plus an L1 invalidation).
   ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kConsumers), kMegaConsumerThreads);
   if (mma_thread_idx == 0) {
-    __threadfence();
     ptx::st_release_gpu(p.counters + p.l1_done_word + task.tile * p.l1_ntiles + task.n, rd.gen);
   }
 }
@@ -124,6 +125,11 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p, const MegaGemmParams& gp,
     trace_task(p, rd.round, ticket, layout::kTraceTaskId,
                (int64_t{task.l2} << 40) | (int64_t{task.tile} << 20) | task.n);
   }
+  // An L2 task's row destinations, loaded before the mainloop hides their latency (the epilogue
+  // would otherwise wait on two dependent global loads per row half).
+  const gemm::L2RowDsts dsts = task.l2 ? gemm::l2_row_dsts(p, mma_thread_idx, rd.round,
+                                                         tile.row_begin, rows)
+                                       : gemm::L2RowDsts{};
   MegaAccumulators acc;
   // NOTE: the collective's mma() reads no Params field (the data comes through shared memory),
   // so one call serves both GEMMs; only the k-tile count differs.
@@ -134,7 +140,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p, const MegaGemmParams& gp,
     gemm::l1_epilogue(p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
     release_l1_done(p, rd, task, mma_thread_idx);
   } else {
-    gemm::l2_epilogue(p, acc, mma_thread_idx, rd.round, tile.row_begin, rows, task.n);
+    gemm::l2_epilogue(p, acc, dsts, task.n);
   }
   if (tracer) trace_task(p, rd.round, ticket, layout::kTraceEpiEnd);
 }

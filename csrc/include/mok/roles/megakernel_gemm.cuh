@@ -240,19 +240,32 @@ MOK_DEVICE L2RowDst l2_row_dst(const roles::MegaParams& p, int round, int ring_r
   return d;
 }
 
-// L2 epilogue (consumers): rows [0, rows) of the tile at ring row row_begin, columns of n-tile
-// n_tile below H: y = bf16(acc) (round to nearest even), into y_rows and the slot row.
-CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
-                                int mma_thread_idx, int round, int row_begin, int rows,
-                                int n_tile) {
+// This consumer thread's two rows of an L2 tile (rows [0, rows) at ring row row_begin).
+struct L2RowDsts {
+  L2RowDst half[2] = {{nullptr, nullptr}, {nullptr, nullptr}};
+};
+
+CUTLASS_DEVICE L2RowDsts l2_row_dsts(const roles::MegaParams& p, int mma_thread_idx, int round,
+                                     int row_begin, int rows) {
   auto coords = thread_coords(mma_thread_idx);
+  L2RowDsts d;
+  CUTLASS_PRAGMA_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int row = cute::get<0>(coords(2 * half));
+    if (row < rows) d.half[half] = l2_row_dst(p, round, row_begin + row);
+  }
+  return d;
+}
+
+// L2 epilogue (consumers): the columns of n-tile n_tile below H of this thread's rows `dsts`:
+// y = bf16(acc) (round to nearest even), into y_rows and the slot row.
+CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
+                                const L2RowDsts& dsts, int n_tile) {
   const int q = static_cast<int>(threadIdx.x % 4);
   const int col0 = n_tile * layout::kBlockN;
   CUTLASS_PRAGMA_UNROLL
   for (int half = 0; half < 2; ++half) {
-    const int row = cute::get<0>(coords(2 * half));
-    const L2RowDst d =
-        row < rows ? l2_row_dst(p, round, row_begin + row) : L2RowDst{nullptr, nullptr};
+    const L2RowDst& d = dsts.half[half];
     for_each_raw_group(acc, half, [&](int g, uint4 v) {
       const int col = col0 + (4 * g + q) * kFragBlockCols;
       if (col >= p.hidden) return;

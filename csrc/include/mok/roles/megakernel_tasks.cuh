@@ -222,8 +222,9 @@ MOK_DEVICE uint32_t next_sleep_ns(uint32_t sleep_ns) {
 }
 
 // Warp-collective (all 32 lanes converged): waits until counters[first + j] >= gen for every j in
-// [0, count); lanes poll 32 words at a time. Then fences the async proxy, so this warp's later TMA
-// loads see what the writers stored before their release.
+// [0, count); lanes poll 32 words at a time (relaxed loads, then one acquire fence per lane: the
+// fence after observing a released value synchronises with that release). Then fences the async
+// proxy, so this warp's later TMA loads see what the writers stored before their release.
 MOK_DEVICE void wait_counters(const MegaParams& p, int first, int count, int32_t gen,
                               const MegaWaitSite& site) {
   constexpr uint32_t kFullMask = 0xffffffffu;
@@ -234,7 +235,7 @@ MOK_DEVICE void wait_counters(const MegaParams& p, int first, int count, int32_t
   for (int base = 0; base < count; base += 32) {
     const int j = base + lane;
     for (;;) {
-      const int32_t seen = j < count ? ptx::ld_acquire_gpu(p.counters + first + j) : gen;
+      const int32_t seen = j < count ? ptx::ld_relaxed_gpu(p.counters + first + j) : gen;
       const uint32_t waiting = __ballot_sync(kFullMask, seen < gen);
       if (waiting == 0) break;
       const uint64_t now = __shfl_sync(kFullMask, comm::global_timer_ns(), 0);  // warp-uniform
@@ -248,8 +249,9 @@ MOK_DEVICE void wait_counters(const MegaParams& p, int first, int count, int32_t
       __nanosleep(sleep_ns);
     }
   }
-  // NOTE: each lane acquired its own words; the warp barrier orders those acquires before every
-  // lane's fence, and the TMA loads are issued after it by lane 0.
+  // NOTE: each lane acquires its own words; the warp barrier orders those acquires before every
+  // lane's proxy fence, and the TMA loads are issued after it by lane 0.
+  ptx::fence_acq_rel_gpu();
   __syncwarp();
   ptx::fence_proxy_async_global();
 }

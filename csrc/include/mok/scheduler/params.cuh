@@ -9,7 +9,8 @@
 namespace mok::scheduler {
 
 constexpr int kChunk = 256;         // slots per block in count_chunks / place_rows
-constexpr int kTokenThreads = 1024; // threads of the one-block kernels
+constexpr int kTokenThreads = 1024; // threads of the one-block kernel (scan_chunks)
+constexpr int kTokenChunk = 1024;   // tokens per block in count_tokens / place_tokens
 constexpr int kErrRowOverflow = 1;  // mirrors MOK_ERR_ROW_OVERFLOW in schedule.py
 constexpr int kErrExpertId = 2;     // mirrors MOK_ERR_EXPERT_ID
 
@@ -24,6 +25,7 @@ struct ScheduleParams {
   int* chunk_bad;          // [B]: 1 when the chunk holds an id outside [-1, E)
   int* slot_row;           // [W * T * K]: row of each slot, -1 when not here or over capacity
   int* token_pos;          // [W * T]: uncapped received-token index, -1 when not received
+  int* chunk_tokens;       // [B_t]: received tokens in each chunk of kTokenChunk tokens
   // Outputs (int64 unless noted).
   int64_t* row_expert;      // [C]
   int64_t* row_src_rank;    // [C]
@@ -42,6 +44,11 @@ struct ScheduleParams {
   MOK_HOST_DEVICE int num_slots() const { return num_ranks * max_tokens * topk; }
   MOK_HOST_DEVICE int num_chunks() const {
     const int n = (num_slots() + kChunk - 1) / kChunk;
+    return n > 0 ? n : 1;
+  }
+  MOK_HOST_DEVICE int num_tokens() const { return num_ranks * max_tokens; }
+  MOK_HOST_DEVICE int num_token_chunks() const {
+    const int n = (num_tokens() + kTokenChunk - 1) / kTokenChunk;
     return n > 0 ? n : 1;
   }
   // Local expert of a slot's id, or -1.

@@ -6,10 +6,12 @@
 //   count_chunks:  per chunk of kChunk slots, rows per local expert and slots per rank
 //   scan_chunks:   (one block) expert offsets, each chunk's first row per expert, error flags
 //   place_rows:    each slot's row = chunk base + rank among equal experts earlier in its chunk
-//   place_tokens:  (one block) received tokens in (s, t) order, token_rows
+//   count_tokens:  per chunk of kTokenChunk tokens, the tokens that send a slot here
+//   place_tokens:  received tokens in (s, t) order (chunk base + rank in chunk), token_rows
 //   place_token_rows: (grid-stride) row_token_idx and send_to, from place_tokens' token_pos
 #pragma once
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
@@ -119,34 +121,63 @@ __global__ void place_rows(ScheduleParams p) {
   p.slot_row[i] = row;
 }
 
-// Grid: one block of kTokenThreads threads.
+// Whether token i = s * T + t sends a slot here (after place_rows).
+MOK_DEVICE bool received(const ScheduleParams& p, int i) {
+  bool here = false;
+  for (int k = 0; i < p.num_tokens() && k < p.topk; ++k) here |= p.slot_row[i * p.topk + k] >= 0;
+  return here;
+}
+
+// Grid: num_token_chunks blocks of kTokenChunk threads: received tokens per chunk.
+__global__ void count_tokens(ScheduleParams p) {
+  using BlockReduce = cub::BlockReduce<int, kTokenChunk>;
+  __shared__ typename BlockReduce::TempStorage storage;
+  const int here = received(p, blockIdx.x * kTokenChunk + threadIdx.x) ? 1 : 0;
+  const int total = BlockReduce(storage).Sum(here);
+  if (threadIdx.x == 0) p.chunk_tokens[blockIdx.x] = total;
+}
+
+// Grid: num_token_chunks blocks of kTokenChunk threads (after count_tokens): received tokens in
+// (s, t) order, token_rows; each block starts at the sum of the chunks before it.
 __global__ void place_tokens(ScheduleParams p) {
-  using BlockScan = cub::BlockScan<int, kTokenThreads>;
+  using BlockScan = cub::BlockScan<int, kTokenChunk>;
+  using BlockReduce = cub::BlockReduce<int, kTokenChunk>;
   __shared__ typename BlockScan::TempStorage scan_storage;
-  const int num_tokens = p.num_ranks * p.max_tokens, k_n = p.topk;
-  int carry = 0;
-  for (int begin = 0; begin < num_tokens; begin += kTokenThreads) {
-    const int i = begin + threadIdx.x;
-    int here = 0;
-    for (int k = 0; i < num_tokens && k < k_n; ++k) here |= p.slot_row[i * k_n + k] >= 0;
-    int pos, block_total;
-    BlockScan(scan_storage).ExclusiveSum(here, pos, block_total);
-    pos += carry;
-    if (i < num_tokens) {
-      p.token_pos[i] = here ? pos : -1;
-      const bool kept = here && pos < p.token_capacity;
-      p.recv_token_pos[i] = kept ? pos : -1;
-      if (kept) {
-        p.recv_token_src[pos] = i;
-        for (int k = 0; k < k_n; ++k) p.token_rows[pos * k_n + k] = p.slot_row[i * k_n + k];
-      }
-    }
-    carry += block_total;
-    __syncthreads();  // scan_storage is reused
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  __shared__ int s_base;
+  const int b = static_cast<int>(blockIdx.x), k_n = p.topk;
+  int before = 0, all = 0;
+  for (int c = threadIdx.x; c < p.num_token_chunks(); c += blockDim.x) {
+    const int n = p.chunk_tokens[c];
+    before += c < b ? n : 0;
+    all += n;
   }
-  const int num_recv = carry < p.token_capacity ? carry : p.token_capacity;
-  if (threadIdx.x == 0) p.num_recv_tokens[0] = num_recv;
-  for (int j = num_recv + threadIdx.x; j < p.token_capacity; j += blockDim.x) {
+  const int base = BlockReduce(reduce_storage).Sum(before);
+  if (threadIdx.x == 0) s_base = base;
+  __syncthreads();  // reduce_storage is reused
+  const int total = BlockReduce(reduce_storage).Sum(all);  // valid in thread 0 only
+  const int i = b * kTokenChunk + threadIdx.x;
+  const bool here = received(p, i);
+  int pos;
+  BlockScan(scan_storage).ExclusiveSum(here ? 1 : 0, pos);
+  pos += s_base;
+  if (i < p.num_tokens()) {
+    p.token_pos[i] = here ? pos : -1;
+    const bool kept = here && pos < p.token_capacity;
+    p.recv_token_pos[i] = kept ? pos : -1;
+    if (kept) {
+      p.recv_token_src[pos] = i;
+      for (int k = 0; k < k_n; ++k) p.token_rows[pos * k_n + k] = p.slot_row[i * k_n + k];
+    }
+  }
+  __shared__ int s_num_recv;
+  if (threadIdx.x == 0) {
+    s_num_recv = total < p.token_capacity ? total : p.token_capacity;
+    if (b == 0) p.num_recv_tokens[0] = s_num_recv;
+  }
+  __syncthreads();
+  // The unused tail [num_recv, token_capacity), shared by the blocks.
+  for (int j = s_num_recv + i; j < p.token_capacity; j += gridDim.x * kTokenChunk) {
     p.recv_token_src[j] = -1;
     for (int k = 0; k < k_n; ++k) p.token_rows[j * k_n + k] = -1;
   }
