@@ -10,6 +10,7 @@
 #include "apis/comm.h"
 #include "apis/moe.h"
 #include "apis/moe_mega.h"
+#include "apis/routing.h"
 #include "apis/mxfp8.h"
 #include "apis/row_grad.h"
 
@@ -49,6 +50,7 @@ TORCH_LIBRARY(mok, m) {
       "int row_capacity, int token_capacity, int minibatch, int macrobatch, int num_comm_sms, "
       "int num_sms, bool save, int stall_minibatch, bool trace=False) -> Tensor[]");
   m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
+  m.def("routing_to_topk(Tensor probs, Tensor routing_map, int topk) -> (Tensor, Tensor)");
   m.def(
       "moe_build_schedule(Tensor global_topk, int rank, int num_experts, int row_capacity, "
       "int token_capacity) -> Tensor[]");
@@ -78,6 +80,7 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("mxfp8_quantize_out", &mok::apis::mxfp8_quantize_out);
   // ---- moe ---------------------------------------------------------------------------------
   m.impl("moe_gather_routing", &mok::apis::moe_gather_routing);
+  m.impl("routing_to_topk", &mok::apis::routing_to_topk);  // csrc/apis/routing.h
   m.impl("moe_build_schedule", &mok::apis::moe_build_schedule);
   m.impl("moe_dispatch", &mok::apis::moe_dispatch);
   m.impl("moe_combine", &mok::apis::moe_combine);

@@ -38,7 +38,7 @@ __all__ = [
     "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "mega_plan_fields", "mega_forward_fields",
     "MoeWorkspaceLayout", "moe_workspace_layout", "MegaShape", "moe_mega_shape", "make_comm",
     "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "MEGA_TRACE_CTA_FIELDS",
-    "MEGA_TRACE_TASK_FIELDS", "check_mega_error", "CUDA_OPS", *CUDA_OPS,
+    "MEGA_TRACE_TASK_FIELDS", "check_mega_error", "routing_to_topk", "CUDA_OPS", *CUDA_OPS,
 ]  # fmt: skip
 
 #: Region names in the order of ``mok::layout::Region`` (csrc/include/mok/layout/workspace.cuh).
@@ -160,6 +160,38 @@ def comm_field(comm: list[int], name: str) -> int:
 def moe_gather_routing(topk: torch.Tensor, weights: torch.Tensor, comm: list[int]):
     """topk: [T, K] int64, weights: [T, K] float32 → every rank's, [W, T_max, K] each. Collective."""
     return torch.ops.mok.moe_gather_routing(topk, weights, comm)
+
+
+def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
+    """One kernel: Megatron's router output (probs [T, E] float32 / bf16 / fp16, routing_map
+    [T, E] bool, CUDA) → (topk_experts [T, K] int64, each token's chosen experts in ascending id,
+    the first K of them, -1 for an empty slot; router_weights [T, K] float32, their probabilities,
+    0 for an empty slot). Differentiable to ``probs``; no host sync."""
+    return _RoutingToTopk.apply(probs.contiguous(), routing_map.contiguous(), topk)
+
+
+class _RoutingToTopk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, probs, routing_map, topk):
+        experts, weights = torch.ops.mok.routing_to_topk(probs, routing_map, topk)
+        ctx.mark_non_differentiable(experts)
+        ctx.save_for_backward(experts)
+        ctx.probs_meta = (probs.shape, probs.dtype)
+        return experts, weights
+
+    @staticmethod
+    def backward(ctx, d_experts, d_weights):
+        if d_weights is None:
+            return None, None, None
+        (experts,) = ctx.saved_tensors
+        (num_tokens, num_experts), dtype = ctx.probs_meta
+        # Each slot's gradient goes to its expert's column (the experts of a token are distinct);
+        # empty slots go to a spare last column, dropped: what gather's backward gives after
+        # masking the empty slots, without an accumulation.
+        cols = torch.where(experts < 0, num_experts, experts)
+        d_probs = d_weights.new_zeros(num_tokens, num_experts + 1, dtype=dtype)
+        d_probs.scatter_(1, cols, d_weights.to(dtype))
+        return d_probs[:, :num_experts], None, None
 
 
 def moe_build_schedule(global_topk, rank, num_experts, row_capacity, token_capacity):
@@ -335,6 +367,12 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
     return out + plan
 
 
+def _routing_to_topk_fake(probs, routing_map, topk):
+    shape = (routing_map.shape[0], topk)
+    return (routing_map.new_empty(shape, dtype=torch.int64),
+            routing_map.new_empty(shape, dtype=torch.float32))  # fmt: skip
+
+
 def _gather_routing_fake(topk, weights, comm):
     shape = tuple(comm_field(comm, f) for f in ("num_ranks", "max_tokens", "topk"))
     return topk.new_empty(shape), weights.new_empty(shape)
@@ -424,6 +462,7 @@ _FAKES = {
     "moe_accumulate_groups": _accumulate_groups_fake,
     "moe_mega_plan": _mega_plan_fake,
     "moe_mega_forward": _mega_forward_fake,
+    "routing_to_topk": _routing_to_topk_fake,
 }
 
 if extension_available():
