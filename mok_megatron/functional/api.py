@@ -19,7 +19,7 @@ from .workspace import poll_errors as poll_all_errors
 
 __all__ = [
     "build_schedule", "forward", "backward", "recompute_forward_context", "check_errors",
-    "poll_errors", "check_wgrad_accumulators",
+    "poll_errors", "check_wgrad_accumulators", "ACCUMULATOR_ALIGN_BYTES",
 ]  # fmt: skip
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -184,7 +184,7 @@ def check_wgrad_accumulators(accumulators, ws: MoKWorkspace, dtype: torch.dtype,
 
 
 #: The weight-gradient GEMM's epilogue loads and stores an accumulator by TMA: 16-byte rows.
-_ACCUMULATOR_ALIGN_BYTES = 16
+ACCUMULATOR_ALIGN_BYTES = 16
 
 
 def _check_accumulator(name, buf, shape, ws, dtypes) -> None:
@@ -203,9 +203,9 @@ def _check_accumulator(name, buf, shape, ws, dtypes) -> None:
             f"{tuple(shape)}"
         )
     _check_tensor(name, buf, ws, dtypes=dtypes, ndim=len(buf.shape))
-    if buf.data_ptr() % _ACCUMULATOR_ALIGN_BYTES:
+    if buf.data_ptr() % ACCUMULATOR_ALIGN_BYTES:
         raise ValueError(
-            f"{name} starts at an address that is not {_ACCUMULATOR_ALIGN_BYTES}-byte aligned "
+            f"{name} starts at an address that is not {ACCUMULATOR_ALIGN_BYTES}-byte aligned "
             "(the weight-gradient GEMM's epilogue reads and writes it by TMA); pass a fresh "
             "tensor, or a view that starts at a multiple of 4 float32 elements"
         )
