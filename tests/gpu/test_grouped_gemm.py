@@ -299,12 +299,8 @@ def test_wgrad(case, which, schedule):
 # ------------------------------------------------------- accumulating weight gradient (fp32)
 #: The accumulation cases: the edge shapes (partial tiles, empty and 1-row groups) and every big
 #: shape at a quarter of the rows (the [G, M, N] fp32 buffers do not shrink with the rows).
-# NOTE: not deepseek-v3: its fp32 w_gu buffer at EP 2 is 15 GB and the test holds four of them
-# (the CUDA backend's accumulation tests cover its shape scaled down).
 ACCUMULATE_CASES = ALL_CASES[: len(SMALL)] + [
-    pytest.param(c, id=f"{c[0]}-x{c[1]}-{c[2]}")
-    for c in CASES
-    if c[1] == 0.25 and c[0] != "deepseek-v3"
+    pytest.param(c, id=f"{c[0]}-x{c[1]}-{c[2]}") for c in CASES if c[1] == 0.25
 ]
 
 

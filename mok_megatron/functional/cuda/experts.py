@@ -151,9 +151,10 @@ class Experts:
             return
         part = grouped_mm(a.T, b, offs)  # a group without rows holds anything: masked below
         rows = torch.diff(offs, prepend=offs.new_zeros(1))
-        # NOTE: a select, not an add of zeros: NaN + 0 on the GPU gives the canonical NaN, not
-        # the buffer's bits, and an expert without rows must keep its exact bits.
-        acc.copy_(torch.where((rows > 0).view(-1, 1, 1), acc + part, acc))
+        # NOTE: -0.0, not 0: x + -0.0 == x for every x (-0.0 and NaN included), so an expert
+        # without rows keeps its exact bits.
+        part.masked_fill_((rows == 0).view(-1, 1, 1), -0.0)
+        acc.add_(part)
 
 
 def engine_steps(
