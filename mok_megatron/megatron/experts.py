@@ -15,9 +15,18 @@ weight every pass. Megatron's experts hold ``linear_fc1`` [2I, H] = [gate; up] a
 distributed-checkpoint tensors (same keys, shapes, offsets and replica ids; the gate/up halves
 de-interleaved on save, re-interleaved on load), so a checkpoint moves between
 ``SequentialMLP`` / ``TEGroupedMLP`` (alltoall) and ``MoKExperts`` (mok) in both directions.
+
+Initial values: for the same seed, the weights ``init_order`` names would start from, bitwise
+(interleaved): ``"sequential_mlp"`` (default; what Megatron builds without TE, and with TE
+without ``moe_grouped_gemm``) draws expert by expert, fc1 then fc2, through Megatron's own
+linears' init paths; ``"te_grouped_mlp"`` (what the MoK layer specs pick where the stock spec
+builds ``TEGroupedMLP``) draws every expert's fc1, then every fc2, as TE's GroupedLinear does.
+So a same-seed run starts from the same model whichever dispatcher it uses.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +47,12 @@ from mok_megatron.ops.grouped_gemm import (
     interleave_gate_up,
 )
 
-__all__ = ["MoKExperts", "check_mok_experts_config"]
+__all__ = ["INIT_ORDERS", "MoKExperts", "check_mok_experts_config"]
 
 _GATE, _UP = 0, 1  # NOTE: Megatron's SwiGLU fc1 is [gate; up]: gate is chunk 0, up chunk 1.
+
+SEQUENTIAL_MLP, TE_GROUPED_MLP = "sequential_mlp", "te_grouped_mlp"
+INIT_ORDERS = (SEQUENTIAL_MLP, TE_GROUPED_MLP)  # whose same-seed initial weights MoKExperts has
 
 
 def check_mok_experts_config(config) -> None:
@@ -77,11 +89,15 @@ class MoKExperts(MegatronModule):
         name: module name, unused (Megatron passes it).
     """
 
-    def __init__(self, num_local_experts, config, *, pg_collection, name=None):
+    def __init__(
+        self, num_local_experts, config, *, pg_collection, name=None, init_order=SEQUENTIAL_MLP
+    ):
         super().__init__(config=config)
         del name
         check_mok_experts_config(config)
-        self.num_local_experts = num_local_experts
+        if init_order not in INIT_ORDERS:
+            raise ValueError(f"MoKExperts: init_order={init_order!r} must be one of {INIT_ORDERS}")
+        self.num_local_experts, self.init_order = num_local_experts, init_order
         self.ep_group, self.dp_group = pg_collection.ep, pg_collection.expt_dp
         h, i = config.hidden_size, config.moe_ffn_hidden_size
         self.weight_gate_up = self._param((num_local_experts, 2 * i, h))  # interleaved
@@ -98,20 +114,25 @@ class MoKExperts(MegatronModule):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron's init: fc1 halves by ``init_method``, fc2 by ``output_layer_init_method``,
-        under the expert-parallel RNG state when Megatron's RNG tracker is initialised."""
+        """The values Megatron's experts of ``init_order`` hold for the same seed (module
+        docstring): fc1 [2I, H] = [gate; up] by ``init_method``, fc2 [H, I] by
+        ``output_layer_init_method``, drawn in that module's order, dtype, device and RNG."""
         if not self.config.perform_initialization:
             return
-        gate_up = self.weight_gate_up
-        half = (gate_up.shape[1] // 2, gate_up.shape[2])
-        gate, up = gate_up.new_empty(half), gate_up.new_empty(half)  # [I, H] each
-        with _expert_rng():
-            for e in range(self.num_local_experts):
-                # NOTE: keep this RNG order (gate, up, down per expert): seeded inits stay put.
-                self.config.init_method(gate)
-                self.config.init_method(up)
-                self.config.output_layer_init_method(self.weight_down[e])
-                gate_up[e].copy_(interleave_gate_up(gate, up))
+        num_local, draw = self.num_local_experts, _Drawer(self)
+        if self.init_order == SEQUENTIAL_MLP:  # expert by expert: fc1, fc2
+            for e in range(num_local):
+                self._set_fc1(e, draw.fc1())
+                self.weight_down[e].copy_(draw.fc2())
+        else:  # TE_GROUPED_MLP: one grouped linear after the other
+            for e in range(num_local):
+                self._set_fc1(e, draw.fc1())
+            for e in range(num_local):
+                self.weight_down[e].copy_(draw.fc2())
+
+    def _set_fc1(self, expert: int, fc1: torch.Tensor) -> None:
+        gate, up = fc1.chunk(2, dim=0)  # chunks _GATE, _UP
+        self.weight_gate_up[expert].copy_(interleave_gate_up(gate, up))
 
     def bind(self, runtime) -> None:
         """Called by ``MoKMoELayer``: ``runtime.run(x, routing, weights)`` does the fused call."""
@@ -248,10 +269,43 @@ def _default_device():
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
+class _Drawer:
+    """One expert's fc1 [2I, H] and fc2 [H, I] initial values, drawn the way the linears of
+    ``experts.init_order`` draw them (Megatron-Core 0.19, expert TP 1):
+
+    - ``sequential_mlp`` (ColumnParallelLinear / RowParallelLinear): with
+      ``use_cpu_initialization`` a float32 master weight on the CPU from the default generator
+      (no RNG fork), cast to ``params_dtype``; else the weight itself, ``params_dtype`` on the
+      current device, under the expert-parallel RNG state;
+    - ``te_grouped_mlp`` (TE's GroupedLinear): the weight itself, ``params_dtype`` on the CPU
+      (``use_cpu_initialization``) or the current device, under the expert-parallel RNG state.
+
+    Without Megatron's RNG tracker (Megatron itself would fail there) the default RNG is used.
+    """
+
+    def __init__(self, experts: MoKExperts):
+        config = experts.config
+        self.config, self.device = config, experts.weight_down.device
+        self.cpu_master = experts.init_order == SEQUENTIAL_MLP and config.use_cpu_initialization
+        self.dtype = torch.float32 if self.cpu_master else config.params_dtype
+        self.fc1_shape = tuple(experts.weight_gate_up.shape[1:])  # [2I, H]
+        self.fc2_shape = tuple(experts.weight_down.shape[1:])  # [H, I]
+
+    def fc1(self) -> torch.Tensor:
+        return self._draw(self.fc1_shape, self.config.init_method)
+
+    def fc2(self) -> torch.Tensor:
+        return self._draw(self.fc2_shape, self.config.output_layer_init_method)
+
+    def _draw(self, shape, init_method) -> torch.Tensor:
+        weight = torch.empty(shape, dtype=self.dtype, device=self.device)
+        with nullcontext() if self.cpu_master else _expert_rng():
+            init_method(weight)
+        return weight.to(self.config.params_dtype)
+
+
 def _expert_rng():
     """Megatron's expert-parallel RNG state if its tracker is set up, else the default RNG."""
-    from contextlib import nullcontext
-
     from megatron.core.tensor_parallel.random import (
         get_cuda_rng_tracker,
         get_expert_parallel_rng_tracker_name,

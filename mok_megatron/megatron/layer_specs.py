@@ -22,13 +22,14 @@ from typing import Any
 from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from .experts import MoKExperts
+from .experts import TE_GROUPED_MLP, MoKExperts
 from .moe_layer import MoKMoELayer
 
 __all__ = [
@@ -67,9 +68,18 @@ def mokify_spec(spec: Any, *, fused_experts: bool = True, **layer_params: Any) -
 def _mok_moe_builder(moe: functools.partial, fused_experts: bool, layer_params: dict):
     submodules = moe.keywords["submodules"]
     if fused_experts:
-        submodules = dataclasses.replace(submodules, experts=MoKExperts)
+        submodules = dataclasses.replace(submodules, experts=_mok_experts_like(submodules.experts))
     keywords = {**moe.keywords, "submodules": submodules, **layer_params}
     return functools.partial(MoKMoELayer, *moe.args, **keywords)
+
+
+def _mok_experts_like(stock):
+    """MoKExperts starting from the weights ``stock`` (Megatron's experts builder) would hold
+    for the same seed: TEGroupedMLP's init order where the spec builds it, else SequentialMLP's."""
+    stock_cls = stock.func if isinstance(stock, functools.partial) else stock
+    if isinstance(stock_cls, type) and issubclass(stock_cls, TEGroupedMLP):
+        return functools.partial(MoKExperts, init_order=TE_GROUPED_MLP)
+    return MoKExperts
 
 
 def get_mok_moe_module_spec(

@@ -87,8 +87,9 @@ def tiny_moe_config(case: LayerCase, dispatcher: str, ep_size: int):
     )  # fmt: skip
 
 
-def build_moe_layer(case: LayerCase, kind: str, ep_size: int):
-    """An MoE layer of ``kind`` (one of LAYER_KINDS) on ``case.device``."""
+def build_moe_layer(case: LayerCase, kind: str, ep_size: int, **config_overrides):
+    """An MoE layer of ``kind`` (one of LAYER_KINDS) on ``case.device``; ``config_overrides``
+    set TransformerConfig fields (e.g. ``use_cpu_initialization=False``) after tiny_moe_config."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -104,6 +105,8 @@ def build_moe_layer(case: LayerCase, kind: str, ep_size: int):
         )
     dispatcher = "alltoall" if kind == "alltoall" else "mok"
     config = tiny_moe_config(case, dispatcher, ep_size)
+    for field, value in config_overrides.items():
+        setattr(config, field, value)
     layer = builder(config=config, pg_collection=get_default_pg_collection(), is_mtp_layer=False)
     return layer.to(case.device)
 

@@ -4,7 +4,7 @@ MoKExperts' sharded state dict is Megatron's SequentialMLP's, tensor for tensor 
 shapes, offsets, replica ids, and the per-expert ``_extra_state`` objects), in the default and
 the ``singleton_local_shards`` layouts; alltoall -> mok -> alltoall round trips are exact in
 both, and the loaded fused gate/up weight is Megatron's fc1 halves interleaved. The fused weight's
-initial values are those of separate gate / up halves drawn in Megatron's per-expert order.
+initial values are SequentialMLP's fc1 [gate; up] and fc2, drawn in its per-expert order.
 """
 
 from __future__ import annotations
@@ -125,30 +125,25 @@ def _experts_config(**overrides):
     return config
 
 
-def test_reset_parameters_draws_gate_up_down_per_expert(monkeypatch):
-    """Seeded, the fused weight holds what separate gate / up halves held: per expert, gate
-    [I, H] then up [I, H] by init_method, then down [H, I] by output_layer_init_method."""
-    from contextlib import nullcontext
+def test_reset_parameters_draws_sequential_mlps_order():
+    """Seeded, with CPU initialisation, the fused weight holds what SequentialMLP's linears held:
+    per expert a float32 fc1 [2I, H] = [gate; up] by init_method, then fc2 [H, I] by
+    output_layer_init_method, from the default generator (test_megatron_expert_init checks
+    this against Megatron's modules)."""
+    from mok_megatron.megatron.experts import MoKExperts
 
-    from mok_megatron.megatron import experts as experts_module
-
-    monkeypatch.setattr(experts_module, "_expert_rng", nullcontext)  # the default generator
     config, num_local = _experts_config(), 3
     torch.manual_seed(5)
-    experts = experts_module.MoKExperts(
-        num_local, config, pg_collection=SimpleNamespace(ep=None, expt_dp=None)
-    )
+    experts = MoKExperts(num_local, config, pg_collection=SimpleNamespace(ep=None, expt_dp=None))
     torch.manual_seed(5)
     i, h = config.moe_ffn_hidden_size, config.hidden_size
-    gate, up = torch.empty(2, num_local, i, h)
-    down = torch.empty(num_local, h, i)
+    fc1, down = torch.empty(num_local, 2 * i, h), torch.empty(num_local, h, i)
     for e in range(num_local):
-        config.init_method(gate[e])
-        config.init_method(up[e])
+        config.init_method(fc1[e])
         config.output_layer_init_method(down[e])
     blocks = experts.weight_gate_up.detach().view(num_local, i // 8, 2, 8, h)  # 8 gate, 8 up rows
-    assert torch.equal(blocks[:, :, 0].reshape(num_local, i, h), gate)
-    assert torch.equal(blocks[:, :, 1].reshape(num_local, i, h), up)
+    assert torch.equal(blocks[:, :, 0].reshape(num_local, i, h), fc1[:, :i])
+    assert torch.equal(blocks[:, :, 1].reshape(num_local, i, h), fc1[:, i:])
     assert torch.equal(experts.weight_down.detach(), down)
 
 
