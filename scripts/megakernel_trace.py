@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -142,8 +143,6 @@ def summarise(ctas, tasks, hidden, inter) -> dict:
 
 
 def trace_case(name, args, rank) -> dict:
-    import dataclasses
-
     shape = bench_moe.SHAPES[name]
     config = bench_moe.transformer_config(shape, "cuda")
     _, layer = bench_moe.build_layers(config, "cuda", args.tokens, "megakernel")

@@ -163,20 +163,29 @@ MOK_DEVICE uint4 quad_gather(const uint32_t (&w)[4]) {
 
 MOK_DEVICE void store16(__nv_bfloat16* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
-// One row half's accumulators in groups of 4 blocks (32 columns), as `fn(group, 16 bytes)`
-// for this lane's block 4 group + q: bf16 of the raw columns.
-template <class Fn>
-MOK_DEVICE void for_each_raw_group(const MegaAccumulators& acc, int half, Fn fn) {
+// Blocks [0, kBlocks) of one row half in groups of 4: word(b) is this lane's packed pair of
+// block b; fn(g, v) gets group g's 16 bytes for this lane's block 4 g + q (quad_gather).
+template <int kBlocks, class Word, class Fn>
+MOK_DEVICE void for_each_group(Word word, Fn fn) {
+  static_assert(kBlocks % 4 == 0, "whole groups of 4 blocks");
   CUTLASS_PRAGMA_UNROLL
-  for (int g = 0; g < kFragBlocks / 4; ++g) {
+  for (int g = 0; g < kBlocks / 4; ++g) {
     uint32_t w[4];
     CUTLASS_PRAGMA_UNROLL
-    for (int b = 0; b < 4; ++b) {
-      const int i = 2 * half + kFragPartner * (4 * g + b);
-      w[b] = pack_bf16x2(acc(i), acc(i + 1));
-    }
+    for (int b = 0; b < 4; ++b) w[b] = word(4 * g + b);
     fn(g, quad_gather(w));
   }
+}
+
+// The raw columns of one row half: block j's pair is bf16 of elements 2 half + 4 j (+ 1).
+template <class Fn>
+MOK_DEVICE void for_each_raw_group(const MegaAccumulators& acc, int half, Fn fn) {
+  for_each_group<kFragBlocks>(
+      [&](int j) {
+        const int i = 2 * half + kFragPartner * j;
+        return pack_bf16x2(acc(i), acc(i + 1));
+      },
+      fn);
 }
 
 // L1 epilogue (consumers): rows [0, rows) of the tile at ring row row_begin, n-tile n_tile of the
@@ -196,21 +205,17 @@ CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulato
     const bool live = row < rows;
     const int64_t ring_row = row_begin + row;
     __nv_bfloat16* act = p.act_ring + ring_row * p.inter;
-    constexpr int kActBlocks = kFragBlocks / 2;
-    CUTLASS_PRAGMA_UNROLL
-    for (int g = 0; g < kActBlocks / 4; ++g) {
-      uint32_t w[4];
-      CUTLASS_PRAGMA_UNROLL
-      for (int b = 0; b < 4; ++b) {
-        const int gi = 2 * half + kFragPartner * 2 * (4 * g + b);  // gate block 2 (4 g + b)
-        const int ui = gi + kFragPartner;                           // its up partner
-        w[b] = pack_bf16x2(SwigluMath::act(acc(gi), acc(ui)),
-                           SwigluMath::act(acc(gi + 1), acc(ui + 1)));
-      }
-      const uint4 v = quad_gather(w);
-      const int col = act_col0 + (4 * g + q) * kFragBlockCols;
-      if (live && col < p.inter) store16(act + col, v);
-    }
+    for_each_group<kFragBlocks / 2>(
+        [&](int a) {
+          const int gi = 2 * half + kFragPartner * 2 * a;  // gate block 2 a
+          const int ui = gi + kFragPartner;                 // its up partner
+          return pack_bf16x2(SwigluMath::act(acc(gi), acc(ui)),
+                             SwigluMath::act(acc(gi + 1), acc(ui + 1)));
+        },
+        [&](int g, uint4 v) {
+          const int col = act_col0 + (4 * g + q) * kFragBlockCols;
+          if (live && col < p.inter) store16(act + col, v);
+        });
     if (p.h_ring != nullptr) {
       __nv_bfloat16* h = p.h_ring + ring_row * h_cols;
       for_each_raw_group(acc, half, [&](int g, uint4 v) {
