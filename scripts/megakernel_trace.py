@@ -51,8 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=3, help="traced passes per case (median taken)")
     p.add_argument("--fwd-num-comm-sms", default=None, help="int; default: the config's (auto)")
     p.add_argument("--minibatch-size", default=None, help="int; default: the config's (auto)")
-    p.add_argument("--keep", action="store_true",
-                   help="trace forwards that keep h and y for a backward (default: no_grad)")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="trace forwards that keep h and y for a backward (default: no_grad)",
+    )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -109,7 +112,10 @@ def ktile_times(tasks: list, k_tiles: dict) -> dict:
     for gemm, l2 in (("l1", False), ("l2", True)):
         per = [(t["mma_end"] - t["got"]) / k_tiles[gemm] for t in tasks
                if t["l2"] == l2 and t["ready"] <= t["got"]]  # fmt: skip
-        out[gemm] = {"tasks": len(per), "median_ns_per_ktile": statistics.median(per) if per else None}
+        out[gemm] = {
+            "tasks": len(per),
+            "median_ns_per_ktile": statistics.median(per) if per else None,
+        }
     return out
 
 
@@ -137,7 +143,8 @@ def summarise(ctas, tasks, hidden, inter) -> dict:
         "mainloop": ktile_times(tasks, k_tiles),
         "epilogue_median_ns": {
             g: statistics.median([t["epi_end"] - t["mma_end"] for t in tasks if t["l2"] == l2])
-            for g, l2 in (("l1", False), ("l2", True)) if any(t["l2"] == l2 for t in tasks)
+            for g, l2 in (("l1", False), ("l2", True))
+            if any(t["l2"] == l2 for t in tasks)
         },  # fmt: skip
     }
 

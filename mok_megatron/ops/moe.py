@@ -362,8 +362,10 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
     if trace and grid <= 0:  # the op's grid: every SM of the device
         grid = torch.cuda.get_device_properties(x.device).multi_processor_count
     i64 = lambda *s: x.new_empty(*s, dtype=torch.int64)  # noqa: E731
-    out += [i64(grid if trace else 0, len(MEGA_TRACE_CTA_FIELDS)),
-            i64(shape.num_rounds if trace else 0, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS))]
+    out += [
+        i64(grid if trace else 0, len(MEGA_TRACE_CTA_FIELDS)),
+        i64(shape.num_rounds if trace else 0, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS)),
+    ]
     return out + plan
 
 
