@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Make (or reuse) .venv with Python 3.12 and requirements/dev.txt, then install mok_megatron into
+# Make (or reuse) .venv with Python 3.12 and requirements/dev.txt (and requirements/bridge.txt,
+# --no-deps, into .venv/bridge_site for the Bridge test), then install mok_megatron into
 # it (editable). The CUDA extension is compiled when nvcc is found, unless MOK_SKIP_CUDA=1.
 # Idempotent: a second run reinstalls nothing whose inputs did not change. Prints the venv path.
 set -euo pipefail
@@ -30,6 +31,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing requirements/dev.txt (first time: a few minutes, torch is large)"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements/dev.txt"
   echo "$want" > "$stamp"
+fi
+bridge_stamp="$venv/bridge_site/.mok-requirements.sha"
+want="$(sha256sum "$root/requirements/bridge.txt" | cut -d' ' -f1)"
+if [ "$(cat "$bridge_stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing requirements/bridge.txt into $venv/bridge_site (--no-deps: a few MB)"
+  rm -rf "$venv/bridge_site"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --target "$venv/bridge_site" -r "$root/requirements/bridge.txt"
+  echo "$want" > "$bridge_stamp"
 fi
 log "installing mok_megatron (editable; compiles csrc/ when nvcc is present)"
 (cd "$root" && MAX_JOBS="${MAX_JOBS:-2}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" \

@@ -5,23 +5,28 @@ TransformerConfig) with a ``transformer_layer_spec`` that is a ``ModuleSpec`` or
 ``spec(provider, vp_stage=None)``. ``apply_mok`` switches the dispatcher to ``mok``, turns off
 what only Megatron's alltoall / flex dispatchers support, and wraps the recipe's own layer spec
 so its MoE layers become MoK layers (attention, norms, TE choice and dense layers stay the
-recipe's). The wrapper is a ``functools.partial`` of a module-level function, so Bridge can
-still serialise the config.
+recipe's). The wrapper is ``MoKLayerSpec``, a dataclass: Bridge's ``ConfigContainer.to_yaml``
+(the run_config.yaml in every checkpoint) writes a dataclass field by field, ``mok_config``
+included, where a ``functools.partial``'s keywords would keep only a ``_target_``.
+``ConfigContainer.from_yaml`` instantiates only allowlisted ``_target_``s; ``allow_mok_targets()``
+adds MoK's through Bridge's public ``register_allowed_target_prefix``. ``apply_mok`` calls it;
+a process that only loads a saved config must call it (or import a MoK recipe) first.
 
-Checked against Megatron-Bridge 0.6.2's source (``GPTModelProvider.transformer_layer_spec``,
-``ConfigContainer.model``); the tests use a stand-in with the same attributes, because the
-Bridge wheel's dependencies (transformers, flashinfer, TE, ...) do not install on a CPU runner.
+Tested against the real Megatron-Bridge 0.6.2 (``tests/cpu/megatron/test_megatron_bridge.py``).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import inspect
 import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["apply_mok", "mok_transformer_layer_spec"]
+__all__ = ["MoKLayerSpec", "allow_mok_targets", "apply_mok", "mok_transformer_layer_spec"]
+
+#: The modules whose names a saved Bridge config holds as ``_target_``s.
+_MOK_TARGET_PREFIXES = ("mok_megatron.megatron.bridge", "mok_megatron.functional.config")
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,44 @@ def mok_transformer_layer_spec(
     return mokify_spec(spec, fused_experts=fused_experts, **layer_params)
 
 
+@dataclasses.dataclass
+class MoKLayerSpec:
+    """``transformer_layer_spec`` for a Bridge provider: ``base_spec`` with MoK MoE layers.
+
+    A dataclass, not a ``functools.partial``, so Bridge's YAML writer stores every field
+    (``mok_config`` as its ``_target_`` and all its knobs) and ``from_yaml`` rebuilds it.
+    """
+
+    base_spec: Any  # the recipe's spec: a ModuleSpec or a callable spec(provider, vp_stage=None)
+    fused_experts: bool = True
+    mok_config: Any = None  # a MoKConfig (None: the defaults)
+    backend: str = "auto"
+    fuse_shared_experts: bool | None = None
+    max_local_tokens: int | None = None
+
+    def __call__(self, config, vp_stage: int | None = None):
+        """The ModuleSpec for ``config`` (the provider), as Bridge's ``provide()`` calls it."""
+        return mok_transformer_layer_spec(
+            config, vp_stage, base_spec=self.base_spec, fused_experts=self.fused_experts,
+            mok_config=self.mok_config, backend=self.backend,
+            fuse_shared_experts=self.fuse_shared_experts, max_local_tokens=self.max_local_tokens,
+        )  # fmt: skip
+
+
+def allow_mok_targets() -> bool:
+    """Let Bridge's ``ConfigContainer.from_yaml`` instantiate MoK's ``_target_``s.
+
+    Returns False (and does nothing) where Megatron-Bridge is not installed.
+    """
+    try:
+        from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+    except ImportError:
+        return False
+    for prefix in _MOK_TARGET_PREFIXES:
+        register_allowed_target_prefix(prefix)
+    return True
+
+
 def apply_mok(
     cfg,
     mok_config: Any = None,
@@ -71,11 +114,12 @@ def apply_mok(
             setattr(model, name, value)
     _drop_cuda_graph_module(model, "moe_preprocess")
     _disable_comm_overlap_ep(cfg)
-    model.transformer_layer_spec = functools.partial(
-        mok_transformer_layer_spec, base_spec=model.transformer_layer_spec,
-        fused_experts=fused_experts, mok_config=_mok_config(mok_config), backend=backend,
+    model.transformer_layer_spec = MoKLayerSpec(
+        base_spec=model.transformer_layer_spec, fused_experts=fused_experts,
+        mok_config=_mok_config(mok_config), backend=backend,
         fuse_shared_experts=fuse_shared_experts, max_local_tokens=max_local_tokens,
     )  # fmt: skip
+    allow_mok_targets()  # so the run_config.yaml Bridge writes loads back
     return cfg
 
 

@@ -1,15 +1,13 @@
 """Layer specs, the Megatron-LM ``--spec`` path, the launcher and Megatron-Bridge's ``apply_mok``.
 
-Megatron-Bridge does not install on a CPU runner (its wheel pulls transformers, flashinfer, TE,
-...), so ``apply_mok`` is tested on a stand-in with the attributes Bridge 0.6.2's
+``apply_mok`` is tested here on a stand-in with the attributes Bridge 0.6.2's
 ``GPTModelProvider`` / ``ConfigContainer`` have and the same spec resolution as its
-``provide()``.
+``provide()`` (it builds a GPT); test_megatron_bridge.py runs the real Bridge's YAML round trip.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import os
 import subprocess
@@ -39,7 +37,7 @@ from mok_megatron.megatron import (
     get_mok_moe_module_spec,
     mokify_spec,
 )
-from mok_megatron.megatron.bridge import apply_mok
+from mok_megatron.megatron.bridge import MoKLayerSpec, apply_mok
 from mok_megatron.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -140,8 +138,8 @@ def test_apply_mok_on_a_bridge_config(tmp_path):
         model.cuda_graph_modules == ["moe_router"]
         and not cfg.comm_overlap.overlap_moe_expert_parallel_comm
     )
-    assert isinstance(model.transformer_layer_spec, functools.partial)  # serialisable by Bridge
-    assert model.transformer_layer_spec.keywords["mok_config"] == MoKConfig(minibatch_size=512)
+    assert isinstance(model.transformer_layer_spec, MoKLayerSpec)  # a dataclass: Bridge's YAML
+    assert model.transformer_layer_spec.mok_config == MoKConfig(minibatch_size=512)
 
 
 def test_apply_mok_rejects_what_mok_cannot_do():
