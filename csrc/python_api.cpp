@@ -118,6 +118,9 @@ TORCH_LIBRARY_FRAGMENT(mok, m) {
       "Tensor(a!) d_h, Tensor(b!)? act, " MOK_GEMM_TUNING_SCHEMA ") -> ()");
   m.def("grouped_gemm_tn_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) out, "
         MOK_GEMM_TUNING_SCHEMA ") -> ()");
+  // acc += the weight gradient, in the epilogue (fp32 acc: gradient-accumulation fusion).
+  m.def("grouped_gemm_tn_accumulate_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) acc, "
+        MOK_GEMM_TUNING_SCHEMA ") -> ()");
   // The forward ops with the per-tile flag wait (csrc/include/mok/scheduler/flag_wait.cuh).
   m.def(
       "grouped_gemm_nt_wait_out(Tensor a, Tensor b, Tensor offs, Tensor ready, int rows_per_flag, "
@@ -136,6 +139,7 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("grouped_gemm_nn_out", &mok::apis::grouped_gemm_nn_out);
   m.impl("grouped_gemm_dswiglu_out", &mok::apis::grouped_gemm_dswiglu_out);
   m.impl("grouped_gemm_tn_out", &mok::apis::grouped_gemm_tn_out);
+  m.impl("grouped_gemm_tn_accumulate_out", &mok::apis::grouped_gemm_tn_accumulate_out);
   m.impl("grouped_gemm_nt_wait_out", &mok::apis::grouped_gemm_nt_wait_out);
   m.impl("grouped_gemm_l1_swiglu_wait_out", &mok::apis::grouped_gemm_l1_swiglu_wait_out);
 }

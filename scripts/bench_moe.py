@@ -10,6 +10,13 @@ so only dispatch + experts + combine are timed). Reports forward and forward + b
 with their spread, effective expert TFLOP/s, NVLink GB/s, speedup, fraction of the hardware floor
 (DESIGN.md, "Performance") and peak memory, plus the relative difference of the two outputs.
 
+``--main-grad`` times the backward as Megatron's DDP runs it with gradient-accumulation fusion:
+the expert weights get fp32 ``main_grad`` buffers and DDP's post-accumulate hook, and the config
+``gradient_accumulation_fusion``. MoK then adds its weight gradients into main_grad inside the
+backward; the baseline's experts (``TorchGroupedMLP``) have no fused path (Megatron's own
+``TEGroupedMLP`` has one but needs Transformer Engine), so DDP's hook adds their ``.grad`` in a
+separate pass, as it does for any expert module without the fusion.
+
   torchrun --standalone --nproc-per-node 2 scripts/bench_moe.py --out docs/results/bench.json
   python scripts/bench_moe.py --tiny --device cpu          # CPU sanity run (reference backend)
 """
@@ -72,6 +79,13 @@ def parse_args(argv=None):
         help="also time MoK with MoKConfig.cuda_forward='stage1' (the kernel sequence), as "
         "'mok_stage1', in the same process, beside the default (the megakernel where it runs)",
     )
+    p.add_argument(
+        "--main-grad",
+        action="store_true",
+        help="give the expert weights fp32 main_grad buffers and DDP's accumulate hook, with "
+        "gradient_accumulation_fusion (MoK adds into main_grad in its backward; the baseline's "
+        "experts have no fused path, so the hook adds their .grad)",
+    )
     p.add_argument("--out", default=None, help="JSON file to write (rank 0)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
@@ -104,7 +118,8 @@ def init_distributed(device: str) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def transformer_config(shape, device: str):
+def transformer_config(shape, device: str, main_grad: bool = False):
+    """``main_grad``: gradient_accumulation_fusion on (see ``attach_main_grads``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     hidden, inter, experts, topk = shape
@@ -116,7 +131,7 @@ def transformer_config(shape, device: str):
         add_bias_linear=False, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         pipeline_dtype=dtype, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         expert_model_parallel_size=dist.get_world_size(), use_cpu_initialization=device == "cpu",
-        moe_permute_fusion=False, init_method_std=0.02,
+        moe_permute_fusion=False, init_method_std=0.02, gradient_accumulation_fusion=main_grad,
     )  # fmt: skip
 
 
@@ -150,6 +165,30 @@ def build_layers(config, backend: str, max_tokens: int, cuda_forward: str | None
         layer.experts.weight_gate_up.copy_(interleave_gate_up(gate, up))
         layer.experts.weight_down.copy_(base.experts.weight_fc2)
     return base, layer
+
+
+def attach_main_grads(base, layer) -> None:
+    """What Megatron's DDP (grad_reduce_in_fp32) gives the expert weights: an fp32 ``main_grad``,
+    the ``grad_added_to_main_grad`` flag and a hook that adds ``.grad`` into main_grad unless the
+    layer already added its gradient there, then drops ``.grad``. The two layers share one set of
+    buffers (same shapes; the values are never read): two sets of fp32 expert gradients would not
+    fit in memory at the largest shapes."""
+    pairs = ((base.experts.weight_fc1, layer.experts.weight_gate_up),
+             (base.experts.weight_fc2, layer.experts.weight_down))  # fmt: skip
+    for params in pairs:
+        main_grad = torch.zeros(params[0].shape, dtype=torch.float32, device=params[0].device)
+        for p in params:
+            p.main_grad = main_grad
+            p.grad_added_to_main_grad = False
+            p.register_post_accumulate_grad_hook(_ddp_grad_hook)
+
+
+def _ddp_grad_hook(p) -> None:
+    """DistributedDataParallel's backward hook (megatron/core/distributed), without the reduce."""
+    added = p.grad_added_to_main_grad and not getattr(p, "zero_out_wgrad", False)
+    if p.grad is not None and not added:
+        p.main_grad.add_(p.grad)
+    p.grad = None
 
 
 def make_inputs(n_sets, tokens, shape, routing, device, dtype, seed, rank):
@@ -242,8 +281,10 @@ def _backend_name(layer) -> str:
 
 
 def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
-    config = transformer_config(shape, args.device)
+    config = transformer_config(shape, args.device, args.main_grad)
     base, layer = build_layers(config, args.backend, tokens, args.mok_cuda_forward)
+    if args.main_grad:
+        attach_main_grads(base, layer)
     dtype = config.params_dtype
     sets = make_inputs(args.rotate, tokens, shape, routing, args.device, dtype, args.seed, rank)
     rows, remote = traffic(sets, shape, rank, world)
@@ -292,6 +333,11 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             for v in variants
         }
         case[label] = result
+    if args.main_grad and not args.no_backward:  # did MoK's backward take the fused path?
+        experts = layer.experts
+        case["mok_into_main_grad"] = all(
+            p.grad_added_to_main_grad for p in (experts.weight_gate_up, experts.weight_down)
+        )
     return case
 
 

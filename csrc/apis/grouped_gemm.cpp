@@ -14,17 +14,22 @@
 namespace mok::apis {
 namespace {
 
-void check_bf16(const char* op, const char* name, const at::Tensor& t, int64_t dim,
-                const at::Tensor& like) {
+void check_matrix(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                  const at::Tensor& like, at::ScalarType dtype, const char* why) {
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got ", t.device());
   TORCH_CHECK(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but ",
               like.device(), " was expected");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, ".dtype=", t.scalar_type(),
-              " must be bfloat16");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, ".dtype=", t.scalar_type(), " must be ",
+              why);
   TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dims, got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous; call .contiguous()");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
               " must be 16-byte aligned (TMA); it is a misaligned view");
+}
+
+void check_bf16(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                const at::Tensor& like) {
+  check_matrix(op, name, t, dim, like, at::kBFloat16, "bfloat16");
 }
 
 void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
@@ -232,10 +237,12 @@ void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
   launch_with_workspace(d_y, args, launch::grouped_gemm_dswiglu);
 }
 
-void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
-                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
-                         int64_t swizzle) {
-  constexpr const char* kOp = "mok::grouped_gemm_tn";
+// The weight-gradient ops' args: `out` (named `out_name`) [G, M, N], bf16 or the fp32
+// accumulator, for a [rows, M] and b [rows, N]; out's dtype is the caller's check.
+launch::GroupedGemmArgs wgrad_args(const char* kOp, const at::Tensor& a, const at::Tensor& b,
+                                   const at::Tensor& offs, const at::Tensor& out,
+                                   const char* out_name, std::string_view schedule,
+                                   std::string_view raster, int64_t swizzle) {
   check_bf16(kOp, "a", a, 2, a);
   check_bf16(kOp, "b", b, 2, a);
   const int64_t m = a.size(1), n = b.size(1);
@@ -243,14 +250,33 @@ void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Ten
               " and ", b.sizes());
   check_dim(kOp, "m", m, 8);
   check_dim(kOp, "n", n, 8);
-  check_bf16(kOp, "out", out, 3, a);
   check_offs(kOp, offs, out.size(0), a);
-  check_shape(kOp, "out", out, {out.size(0), m, n});
+  check_shape(kOp, out_name, out, {out.size(0), m, n});
   auto args = base_args(a, b, offs, out);
   args.m = static_cast<int>(m);
   args.n = static_cast<int>(n);
   args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/true);
+  return args;
+}
+
+void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
+                         const at::Tensor& out, std::string_view schedule, std::string_view raster,
+                         int64_t swizzle) {
+  constexpr const char* kOp = "mok::grouped_gemm_tn";
+  check_bf16(kOp, "out", out, 3, a);
+  auto args = wgrad_args(kOp, a, b, offs, out, "out", schedule, raster, swizzle);
   launch_with_workspace(a, args, launch::grouped_gemm_tn);
+}
+
+void grouped_gemm_tn_accumulate_out(const at::Tensor& a, const at::Tensor& b,
+                                    const at::Tensor& offs, const at::Tensor& acc,
+                                    std::string_view schedule, std::string_view raster,
+                                    int64_t swizzle) {
+  constexpr const char* kOp = "mok::grouped_gemm_tn_accumulate";
+  check_matrix(kOp, "acc", acc, 3, a, at::kFloat,
+               "float32 (the weight gradient accumulates in fp32, like Megatron's main_grad)");
+  auto args = wgrad_args(kOp, a, b, offs, acc, "acc", schedule, raster, swizzle);
+  launch_with_workspace(a, args, launch::grouped_gemm_tn_accumulate);
 }
 
 void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,

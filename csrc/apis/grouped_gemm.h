@@ -4,7 +4,7 @@
 //
 // Every op writes into caller-provided outputs (the wrappers allocate them). offs: int32
 // [num_groups] end rows (torch._grouped_mm's convention); rows at or past offs[-1] are not
-// written. All tensors are contiguous CUDA bf16 on one device.
+// written. All tensors are contiguous CUDA bf16 on one device (but the fp32 accumulator).
 //
 // Every op ends with the tile order (launch::GemmTuning; results are bitwise the same for every
 // setting): schedule "cooperative" | "pingpong" (the plain-epilogue ops nt, nn, tn, nt_wait; the
@@ -47,6 +47,13 @@ void grouped_gemm_dswiglu_out(const at::Tensor& d_y, const at::Tensor& w_down,
 void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,
                          const at::Tensor& out, std::string_view schedule, std::string_view raster,
                          int64_t swizzle);
+
+// acc [G, M, N] += a_g^T @ b_g over group g's rows (fp32 acc, 16-byte aligned: the epilogue reads
+// and writes it), in grouped_gemm_tn's order; a group without rows leaves acc[g] untouched.
+void grouped_gemm_tn_accumulate_out(const at::Tensor& a, const at::Tensor& b,
+                                    const at::Tensor& offs, const at::Tensor& acc,
+                                    std::string_view schedule, std::string_view raster,
+                                    int64_t swizzle);
 
 // The same two forward ops with the per-tile flag wait: a tile reading rows [r0, r1) of a / x first
 // waits until ready[f] >= epoch for f in [r0 / rows_per_flag, (r1 - 1) / rows_per_flag];

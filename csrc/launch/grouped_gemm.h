@@ -3,8 +3,8 @@
 //
 // Groups follow torch._grouped_mm: offs[g] (int32, device, [num_groups]) is the END row of group
 // g; group g owns rows [offs[g-1], offs[g]) of the row-major activations, offs[-1] = 0.
-// All tensors are contiguous bf16 with 16-byte aligned bases; every dim below is a multiple of 8
-// (16 for the SwiGLU ops' 2I).
+// All tensors are contiguous bf16 (the accumulating weight gradient's output: fp32) with 16-byte
+// aligned bases; every dim below is a multiple of 8 (16 for the SwiGLU ops' 2I).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -59,6 +59,12 @@ void grouped_gemm_dswiglu(const GroupedGemmArgs& args, cudaStream_t stream);
 // Weight gradient: out[g] [m, n] = a_g^T @ b_g, a [rows, m], b [rows, n], summed over group g's
 // rows in a fixed order; a group with no rows gets zeros.
 void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// Accumulating weight gradient (gradient-accumulation fusion): out is an fp32 [G, m, n] buffer
+// (16-byte aligned) and out[g] += a_g^T @ b_g in the GEMM's epilogue (fp32 C = D = out, beta 1),
+// summed over group g's rows in the same fixed order as grouped_gemm_tn; a group with no rows
+// leaves its part of out untouched.
+void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // The per-tile flag wait (csrc/include/mok/scheduler/flag_wait.cuh): before loading the A rows
 // [r0, r1) of an output tile, the kernel waits until ready[f] >= epoch for every flag f covering

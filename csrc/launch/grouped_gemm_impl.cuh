@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "launch/grouped_gemm.h"
 #include "mok/common/macros.cuh"
@@ -87,7 +88,7 @@ void run_grouped(const gemm::GroupedProblemDesc& desc, void* workspace, const Ge
                  SetScheduler set_scheduler = {}) {
   using Gemm = typename Config::Gemm;
   using Arrays = gemm::GroupedProblemArrays<typename Config::StrideA, typename Config::StrideB,
-                                            typename Config::StrideD>;
+                                            typename Config::StrideD, typename Config::ElementD>;
   static_assert(sizeof(typename Config::StrideA) <= 16 && sizeof(typename Config::StrideB) <= 16 &&
                 sizeof(typename Config::StrideD) <= 16);
   const int num_groups = desc.num_groups;
@@ -142,6 +143,24 @@ typename Config::Gemm::GemmKernel::EpilogueArguments plain_epilogue(const Arrays
   return epi;
 }
 
+// Epilogue arguments of the accumulating epilogue (gemm::AccumulateEpilogue): C and D are the
+// same fp32 buffer, D = C + accumulator.
+template <class Config, class Arrays>
+typename Config::Gemm::GemmKernel::EpilogueArguments accumulate_epilogue(const Arrays& arrays) {
+  using Kernel = typename Config::Gemm::GemmKernel;
+  static_assert(std::is_same_v<typename Config::ElementD, gemm::AccumElement>);
+  static_assert(std::is_same_v<typename Kernel::InternalStrideC, typename Kernel::InternalStrideD>,
+                "C and D share one stride array");
+  typename Kernel::EpilogueArguments epi{};
+  epi.thread.alpha = 1.0f;
+  epi.thread.beta = 1.0f;
+  epi.ptr_C = const_cast<const gemm::AccumElement**>(arrays.ptr_d);
+  epi.dC = arrays.stride_d;
+  epi.ptr_D = arrays.ptr_d;
+  epi.dD = arrays.stride_d;
+  return epi;
+}
+
 template <class Config>
 void run_plain(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
                cudaStream_t stream) {
@@ -174,10 +193,13 @@ inline gemm::GroupedProblemDesc rows_in_m_desc(const GroupedGemmArgs& args) {
   return desc;
 }
 
+// `OutElement` (Config::ElementD): the element type the epilogue stores (bf16; fp32 for the
+// accumulating weight gradient).
 template <class LayoutA, class LayoutB, class Epilogue, class Schedule = gemm::Cooperative,
-          class Shape = gemm::ProblemShape>
+          class Shape = gemm::ProblemShape, class OutElement = gemm::Element>
 struct Config {
   using Gemm = typename gemm::GroupedGemm<LayoutA, LayoutB, Epilogue, Schedule, Shape>::Gemm;
+  using ElementD = OutElement;
   using StrideA = typename Gemm::GemmKernel::InternalStrideA;
   using StrideB = typename Gemm::GemmKernel::InternalStrideB;
   using StrideD = typename Gemm::GemmKernel::InternalStrideD;

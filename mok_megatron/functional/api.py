@@ -19,7 +19,7 @@ from .workspace import poll_errors as poll_all_errors
 
 __all__ = [
     "build_schedule", "forward", "backward", "recompute_forward_context", "check_errors",
-    "poll_errors",
+    "poll_errors", "check_wgrad_accumulators", "ACCUMULATOR_ALIGN_BYTES",
 ]  # fmt: skip
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -123,12 +123,24 @@ def backward(
     w_routed_gate: Any,
     w_routed_up: Any,
     w_routed_down: Any,
+    *,
+    wgrad_accumulators: tuple[torch.Tensor | None, ...] | None = None,
 ) -> MoKGradients:
     """All eight gradients of ``forward`` (``MoKGradients``, unpacks in the documented order).
 
     d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for MXFP8); with
     the fused gate/up form, ``d_w_routed_gate`` is gate_up's gradient (same layout) and
     ``d_w_routed_up`` is None.
+
+    wgrad_accumulators: None (return the routed-weight gradients), or one buffer per routed
+    weight, in the weights' order and form: (gate [E_l, I, H], up [E_l, I, H], down [E_l, H, I]),
+    or (gate_up [E_l, 2I, H], None, down) with the fused form; float32 (float64 too when x is),
+    contiguous, 16-byte aligned, on the workspace's device (Megatron's fp32 ``main_grad`` is
+    one). Each routed weight's gradient is then added into its buffer (gradient-accumulation
+    fusion: on the CUDA engine, inside the weight-gradient GEMM) instead of being returned: its
+    slot comes back None. The adds run in one fixed order (with macrobatch rounds, round after
+    round), so the buffers are bitwise reproducible; an expert that received no rows leaves its
+    part of every buffer untouched.
     """
     shared_in = (w_shared_gate, w_shared_up, w_shared_down)
     routed_in = (w_routed_gate, w_routed_up, w_routed_down)
@@ -136,8 +148,72 @@ def backward(
     _check_tensor("d_out", d_out, ws, dtypes=(x.dtype,), ndim=2)
     if d_out.shape != x.shape:
         raise ValueError(f"d_out has shape {tuple(d_out.shape)}, expected x's {tuple(x.shape)}")
-    grads = ws.backend.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed)
+    accumulators = check_wgrad_accumulators(wgrad_accumulators, ws, x.dtype, routed_in)
+    grads = ws.backend.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                                wgrad_acc=accumulators)  # fmt: skip
     return _cast_weight_grads(grads, shared_in, routed_in, x.dtype)
+
+
+def check_wgrad_accumulators(accumulators, ws: MoKWorkspace, dtype: torch.dtype, routed_in):
+    """``backward``'s ``wgrad_accumulators`` checked against the routed weights ``routed_in``
+    (as passed: tensors or MXFP8 tuples; ``dtype`` is x's): None, or the buffers as
+    ``ExpertWeights`` / ``FusedExpertWeights`` (the weights' form). Raises naming the rule."""
+    if accumulators is None:
+        return None
+    fused = routed_in[1] is None
+    form = "(gate_up, None, down) for the fused gate/up form" if fused else "(gate, up, down)"
+    if not isinstance(accumulators, (tuple, list)) or len(accumulators) != 3:
+        raise TypeError(
+            f"wgrad_accumulators must be 3 buffers in the routed weights' order, {form}; got "
+            f"{type(accumulators).__name__}"
+            + (f" of {len(accumulators)}" if isinstance(accumulators, (tuple, list)) else "")
+        )
+    if fused and accumulators[1] is not None:
+        raise ValueError(
+            "wgrad_accumulators[1] must be None with the fused gate/up form (w_routed_up=None): "
+            "gate_up's gradient goes into wgrad_accumulators[0]"
+        )
+    dtypes = (torch.float32, torch.float64) if dtype == torch.float64 else (torch.float32,)
+    slots = (0, 2) if fused else (0, 1, 2)
+    for slot in slots:
+        shape = _dense_shape(routed_in[slot]) if routed_in[slot] is not None else None
+        _check_accumulator(f"wgrad_accumulators[{slot}]", accumulators[slot], shape, ws, dtypes)
+    if fused:
+        return FusedExpertWeights(accumulators[0], accumulators[2])
+    return ExpertWeights(*accumulators)
+
+
+#: The weight-gradient GEMM's epilogue loads and stores an accumulator by TMA: 16-byte rows.
+ACCUMULATOR_ALIGN_BYTES = 16
+
+
+def _check_accumulator(name, buf, shape, ws, dtypes) -> None:
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (its weight's fp32 gradient buffer), got "
+                        f"{type(buf).__name__}")  # fmt: skip
+    if buf.dtype not in dtypes:
+        also = " (or float64, as x is float64)" if torch.float64 in dtypes else ""
+        raise TypeError(
+            f"{name} has dtype {buf.dtype}; weight gradients accumulate in float32{also}, like "
+            "Megatron's fp32 main_grad: pass a float32 buffer"
+        )
+    if shape is not None and tuple(buf.shape) != tuple(shape):
+        raise ValueError(
+            f"{name} has shape {tuple(buf.shape)}; an accumulator has its weight's shape "
+            f"{tuple(shape)}"
+        )
+    _check_tensor(name, buf, ws, dtypes=dtypes, ndim=len(buf.shape))
+    if buf.data_ptr() % ACCUMULATOR_ALIGN_BYTES:
+        raise ValueError(
+            f"{name} starts at an address that is not {ACCUMULATOR_ALIGN_BYTES}-byte aligned "
+            "(the weight-gradient GEMM's epilogue reads and writes it by TMA); pass a fresh "
+            "tensor, or a view that starts at a multiple of 4 float32 elements"
+        )
+    if buf.requires_grad:
+        raise ValueError(
+            f"{name} requires grad; an accumulator is a plain buffer (like main_grad): pass "
+            "it detached"
+        )
 
 
 def check_errors(ws: MoKWorkspace | None = None) -> None:

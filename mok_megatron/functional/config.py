@@ -110,6 +110,7 @@ class MoKConfig:
         "auto",
         "Which GEMMs of the fused gate/up weight form (MoKExperts') the CUDA backend runs on the "
         "expert GEMM engine rather than torch._grouped_mm: 'auto' (the steps that win on Hopper, "
+        "and the weight gradients when they accumulate into caller buffers such as main_grad; "
         "none where the engine cannot run, with a warning), 'torch' (none), 'engine' (all), or "
         "engine steps joined by ',' or '+' from l1, dswiglu, l2, dgrad, wgrad (docs/GEMM.md).",
     )

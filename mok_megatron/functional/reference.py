@@ -93,7 +93,9 @@ class ReferenceBackend:
         ctx = ReferenceContext(x_rows, g, u, y, w_rows, shared_g, shared_u)
         return out.to(x.dtype), ctx
 
-    def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed):
+    def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed, wgrad_acc=None):
+        """``wgrad_acc``: the routed weights' accumulators (``api.backward``'s
+        wgrad_accumulators, in the weights' form) or None."""
         cdt = compute_dtype(x.dtype)
         wg, wu, wd = (w.to(cdt) for w in _split_form(routed))
         d_rows = _pull_rows(d_out.to(cdt), sched, ws)
@@ -117,6 +119,12 @@ class ReferenceBackend:
             from mok_megatron.ops.grouped_gemm import interleave_gate_up
 
             d_wg, d_wu = interleave_gate_up(d_wg, d_wu), None
+        if wgrad_acc is not None:
+            has_rows = _experts_with_rows(sched)
+            grads = (d_wg, d_wd) if d_wu is None else (d_wg, d_wu, d_wd)  # the accumulators' form
+            for acc, grad in zip(wgrad_acc, grads):
+                _accumulate(acc, grad, has_rows)
+            d_wg = d_wu = d_wd = None
         return MoKGradients(
             d_x=d_x.to(x.dtype),
             d_router_weights=d_rw.to(router_weights.dtype),
@@ -162,6 +170,20 @@ def _grouped_wgrad(d_rows: torch.Tensor, in_rows: torch.Tensor, row_expert, num_
         mask = (row_expert == e)[:, None]
         grads.append(torch.where(mask, d_rows, 0).T @ torch.where(mask, in_rows, 0))
     return torch.stack(grads)
+
+
+def _experts_with_rows(sched: MoKSchedule) -> torch.Tensor:
+    """[E_l] bool: the local experts that received at least one row (no host sync)."""
+    experts = torch.arange(sched.num_local_experts, device=sched.row_expert.device)
+    return (sched.row_expert[None, :] == experts[:, None]).any(1)
+
+
+def _accumulate(acc: torch.Tensor, grad: torch.Tensor, has_rows: torch.Tensor) -> None:
+    """acc [E_l, ...] += grad in acc's dtype, on the experts with rows only. NOTE: the others add
+    -0.0, which leaves every value as it is (x + -0.0 == x, even for x = -0.0 or NaN); +0.0 would
+    turn a -0.0 into +0.0."""
+    mask = has_rows.view(-1, *([1] * (grad.dim() - 1)))
+    acc.add_(torch.where(mask, grad, -0.0).to(acc.dtype))
 
 
 def _swiglu_backward(da: torch.Tensor, g: torch.Tensor, u: torch.Tensor):

@@ -40,14 +40,16 @@ class MoKGradients(NamedTuple):
     d_x: [T, H], x's dtype; d_router_weights: [T, K], router_weights' dtype (0 for empty slots);
     routed-weight gradients cover every token any rank routed to the local experts (with the fused
     gate/up form, ``d_w_routed_gate`` is the fused weight's gradient and ``d_w_routed_up`` None);
-    shared-weight gradients (None without a shared expert) cover the local tokens only.
+    shared-weight gradients (None without a shared expert) cover the local tokens only. With
+    ``wgrad_accumulators`` (``functional.backward``), the routed-weight gradients went into those
+    buffers and their slots are None.
     """
 
     d_x: torch.Tensor
     d_router_weights: torch.Tensor
-    d_w_routed_gate: torch.Tensor
-    d_w_routed_up: torch.Tensor
-    d_w_routed_down: torch.Tensor
+    d_w_routed_gate: torch.Tensor | None
+    d_w_routed_up: torch.Tensor | None
+    d_w_routed_down: torch.Tensor | None
     d_w_shared_gate: torch.Tensor | None
     d_w_shared_up: torch.Tensor | None
     d_w_shared_down: torch.Tensor | None

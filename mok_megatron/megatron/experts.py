@@ -22,10 +22,20 @@ without ``moe_grouped_gemm``) draws expert by expert, fc1 then fc2, through Mega
 linears' init paths; ``"te_grouped_mlp"`` (what the MoK layer specs pick where the stock spec
 builds ``TEGroupedMLP``) draws every expert's fc1, then every fc2, as TE's GroupedLinear does.
 So a same-seed run starts from the same model whichever dispatcher it uses.
+
+Gradient-accumulation fusion: with ``config.gradient_accumulation_fusion`` and a float32
+``main_grad`` on both weights (as Megatron's DDP gives them with ``grad_reduce_in_fp32``), the
+backward adds the weight gradients straight into ``main_grad`` (on the CUDA engine, inside the
+weight-gradient GEMM) and hands autograd Megatron's placeholder, as
+``LinearWithGradAccumulationAndAsyncCommunication`` does: ``grad_added_to_main_grad`` set and a
+dummy gradient (zeros under ``zero_out_wgrad``) where the weight has that attribute, else None.
+Without main_grad, with the flag off, or with a main_grad MoK cannot add into (not float32, not
+16-byte aligned: said once in a warning), the gradients go through ``.grad`` as before.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -47,7 +57,7 @@ from mok_megatron.ops.grouped_gemm import (
     interleave_gate_up,
 )
 
-__all__ = ["INIT_ORDERS", "MoKExperts", "check_mok_experts_config"]
+__all__ = ["INIT_ORDERS", "MoKExperts", "check_mok_experts_config", "main_grad_placeholder"]
 
 _GATE, _UP = 0, 1  # NOTE: Megatron's SwiGLU fc1 is [gate; up]: gate is chunk 0, up chunk 1.
 
@@ -56,7 +66,11 @@ INIT_ORDERS = (SEQUENTIAL_MLP, TE_GROUPED_MLP)  # whose same-seed initial weight
 
 
 def check_mok_experts_config(config) -> None:
-    """Raise a clear error for a TransformerConfig the fused experts cannot serve."""
+    """Raise a clear error for a TransformerConfig the fused experts cannot serve.
+
+    ``gradient_accumulation_fusion`` needs no rule: either value is served (module docstring);
+    unlike Megatron's own linear layers, MoK does not need APEX's fused_weight_gradient_mlp_cuda.
+    """
     rules = [
         (config.gated_linear_unit and config.activation_func is F.silu,
          "the experts must be SwiGLU (gated_linear_unit=True, activation_func=silu; --swiglu)"),
@@ -153,10 +167,32 @@ class MoKExperts(MegatronModule):
                 "use SequentialMLP/TEGroupedMLP with another dispatcher"
             )
         weights = (self.weight_gate_up, None, self.weight_down)  # the fused gate/up form
-        return self._layer_runtime.run(x, topk_experts, router_weights, weights), None
+        out = self._layer_runtime.run(
+            x, topk_experts, router_weights, weights, wgrad_accumulators=self._main_grads(),
+            accumulated_grad=main_grad_placeholder,
+        )  # fmt: skip
+        return out, None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed inside the fused backward; nothing is deferred."""
+
+    def _main_grads(self):
+        """(weight_gate_up.main_grad, None, weight_down.main_grad) when the weight gradients go
+        straight into them (gradient-accumulation fusion, module docstring), else None. Taken at
+        the forward, as Megatron's linear layers take ``main_grad``."""
+        params = {"weight_gate_up": self.weight_gate_up, "weight_down": self.weight_down}
+        if not self.config.gradient_accumulation_fusion or not all(
+            hasattr(p, "main_grad") for p in params.values()
+        ):
+            return None
+        reasons = [why for name, p in params.items() if (why := _unusable_main_grad(name, p))]
+        if reasons:
+            _warn_once(
+                f"MoKExperts: gradient_accumulation_fusion is on but {'; '.join(reasons)}; the "
+                "expert weight gradients go through .grad (a separate add into main_grad)"
+            )
+            return None
+        return (self.weight_gate_up.main_grad, None, self.weight_down.main_grad)
 
     # ---------------------------------------------------------------- distributed checkpoint
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -179,6 +215,57 @@ class MoKExperts(MegatronModule):
     def set_extra_state(self, state) -> None:
         """Megatron experts' extra states (None, or TE's FP8 metadata) do not apply to MoK."""
         del state
+
+
+def main_grad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor | None:
+    """The gradient autograd gets for ``weight`` once its gradient is in ``main_grad``: Megatron's
+    contract (``LinearWithGradAccumulationAndAsyncCommunication.backward`` in
+    megatron/core/tensor_parallel/layers.py). Where the weight has ``grad_added_to_main_grad``
+    (DDP sets it), that becomes True and a dummy of main_grad's shape is returned, zeros under
+    ``zero_out_wgrad`` (DDP's hook then adds it), so the hook runs on the main backward thread
+    and skips its add; otherwise None. The dummy comes from Transformer Engine's reused buffer
+    when TE is installed, as in Megatron."""
+    from megatron.core.tensor_parallel import layers as mcore_layers
+
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    shape, zero = list(main_grad.shape), getattr(weight, "zero_out_wgrad", False)
+    # NOTE: the weight's dtype (Megatron: the input's, the same in its training): autograd would
+    # cast a dummy of another dtype, a pass over a weight-sized tensor.
+    if mcore_layers.HAVE_TE:
+        grad = mcore_layers.get_dummy_wgrad(shape, weight.dtype, zero=zero)
+    else:
+        make = torch.zeros if zero else torch.empty
+        grad = make(shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
+    weight.grad_added_to_main_grad = True
+    return grad
+
+
+def _unusable_main_grad(name: str, p: torch.Tensor) -> str | None:
+    """Why MoK cannot add into ``p.main_grad`` (None: it can); functional.backward's rules."""
+    from mok_megatron.functional.api import ACCUMULATOR_ALIGN_BYTES
+
+    grad = p.main_grad
+    if grad.dtype != torch.float32:
+        return (f"{name}.main_grad is {grad.dtype}; MoK accumulates into float32 only "
+                "(DistributedDataParallelConfig(grad_reduce_in_fp32=True))")  # fmt: skip
+    if grad.shape != p.shape or grad.device != p.device:
+        return (f"{name}.main_grad {tuple(grad.shape)} on {grad.device} is not shaped and placed "
+                f"like {name} {tuple(p.shape)} on {p.device}")  # fmt: skip
+    if not grad.is_contiguous() or grad.data_ptr() % ACCUMULATOR_ALIGN_BYTES:
+        return (f"{name}.main_grad is not a contiguous, {ACCUMULATOR_ALIGN_BYTES}-byte aligned "
+                "buffer (the distributed optimizer aligns each parameter's; without it an offset "
+                "may be any)")  # fmt: skip
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 class _ExpertLayout:

@@ -98,10 +98,13 @@ class FusedRuntime:
         self.shared_experts = shared_experts
         self.last_workspace = None  # the workspace of the latest call (benchmarks report it)
 
-    def run(self, x, topk_experts, router_weights, routed):
+    def run(self, x, topk_experts, router_weights, routed, wgrad_accumulators=None,
+            accumulated_grad=None):  # fmt: skip
         """x: [T, H]; topk_experts / router_weights: [T, K]; routed: the routed experts' weights,
         (gate [E_l, I, H], up [E_l, I, H], down [E_l, H, I]) or the fused form (gate_up
-        [E_l, 2I, H] interleaved, None, down) that ``MoKExperts`` passes.
+        [E_l, 2I, H] interleaved, None, down) that ``MoKExperts`` passes. wgrad_accumulators /
+        accumulated_grad: ``functional.moe``'s (the experts' main_grads and Megatron's
+        placeholder under gradient-accumulation fusion), or None.
 
         Returns out: [T, H] = routed experts (+ the shared expert when fused), on local tokens.
         """
@@ -110,7 +113,8 @@ class FusedRuntime:
         ws = self.last_workspace = self.workspace(x, topk_experts, routed)
         return functional.moe(
             x, topk_experts, router_weights, *routed, shared=self.shared_weights(),
-            config=self.mok_config, workspace=ws,
+            config=self.mok_config, workspace=ws, wgrad_accumulators=wgrad_accumulators,
+            accumulated_grad=accumulated_grad if wgrad_accumulators is not None else None,
         )  # fmt: skip
 
     def shared_weights(self):
@@ -179,6 +183,9 @@ def _resolve_shared_fusion(requested, shared_experts, pg_collection) -> bool:
 
 
 def _check_layer_config(config) -> None:
+    """Raise for a TransformerConfig the MoK layer cannot serve. ``gradient_accumulation_fusion``
+    needs no rule: MoKExperts honours it (experts.py) and Megatron's experts behind
+    MoKTokenDispatcher handle it themselves."""
     if config.moe_token_dispatcher_type != MOK_DISPATCHER_TYPE:
         raise ValueError(
             f"MoKMoELayer needs moe_token_dispatcher_type='mok', got "

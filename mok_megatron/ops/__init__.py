@@ -19,6 +19,7 @@ from mok_megatron.ops.grouped_gemm import (  # expert GEMM engine (issue 7)
     grouped_gemm_nn,
     grouped_gemm_nt,
     grouped_gemm_tn,
+    grouped_gemm_tn_accumulate,
     interleave_gate_up,
 )
 from mok_megatron.ops.mxfp8 import (
@@ -42,6 +43,7 @@ __all__ = [
     "grouped_gemm_nn",
     "grouped_gemm_nt",
     "grouped_gemm_tn",
+    "grouped_gemm_tn_accumulate",
     "has_op",
     "interleave_gate_up",
     "moe",

@@ -12,13 +12,19 @@ so one output tile holds matching gate and up columns and SwiGLU runs in the GEM
 
 Ops (shapes per call; ``R`` rows, ``G`` groups, ``H`` hidden, ``I`` intermediate):
 
-==========================  =============================================================
-``grouped_gemm_l1_swiglu``  x [R,H], w_gu [G,2I,H] -> act [R,I] (+ h [R,2I] if asked)
-``grouped_gemm_nt``         a [R,K], b [G,N,K] -> a @ b[g]^T [R,N]       (L2 forward)
-``grouped_gemm_nn``         a [R,K], b [G,K,N] -> a @ b[g] [R,N]         (L1 dgrad)
-``grouped_gemm_dswiglu``    d_y [R,H], w_down [G,H,I], h [R,2I] -> d_h [R,2I] (+ act [R,I])
-``grouped_gemm_tn``         a [R,M], b [R,N] -> a_g^T @ b_g [G,M,N]      (weight grads)
-==========================  =============================================================
+==============================  =============================================================
+``grouped_gemm_l1_swiglu``      x [R,H], w_gu [G,2I,H] -> act [R,I] (+ h [R,2I] if asked)
+``grouped_gemm_nt``             a [R,K], b [G,N,K] -> a @ b[g]^T [R,N]       (L2 forward)
+``grouped_gemm_nn``             a [R,K], b [G,K,N] -> a @ b[g] [R,N]         (L1 dgrad)
+``grouped_gemm_dswiglu``        d_y [R,H], w_down [G,H,I], h [R,2I] -> d_h [R,2I] (+ act [R,I])
+``grouped_gemm_tn``             a [R,M], b [R,N] -> a_g^T @ b_g [G,M,N]      (weight grads)
+``grouped_gemm_tn_accumulate``  a [R,M], b [R,N], acc [G,M,N] fp32 -> acc[g] += a_g^T @ b_g
+==============================  =============================================================
+
+``grouped_gemm_tn_accumulate`` is Megatron's gradient-accumulation fusion on the engine: the
+weight gradient's epilogue reads the caller's fp32 buffer (e.g. ``main_grad``) and writes back
+``buffer + a_g^T @ b_g`` (one fp32 rounding, the same bits as adding the fp32 GEMM result in a
+separate pass), so no bf16 gradient is written and no add pass follows.
 
 ``grouped_gemm_nt_wait`` and ``grouped_gemm_l1_swiglu_wait`` are the two forward ops with a
 per-tile *flag wait* (the persistent megakernel's hook, docs/GEMM.md): before a tile loads its
@@ -58,6 +64,7 @@ __all__ = [
     "grouped_gemm_nt",
     "grouped_gemm_nt_wait",
     "grouped_gemm_tn",
+    "grouped_gemm_tn_accumulate",
     "interleave_gate_up",
 ]
 
@@ -195,6 +202,20 @@ def grouped_gemm_tn(
     return out
 
 
+def grouped_gemm_tn_accumulate(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, acc: torch.Tensor,
+    tuning: GemmTuning | None = None,
+) -> None:  # fmt: skip
+    """acc[g] += a_g^T @ b_g over each group's rows, in the GEMM's epilogue (in place).
+
+    a: [R, M], b: [R, N] bf16; acc: [G, M, N] float32, contiguous and 16-byte aligned (the
+    epilogue loads and stores it by TMA), e.g. Megatron's ``main_grad``. Each group's sum runs in
+    :func:`grouped_gemm_tn`'s fixed order and lands once: ``acc + fp32(a_g^T @ b_g)``, so
+    ``bf16`` of it over a zero buffer is bitwise :func:`grouped_gemm_tn`'s output. A group
+    without rows leaves its ``acc[g]`` untouched (not even -0.0 becomes +0.0)."""
+    torch.ops.mok.grouped_gemm_tn_accumulate_out(a, b, offs, acc, *_tuning_args(tuning))
+
+
 # ------------------------------------------------------------------------------- flag wait
 #: Words of the flag-wait error record (int32 each); mirrors mok::gemm::FlagWaitError.
 FLAG_WAIT_ERROR_FIELDS = (
@@ -291,6 +312,7 @@ def _out_fake(*args, **kwargs) -> None:  # every op writes into caller-provided 
 
 
 if extension_available() and grouped_gemm_available():
-    for _name in ("l1_swiglu", "nt", "nn", "dswiglu", "tn", "nt_wait", "l1_swiglu_wait"):
+    for _name in ("l1_swiglu", "nt", "nn", "dswiglu", "tn", "tn_accumulate", "nt_wait",
+                  "l1_swiglu_wait"):  # fmt: skip
         if has_op(f"grouped_gemm_{_name}_out"):
             torch.library.register_fake(f"mok::grouped_gemm_{_name}_out")(_out_fake)

@@ -56,3 +56,15 @@ def test_bench_runs_on_cpu_and_the_report_renders(tmp_path, ep):
     text = md.read_text()
     assert f"| tiny | {ep} | 64 | uniform | fwd |" in text
     assert png.stat().st_size > 1000
+
+
+def test_bench_with_main_grad_runs_on_cpu(tmp_path):
+    """--main-grad: MoK's backward adds into the fp32 main_grads (the record says so)."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, *BENCH, "--main-grad", "--routing", "uniform", "--out",
+                    str(out)], check=True, env=_env(), cwd=ROOT, timeout=600)  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["args"]["main_grad"] is True
+    (case,) = record["cases"]
+    assert case["mok_into_main_grad"] is True
+    assert case["fwd_bwd"]["mok"]["median_ms"] > 0 and case["fwd_bwd"]["baseline"]["median_ms"] > 0

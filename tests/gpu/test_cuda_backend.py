@@ -159,28 +159,50 @@ class Run:
         return F.build_schedule(self.ws, self.config, self.topk, self.ws.num_local_experts,
                                 router_weights=self.rw)  # fmt: skip
 
-    def passes(self, sched):
+    def passes(self, sched, accumulators=None):
+        """out and every gradient; ``accumulators``: F.backward's wgrad_accumulators (the
+        routed-weight gradients go into them and come back None)."""
         out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
         self.rounds = ctx.rounds.count if self.ws.backend.name == "cuda" else None
         grads = F.backward(
-            self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights
-        )._asdict()
-        if self.form != "split":  # the fused weight's gradient, split for the checks
+            self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw, *self.weights,
+            wgrad_accumulators=accumulators,
+        )._asdict()  # fmt: skip
+        if self.form != "split" and accumulators is None:  # the fused gradient, split
             assert grads["d_w_routed_up"] is None
             gate_up = grads["d_w_routed_gate"]
             grads["d_w_routed_gate"], grads["d_w_routed_up"] = deinterleave_gate_up(gate_up, -2)
         return {"out": out, **grads}
 
-    def __call__(self, poison=True):
+    def make_accumulators(self, kind="zeros", seed=0):
+        """float32 buffers in the routed weights' form (None in the fused form's up slot):
+        "zeros" or "random" (N(0, 1)); made outside any poisoned pool (they are inputs)."""
+        gen = torch.Generator(device=_device()).manual_seed(seed)
+
+        def make(w):
+            if kind == "zeros":
+                return torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            return torch.randn(w.shape, generator=gen, dtype=torch.float32, device=w.device)
+
+        return tuple(None if w is None else make(w) for w in self.routed)
+
+    def split_accumulators(self, buffers) -> dict:
+        """Accumulators as the split routed-gradient names (fused gate_up de-interleaved)."""
+        gate, up, down = buffers
+        if self.form != "split":
+            gate, up = deinterleave_gate_up(gate, -2)
+        return dict(zip(ROUTED, (gate, up, down)))
+
+    def __call__(self, poison=True, accumulators=None):
         if not poison:
             sched = self.schedule()
-            return sched, self.passes(sched)
+            return sched, self.passes(sched, accumulators)
         _poison_workspace(self.ws)
         # the reference backend computes in float32: its passes need a larger pool
         size = (12 if self.ws.backend.name == "reference" else 4) << 30
         with poisoned_memory(large_bytes=size) as mem:
             sched = self.schedule()
-            result = self.passes(sched)
+            result = self.passes(sched, accumulators)
         _assert_outputs_poisoned(mem, self.ws, sched, result)
         torch.cuda.synchronize()
         self.ws.check_errors()
@@ -207,15 +229,17 @@ class VirtualRuns:
     def schedules(self):
         return run_ranks(lambda r: self.runs[r].schedule(), self.streams)
 
-    def passes(self, scheds):
-        return run_ranks(lambda r: self.runs[r].passes(scheds[r]), self.streams)
+    def passes(self, scheds, accumulators=None):
+        acc = accumulators or [None] * len(self.runs)
+        return run_ranks(lambda r: self.runs[r].passes(scheds[r], acc[r]), self.streams)
 
-    def __call__(self, check_errors=True):
-        """(schedules, results) of one poisoned pass on every rank."""
+    def __call__(self, check_errors=True, accumulators=None):
+        """(schedules, results) of one poisoned pass on every rank; ``accumulators``: one
+        wgrad_accumulators tuple per rank, or None."""
         _poison_workspace(*self.workspaces)
         with poisoned_memory(streams=self.streams) as mem:
             scheds = self.schedules()
-            results = self.passes(scheds)
+            results = self.passes(scheds, accumulators)
         for ws, sched, result in zip(self.workspaces, scheds, results):
             _assert_outputs_poisoned(mem, ws, sched, result)
         torch.cuda.synchronize()
@@ -852,4 +876,249 @@ def test_ep2_full_width_qwen3(dist_group, form):
     failures = _schedule_failures(sched, problem, run.ws)
     failures += _check_accuracy(problem, got, oracle_device=_device())
     failures += _check_against_reference(problem, got, config, form=form)
+    assert not failures, f"rank {dist.get_rank()}: {failures}"
+
+
+# ================================== weight gradients into caller buffers (Megatron's main_grad)
+#: Forms whose accumulating weight gradient is the same GEMM as the returned one, so the sum over
+#: a zero buffer, rounded to bf16, is bitwise the returned gradient: the engine for every step
+#: ("fused": expert_gemm='engine') or torch for every step ("fused_torch": the torch fallback adds
+#: torch._grouped_mm's bf16 result). "split" and "fused_auto" return torch's weight gradient but
+#: accumulate on the engine (expert_gemm 'auto' adds its "wgrad" step when accumulating).
+SAME_WGRAD_GEMM = ("fused", "fused_torch")
+ACCUMULATE_FORMS = (*FORMS, "fused_auto")
+OTHER_OUTPUTS = ("out", "d_x", "d_router_weights", *SHARED)
+
+
+def _clone(buffers):
+    return tuple(None if b is None else b.clone() for b in buffers)
+
+
+def _old_buffers(run, sums, seed):
+    """Random starting buffers at the scale of ``sums`` (the sums into zero buffers), so that
+    float32 rounding of old + sum stays ~1e-7 of the sum and a lost or doubled round shows."""
+    rand = run.make_accumulators("random", seed)
+    return tuple(None if r is None else r * s.pow(2).mean().sqrt() for r, s in zip(rand, sums))
+
+
+def _accumulation_failures(run, plain, zeros, got, old=None, acc=None, exact=True) -> list[str]:
+    """An accumulating pass against the plain one: no routed gradient returned, every other
+    output bitwise the plain pass's; ``zeros`` (summed from zero buffers) bitwise the returned
+    gradient where the GEMM is the same; ``acc`` (summed onto ``old``) bitwise old + zeros when
+    ``exact`` (one round), else within float32 rounding of it (rounds add in another order)."""
+    failures = [f"{n}: returned with accumulators" for n in ROUTED if got[n] is not None]
+    failures += [f"{n}: differs from the plain pass" for n in OTHER_OUTPUTS
+                 if plain[n] is not None and not torch.equal(got[n], plain[n])]  # fmt: skip
+    summed = run.split_accumulators(zeros)
+    if run.form in SAME_WGRAD_GEMM and exact:
+        failures += [f"{n}: bf16(sum into zeros) is not the returned gradient" for n in ROUTED
+                     if not torch.equal(summed[n].bfloat16(), plain[n])]  # fmt: skip
+    if acc is not None:
+        for i, (a, o, z) in enumerate(zip(acc, old, zeros)):
+            if a is None:
+                continue
+            if exact and not torch.equal(a, o + z):
+                failures.append(f"accumulator {i}: not bitwise old + the sum into zeros")
+            err = relative_error(a.double() - o.double(), z.double())
+            if not err < 1e-4:
+                failures.append(f"accumulator {i}: (acc - old) vs the sum into zeros {err:.2e}")
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ACCUMULATE_FORMS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wgrad_accumulation_matches_own_gradient_oracle_and_reference(shape, form):
+    problem = _problem([300], SHAPES[shape], seed=11)
+    run = Run(problem, "cuda", form=form)
+    _, plain = run()
+    zeros = run.make_accumulators("zeros")
+    _, got = run(accumulators=zeros)
+    old = _old_buffers(run, zeros, seed=1)
+    acc = _clone(old)
+    run(accumulators=acc)
+    failures = _accumulation_failures(run, plain, zeros, got, old, acc)
+    summed = {**plain, **run.split_accumulators(zeros)}
+    failures += _check_accuracy(problem, summed)
+    failures += _check_against_reference(problem, summed, form=form)
+    again = _clone(old)
+    run(accumulators=again)
+    failures += [f"accumulator {i}: repeat differs" for i, (a, b) in enumerate(zip(acc, again))
+                 if a is not None and not torch.equal(a, b)]  # fmt: skip
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ACCUMULATE_FORMS)
+@pytest.mark.parametrize("case", ["qwen3-30b-a3b", "deepseek-v3_shared", "experts_without_tokens",
+                                  "all_to_one_expert_topk1"])  # fmt: skip
+def test_wgrad_accumulation_over_macrobatch_rounds(case, form):
+    """Each round adds its partial weight gradient into the buffer, in round order."""
+    tokens, shape, kwargs = ROUND_CASES[case]
+    problem = _problem(tokens, shape, seed=23, **kwargs)
+    run = Run(problem, "cuda", config=ROUNDS, form=form)
+    _, plain = run()
+    assert run.rounds > 1, f"{case}: expected several rounds, got {run.rounds}"
+    zeros = run.make_accumulators("zeros")
+    _, got = run(accumulators=zeros)
+    old = _old_buffers(run, zeros, seed=2)
+    acc = _clone(old)
+    run(accumulators=acc)
+    failures = _accumulation_failures(run, plain, zeros, got, old, acc, exact=False)
+    summed = {**plain, **run.split_accumulators(zeros)}
+    failures += _check_accuracy(problem, summed)
+    failures += _check_against_reference(problem, summed, ROUNDS, form=form)
+    for repeat in range(2):
+        again = _clone(old)
+        run(accumulators=again)
+        failures += [f"repeat {repeat}: accumulator {i} differs"
+                     for i, (a, b) in enumerate(zip(acc, again))
+                     if a is not None and not torch.equal(a, b)]  # fmt: skip
+    assert not failures, failures
+
+
+def _used_experts(problem, run) -> torch.Tensor:
+    """[E_l] bool on the GPU: this rank's experts that any token routes to."""
+    topk = problem.topk_experts
+    used = torch.zeros(problem.w_gate.shape[0], dtype=torch.bool)
+    used[topk[topk >= 0]] = True
+    return used[problem.expert_slice(run.rank)].to(_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ACCUMULATE_FORMS)
+@pytest.mark.parametrize("rounds", [False, True], ids=["one_round", "rounds"])
+def test_wgrad_accumulation_leaves_experts_without_rows_untouched(form, rounds):
+    """Experts no token routes to keep their buffer bits: NaN and -0.0 (which adding +0.0 would
+    turn into +0.0) survive; the others get a finite sum."""
+    if rounds:
+        tokens, shape, kwargs = ROUND_CASES["experts_without_tokens"]
+        problem = _problem(tokens, shape, seed=23, **kwargs)
+    else:
+        problem = _problem([5], (128, 64, 64, 2, 0), seed=5)
+    run = Run(problem, "cuda", config=ROUNDS if rounds else None, form=form)
+    used = _used_experts(problem, run)
+    assert (~used).any() and used.any()
+    old = run.make_accumulators("random", seed=3)
+    for buf in old:
+        if buf is not None:
+            buf[~used] = -0.0
+            buf[~used, 0, :5] = float("nan")
+    acc = _clone(old)
+    run(accumulators=acc)
+    assert (run.rounds > 1) == rounds
+    for i, (a, o) in enumerate(zip(acc, old)):
+        if a is None:
+            continue
+        assert torch.equal(a[~used].view(torch.int32), o[~used].view(torch.int32)), (
+            f"accumulator {i}: an expert without rows changed"
+        )
+        assert torch.isfinite(a[used]).all(), f"accumulator {i}: a used expert is not finite"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["split", "fused", "fused_torch"])
+@pytest.mark.parametrize("rounds", [False, True], ids=["one_round", "rounds"])
+def test_wgrad_accumulation_graph_replay_and_no_host_sync(form, rounds):
+    """Captured in a CUDA graph, each replay adds the same sum: two replays give the buffers two
+    eager passes give, bit for bit; eager passes do not sync the host."""
+    problem = _problem([190], SHAPES["qwen3-30b-a3b"], seed=8, shared_inter=64)
+    run = Run(problem, "cuda", config=ROUNDS if rounds else None, form=form)
+    sched, _ = run()
+    old = run.make_accumulators("random", seed=4)
+    eager = _clone(old)
+    for _ in range(2):
+        run.passes(sched, eager)
+    replayed = _clone(old)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on the capture stream (into scratch buffers)
+        run.passes(sched, _clone(old))
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run.passes(sched, replayed)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(replayed, eager)):
+        assert a is None or torch.equal(a, b), f"accumulator {i}: graph replays differ from eager"
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run.passes(run.schedule(), _clone(old))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    run.ws.check_errors()
+
+
+@pytest.mark.gpu
+def test_wgrad_accumulation_bad_buffers_raise():
+    """The CUDA backend goes through the functional API's checks (shape, dtype, alignment)."""
+    run = Run(_problem([40], (128, 64, 8, 2, 0), seed=2), "cuda", form="fused")
+    gate_up, _, down = run.make_accumulators("zeros")
+    sched = run.schedule()
+    for buffers, error, match in [
+        ((gate_up.bfloat16(), None, down), TypeError, "pass a float32 buffer"),
+        ((gate_up, None, down[:, :-8].contiguous()), ValueError, "its weight's shape"),
+        ((gate_up, None, torch.zeros(down.numel() + 1, device=down.device)[1:].view(down.shape)),
+         ValueError, "16-byte aligned"),
+        ((gate_up.cpu(), None, down), ValueError, "is on cpu but the workspace is on cuda"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=match):
+            run.passes(sched, buffers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_virtual_ranks_wgrad_accumulation(form):
+    """EP 2 and 4 on one GPU: each rank adds its own experts' gradients (over every rank's rows)
+    into its buffers."""
+    for case in ("uneven_skewed", "four_ranks"):
+        tokens, shape, kwargs = VIRTUAL_CASES[case]
+        problem = _problem(tokens, shape, seed=41, **kwargs)
+        config = F.MoKConfig(schedule_capacity_multiplier=float(len(tokens)))
+        vruns = VirtualRuns(problem, len(tokens), config=config, form=form)
+        _, plain = vruns()
+        zeros = [run.make_accumulators("zeros") for run in vruns.runs]
+        _, got = vruns(accumulators=zeros)
+        old = [_old_buffers(run, z, seed=run.rank) for run, z in zip(vruns.runs, zeros)]
+        acc = [_clone(o) for o in old]
+        vruns(accumulators=acc)
+        oracle = run_oracle(problem, global_d_out(problem, 0))  # VirtualRuns' d_out (seed 0)
+        failures = []
+        for r, run in enumerate(vruns.runs):
+            failures += [f"{case} rank {r}: {f}" for f in _accumulation_failures(
+                run, plain[r], zeros[r], got[r], old[r], acc[r])]  # fmt: skip
+            for name, value in run.split_accumulators(zeros[r]).items():
+                want = _local_slice(problem, name, r, oracle[name]).to(value.device)
+                if not relative_error(value, want) < 1e-2:
+                    err = relative_error(value, want)
+                    failures.append(f"{case} rank {r} {name}: rel err {err:.2e} vs float64")
+        assert not failures, failures
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("form", ["split", "fused", "fused_torch"])
+@pytest.mark.parametrize("rounds", [False, True], ids=["one_round", "rounds"])
+def test_ep2_wgrad_accumulation(dist_group, form, rounds):
+    problem = _problem([170, 130], SHAPES["qwen3-30b-a3b"], seed=9, shared_inter=64)
+    config = F.MoKConfig(schedule_capacity_multiplier=2.0)
+    if rounds:
+        config = dataclasses.replace(config, minibatch_size=128, macrobatch_size=256)
+    run = Run(problem, "cuda", config=config, form=form)
+    _, plain = run()
+    zeros = run.make_accumulators("zeros")
+    _, got = run(accumulators=zeros)
+    old = _old_buffers(run, zeros, seed=5 + run.rank)
+    acc = _clone(old)
+    run(accumulators=acc)
+    failures = [] if (run.rounds > 1) == rounds else [f"rounds: got {run.rounds}"]
+    failures += _accumulation_failures(run, plain, zeros, got, old, acc, exact=not rounds)
+    failures += _check_accuracy(problem, {**plain, **run.split_accumulators(zeros)})
+    again = _clone(old)
+    run(accumulators=again)
+    failures += [f"accumulator {i}: repeat differs" for i, (a, b) in enumerate(zip(acc, again))
+                 if a is not None and not torch.equal(a, b)]  # fmt: skip
     assert not failures, f"rank {dist.get_rank()}: {failures}"

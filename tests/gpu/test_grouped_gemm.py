@@ -296,6 +296,124 @@ def test_wgrad(case, which, schedule):
             check(f"d_w[{g}]", out[g], a[r].double().T @ b[r].double(), out_torch[g])
 
 
+# ------------------------------------------------------- accumulating weight gradient (fp32)
+#: The accumulation cases: the edge shapes (partial tiles, empty and 1-row groups) and every big
+#: shape at a quarter of the rows (the [G, M, N] fp32 buffers do not shrink with the rows).
+# NOTE: not deepseek-v3: its fp32 w_gu buffer at EP 2 is 15 GB and the test holds four of them
+# (the CUDA backend's accumulation tests cover its shape scaled down).
+ACCUMULATE_CASES = ALL_CASES[: len(SMALL)] + [
+    pytest.param(c, id=f"{c[0]}-x{c[1]}-{c[2]}")
+    for c in CASES
+    if c[1] == 0.25 and c[0] != "deepseek-v3"
+]
+
+
+def wgrad_operands(p: Problem, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) of one weight gradient: d_w_gu[g] = d_h_g^T @ x_g or d_w_down[g] = d_y_g^T @ act_g."""
+    gen = torch.Generator(device="cuda").manual_seed(len(which))
+    rows = p.x.shape[0]
+    if which == "w_gu":
+        return torch.randn(rows, 2 * p.inter, generator=gen, device="cuda").bfloat16(), p.x
+    return p.d_y, torch.randn(rows, p.inter, generator=gen, device="cuda").bfloat16()
+
+
+def start_buffer(p: Problem, m: int, n: int) -> torch.Tensor:
+    """A random fp32 accumulator whose empty groups hold NaN and -0.0 (they must survive)."""
+    acc = torch.randn(p.groups, m, n, device="cuda")
+    empty = torch.tensor([c == 0 for c in p.counts], device="cuda")
+    acc[empty] = -0.0
+    acc[empty, 0, :3] = float("nan")
+    return acc
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("case", ACCUMULATE_CASES)
+@pytest.mark.parametrize("which", ["w_gu", "w_down"])
+def test_wgrad_accumulate(case, which, schedule):
+    """acc += a_g^T @ b_g in the epilogue: over zeros it is the plain op's fp32 accumulator (bf16 of
+    it is bitwise grouped_gemm_tn), over a buffer it is buffer + that, bit for bit, with empty
+    groups untouched; repeats are bitwise; the sum meets the float64 rule."""
+    p, limit = problem_of(case)
+    a, b = wgrad_operands(p, which)
+    tuning = gg.GemmTuning(schedule=schedule)
+    old = start_buffer(p, a.shape[1], b.shape[1])
+    acc = old.clone()
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning)
+    again = old.clone()
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning)
+    assert same_bits(acc, again), "repeat is not bitwise identical"
+    del again
+    total = torch.zeros_like(acc)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning)
+    plain = gg.grouped_gemm_tn(a, b, p.offs, tuning=tuning)
+    for g, c in enumerate(p.counts):
+        if c == 0:
+            assert same_bits(acc[g], old[g]), f"group {g} has no rows: its buffer must not change"
+            assert torch.count_nonzero(total[g]) == 0, f"group {g}"
+            continue
+        assert same_bits(acc[g], old[g] + total[g]), f"group {g}: acc != old + the sum, bitwise"
+        assert torch.equal(total[g].bfloat16(), plain[g]), f"group {g}: bf16(sum) != tn's output"
+    del plain
+    for g in groups_to_check(p.counts, limit):
+        r = rows_of(p.counts, g)
+        if r.stop > r.start:
+            check(f"d_w[{g}]", total[g], a[r].double().T @ b[r].double(), a[r].T @ b[r])
+
+
+def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
+    """Raster / swizzle / schedule reorder tiles only (bitwise the same sums); a captured launch
+    adds on every replay, bitwise as eager launches do; no host sync."""
+    p = big_problem("qwen3-30b-a3b", 0.25, "skewed")
+    a, b = wgrad_operands(p, "w_down")
+    old = start_buffer(p, a.shape[1], b.shape[1])
+    base = old.clone()
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, base)
+    for tuning in (gg.GemmTuning(raster="n"), gg.GemmTuning(swizzle=4),
+                   gg.GemmTuning(schedule="pingpong", raster="n", swizzle=8)):  # fmt: skip
+        again = old.clone()
+        gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning)
+        assert same_bits(again, base), tuning
+    eager = old.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            gg.grouped_gemm_tn_accumulate(a, b, p.offs, eager)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    replayed = old.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        torch.ops.mok.grouped_gemm_tn_accumulate_out(a, b, p.offs, replayed)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert same_bits(replayed, old), "capturing must not run the kernel"
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(replayed, eager)
+
+
+def test_wgrad_accumulate_bad_input_errors():
+    p = small_problem(0)
+    a, b = wgrad_operands(p, "w_down")
+    acc = torch.zeros(p.groups, a.shape[1], b.shape[1], device="cuda")
+    for buf, match in [
+        (acc.bfloat16(), "acc.dtype=BFloat16 must be float32"),
+        (acc[:, :, :-8].contiguous(), r"acc.shape=.* must be"),
+        (acc.transpose(1, 2).contiguous().transpose(1, 2), "must be contiguous"),
+        (torch.zeros(acc.numel() + 1, device="cuda")[1:].view(acc.shape), "16-byte aligned"),
+        (acc.cpu(), "acc must be a CUDA tensor"),
+        (acc[:-1].contiguous(), r"offs.shape=.* must be \[\d+\]"),
+    ]:  # fmt: skip
+        with pytest.raises(RuntimeError, match=match):
+            gg.grouped_gemm_tn_accumulate(a, b, p.offs, buf)
+
+
 # ------------------------------------------------------------------------- sync and graphs
 def test_no_host_sync_and_graph_capture():
     p = small_problem(1)

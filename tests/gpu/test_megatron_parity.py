@@ -167,6 +167,52 @@ def _cuda_backend_built() -> bool:
     return all(has_op(op) for op in CUDA_OPS)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ep", _ep_sizes())
+def test_main_grad_fusion_under_ddp_bf16(ep, overlap):
+    """gradient_accumulation_fusion under Megatron's DDP (grad_reduce_in_fp32, two micro-batches,
+    with and without overlapped reduction), bf16 on the CUDA backend: MoKExperts adds its weight
+    gradients into main_grad (grad_added_to_main_grad set on every backward) and the reduced
+    main_grads match the unfused layer's (whose bf16 .grad DDP's hook adds) within the bf16 rule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from mok_megatron.megatron import parity
+
+    _require(ep)
+    parity.init_megatron_parallel(ep, device=DEVICE)
+    case = parity.LayerCase(topk=2, device=DEVICE, dtype=torch.bfloat16)
+    weights, main_grads, fused_path = None, {}, []
+    for fusion in (False, True):
+        layer = parity.build_moe_layer(case, "mok_fused", ep)
+        if weights is None:
+            weights = {k: v.clone() for k, v in layer.state_dict().items() if v is not None}
+        else:
+            layer.load_state_dict(weights, strict=False)
+        layer.config.gradient_accumulation_fusion = fusion
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=overlap)  # fmt: skip
+        model = DistributedDataParallel(config=layer.config, ddp_config=ddp_config, module=layer)
+        model.zero_grad_buffer()
+        for micro in range(2):
+            x, d_out = _tokens(case, seed=200 + micro)
+            out, _ = model(x)
+            out.backward(d_out)
+            experts = (layer.experts.weight_gate_up, layer.experts.weight_down)
+            fused_path += [p.grad_added_to_main_grad for p in experts] if fusion else []
+        model.finish_grad_sync()
+        main_grads[fusion] = {n: p.main_grad.clone() for n, p in layer.named_parameters()}
+    if DEVICE == "cuda" and _cuda_backend_built():
+        assert layer.experts._layer_runtime.last_workspace.backend.name == "cuda"
+    assert fused_path and all(fused_path), "the fused path was not taken"
+    bad = []
+    for name, want in main_grads[False].items():
+        err = parity.relative_errors({name: main_grads[True][name]}, {name: want})[name]
+        RESULTS[f"main_grad fusion bf16 ep={ep} overlap={overlap} {name}"] = err
+        if not err < 1e-2:
+            bad.append(f"{name}: fused vs unfused main_grad rel err {err:.2e}")
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.multigpu
 def test_gpt_training_matches_alltoall():
     from mok_megatron.megatron.training import replace_training, train

@@ -155,5 +155,5 @@ class CudaBackend:
                 )
         return stage1.forward(ws, sched, x, router_weights, shared, routed, save)
 
-    def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed):
-        return stage1.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed)
+    def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed, wgrad_acc=None):
+        return stage1.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed, wgrad_acc)

@@ -11,8 +11,8 @@ import torch
 from ..config import ENGINE_STEPS, engine_step_list
 from ..types import FusedExpertWeights
 
-__all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "ExpertRows", "Experts", "engine_steps",
-           "grouped_mm", "accumulate"]  # fmt: skip
+__all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "AUTO_ACCUMULATE_STEPS", "ExpertRows", "Experts",
+           "engine_steps", "grouped_mm", "accumulate"]  # fmt: skip
 
 #: What MoKConfig.expert_gemm="auto" picks on Hopper. "l2": its engine GEMM beat
 #: torch._grouped_mm on all six points of the same-process micro-benchmark (docs/GEMM.md). "l1"
@@ -23,6 +23,11 @@ __all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "ExpertRows", "Experts", "engine
 #: gradients (lost on most) or the fused dSwiGLU (its d_h store is not staged through shared
 #: memory; pair "mok" / "torch_gemm+mok_dswiglu").
 AUTO_ENGINE_STEPS = ("l1", "l2")
+#: What "auto" adds when the backward accumulates the weight gradients into caller buffers
+#: (functional.backward's wgrad_accumulators, Megatron's main_grad): the engine's weight gradient
+#: adds into the fp32 buffer in its epilogue, while torch._grouped_mm (bf16 output only) needs its
+#: bf16 result and a separate fp32 add pass over the buffer.
+AUTO_ACCUMULATE_STEPS = ("wgrad",)
 
 
 @dataclass
@@ -50,12 +55,19 @@ class Experts:
     halves and the interleaved SwiGLU kernel; the L2 dgrad with the SwiGLU backward in one
     engine GEMM, or ``torch._grouped_mm`` and the interleaved SwiGLU-backward kernel; the plain
     GEMMs (L2 forward, dgrads, weight gradients) likewise (``mm_nt``, ``mm_nn``, ``mm_tn``).
+
+    ``accumulate``: the weight gradients go into caller buffers (``mm_tn_accumulate``); for either
+    form, on the engine when its "wgrad" step is (AUTO_ACCUMULATE_STEPS), else by torch.
     """
 
-    def __init__(self, routed, expert_gemm: str, device: torch.device):
+    def __init__(self, routed, expert_gemm: str, device: torch.device, accumulate: bool = False):
         self.routed = routed
         self.fused = isinstance(routed, FusedExpertWeights)
-        self.engine = engine_steps(expert_gemm, device) if self.fused else ()
+        steps = engine_steps(expert_gemm, device, accumulate) if self.fused or accumulate else ()
+        self.engine = steps if self.fused else ()
+        # NOTE: the weight-gradient GEMM does not depend on the form, so accumulation follows
+        # expert_gemm's "wgrad" step with separate gate and up weights too.
+        self.accumulate_on_engine = accumulate and "wgrad" in steps
         if self.fused:
             self.pre_weights = (routed.gate_up,)
             self.grad_slots = (0, 2)  # d_w_routed_gate holds gate_up's gradient
@@ -127,14 +139,34 @@ class Experts:
             return gg.grouped_gemm_tn(a, b, offs)
         return grouped_mm(a.T, b, offs)
 
+    def mm_tn_accumulate(self, a, b, offs, acc: torch.Tensor) -> None:
+        """acc [G, P, Q] (float32) += each group's a_g^T @ b_g (a [M, P], b [M, Q]); a group
+        without rows leaves acc[g] as it is. On the engine the GEMM's epilogue adds its fp32
+        result; otherwise (the torch fallback) torch._grouped_mm's bf16 result is added in
+        float32, the same as adding the gradient it would return, at one more pass over acc."""
+        from mok_megatron.ops import grouped_gemm as gg
 
-def engine_steps(expert_gemm: str, device: torch.device) -> tuple[str, ...]:
+        if self.accumulate_on_engine:
+            gg.grouped_gemm_tn_accumulate(a, b, offs, acc)
+            return
+        part = grouped_mm(a.T, b, offs)  # a group without rows holds anything: masked below
+        rows = torch.diff(offs, prepend=offs.new_zeros(1))
+        # NOTE: a select, not an add of zeros: NaN + 0 on the GPU gives the canonical NaN, not
+        # the buffer's bits, and an expert without rows must keep its exact bits.
+        acc.copy_(torch.where((rows > 0).view(-1, 1, 1), acc + part, acc))
+
+
+def engine_steps(
+    expert_gemm: str, device: torch.device, accumulate: bool = False
+) -> tuple[str, ...]:
     """The steps of the fused gate/up form that run on the expert GEMM engine (ENGINE_STEPS)
     for ``expert_gemm`` (MoKConfig.expert_gemm, validated there); "auto" is AUTO_ENGINE_STEPS
-    where the engine can run, else none (with a warning that says why)."""
+    (plus AUTO_ACCUMULATE_STEPS when the weight gradients are ``accumulate``d into caller
+    buffers) where the engine can run, else none (with a warning that says why)."""
     from mok_megatron.ops.grouped_gemm import grouped_gemm_available
 
-    named = {"auto": AUTO_ENGINE_STEPS, "torch": (), "engine": ENGINE_STEPS}
+    auto = AUTO_ENGINE_STEPS + (AUTO_ACCUMULATE_STEPS if accumulate else ())
+    named = {"auto": auto, "torch": (), "engine": ENGINE_STEPS}
     steps = named[expert_gemm] if expert_gemm in named else engine_step_list(expert_gemm)
     if not set(steps) <= set(ENGINE_STEPS):
         raise ValueError(
@@ -159,7 +191,7 @@ def engine_steps(expert_gemm: str, device: torch.device) -> tuple[str, ...]:
             f"{why_not}; use expert_gemm='auto' or 'torch'"
         )
     _warn_once(
-        f"mok: the fused gate/up experts run on torch._grouped_mm, not the expert GEMM engine: "
+        f"mok: the expert GEMMs run on torch._grouped_mm, not the expert GEMM engine: "
         f"{why_not} (MoKConfig.expert_gemm='torch' chooses this without the warning)"
     )
     return ()

@@ -11,7 +11,9 @@ megakernel.
   backward   the same moves in reverse; the per-row router-weight gradient and weighted d_out
              in one kernel (``moe_row_grad``); weight gradients are grouped GEMMs that reduce
              over each expert's rows in one fixed order (no atomics), experts without rows
-             zeroed by ``moe_accumulate_groups``
+             zeroed by ``moe_accumulate_groups``; or, given accumulators (gradient-accumulation
+             fusion), each weight-gradient GEMM adds into the caller's fp32 buffer in its
+             epilogue (``Experts.mm_tn_accumulate``), round after round
   rounds     more rows than ``macrobatch_size``: the padded rows run in fixed-size windows; each
              round adds its rows to a float32 per-token accumulator and the last pushes; the
              forward then keeps only the received tokens and the backward recomputes each
@@ -101,7 +103,10 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
     return out, ctx
 
 
-def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed):
+def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
+             wgrad_acc=None):  # fmt: skip
+    """``wgrad_acc``: the routed weights' fp32 accumulators in the weights' form
+    (``ExpertWeights`` / ``FusedExpertWeights``; api.backward's wgrad_accumulators) or None."""
     from mok_megatron.ops import moe as mops
 
     from ..types import MoKGradients
@@ -117,8 +122,9 @@ def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, rout
     if shared is not None:
         d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
-    experts = Experts(routed, ws.config.expert_gemm, x.device)
+    experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None)
     d_w = [None, None, None]  # gate (or fused gate_up), up, down
+    acc_w = _accumulator_slots(wgrad_acc)  # the caller's buffers in the same slots, or None
     acc = round_accumulator(rounds, d_recv)
     for r in range(rounds.count):
         window = rounds.window(r)
@@ -148,7 +154,10 @@ def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, rout
         # weight gradients one at a time (each part is weight-sized)
         parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
         for i, (rows_t, rows) in zip(experts.grad_slots, parts):
-            d_w[i] = accumulate(d_w[i], experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
+            if acc_w is None:
+                d_w[i] = accumulate(d_w[i], experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
+            else:  # into the caller's buffer, in round order
+                experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[i])
         d_x = mops.moe_combine(
             dx[0], plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
             sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
@@ -163,6 +172,17 @@ def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, rout
         d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1],
         d_w_shared_down=d_shared[2],
     )  # fmt: skip
+
+
+def _accumulator_slots(wgrad_acc):
+    """The accumulators as (gate or fused gate_up, up or None, down): d_w's slots."""
+    from ..types import FusedExpertWeights
+
+    if wgrad_acc is None:
+        return None
+    if isinstance(wgrad_acc, FusedExpertWeights):
+        return (wgrad_acc.gate_up, None, wgrad_acc.down)
+    return tuple(wgrad_acc)
 
 
 def _shared_backward(d_out, x, ctx: CudaContext, shared):

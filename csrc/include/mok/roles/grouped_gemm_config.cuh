@@ -57,6 +57,24 @@ using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     LayoutD*, kAlignment, Element, LayoutD*, kAlignment, typename Schedule::EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 
+// The weight-gradient accumulator (Megatron's fp32 main_grad) and its TMA alignment.
+using AccumElement = float;
+constexpr int kAccumAlignment = 4;  // fp32 elements per 16 bytes
+
+// The accumulating epilogue: D = beta * C + alpha * accumulator with alpha = beta = 1 and C = D,
+// one fp32 buffer, so a weight gradient adds into it with no separate pass. NOTE: CUTLASS
+// evaluates fma(beta, C, alpha * acc): with alpha = beta = 1 that is C + acc rounded once, the
+// same bits as adding the fp32 GEMM result in a separate pass. In place is safe: every element
+// of D reads only its own element of C, and output tiles never overlap.
+template <class LayoutD, class Schedule = Cooperative>
+using AccumulateEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
+    ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator,
+    AccumElement, LayoutD*, kAccumAlignment, AccumElement, LayoutD*, kAccumAlignment,
+    typename Schedule::EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<AccumElement, Accumulator, AccumElement,
+                                                 Accumulator>>::CollectiveOp;
+
 // The mainloop + kernel for one (LayoutA, LayoutB, epilogue, schedule) choice. `Shape` picks the
 // tile scheduler: ProblemShape gets CUTLASS's group scheduler, scheduler/flag_wait.cuh's
 // FlagWaitProblemShape the one with the per-tile flag wait.

@@ -9,7 +9,8 @@
 //   kRowsInM  (forward, dgrad): group g is (rows_g x K) @ op(B_g) -> (rows_g x N); M = rows_g.
 //   kRowsInK  (weight grad):    group g is A_g^T (M x rows_g) @ B_g (rows_g x N) -> (M x N);
 //                               K = rows_g; a group with no rows gets M = 0 (no tiles) and its
-//                               output is zero-filled by zero_empty_groups below.
+//                               output is zero-filled by zero_empty_groups below (or, for
+//                               the accumulating weight gradient, left untouched).
 #pragma once
 
 #include <cstdint>
@@ -27,13 +28,15 @@ struct OperandStep {
   int64_t per_group = 0;
 };
 
-// The device arrays one launch needs, carved out of one workspace buffer.
-template <class StrideA, class StrideB, class StrideD>
+// The device arrays one launch needs, carved out of one workspace buffer. `ElementD` is the
+// output's element type (bf16, or fp32 for the accumulating weight gradient): D's offsets count
+// its elements. NOTE: the arrays hold pointers and strides only: bytes() is one for any ElementD.
+template <class StrideA, class StrideB, class StrideD, class ElementD = Element>
 struct GroupedProblemArrays {
   ProblemSize* problems = nullptr;
   const Element** ptr_a = nullptr;
   const Element** ptr_b = nullptr;
-  Element** ptr_d = nullptr;
+  ElementD** ptr_d = nullptr;
   Element** ptr_aux = nullptr;  // fused-epilogue extra operand (may stay unused)
   Element** ptr_aux2 = nullptr;
   StrideA* stride_a = nullptr;
@@ -59,7 +62,7 @@ struct GroupedProblemArrays {
     a.problems = reinterpret_cast<ProblemSize*>(take(g * sizeof(ProblemSize)));
     a.ptr_a = reinterpret_cast<const Element**>(take(g * sizeof(void*)));
     a.ptr_b = reinterpret_cast<const Element**>(take(g * sizeof(void*)));
-    a.ptr_d = reinterpret_cast<Element**>(take(g * sizeof(void*)));
+    a.ptr_d = reinterpret_cast<ElementD**>(take(g * sizeof(void*)));
     a.ptr_aux = reinterpret_cast<Element**>(take(g * sizeof(void*)));
     a.ptr_aux2 = reinterpret_cast<Element**>(take(g * sizeof(void*)));
     a.stride_a = reinterpret_cast<StrideA*>(take(g * sizeof(StrideA)));
@@ -69,6 +72,7 @@ struct GroupedProblemArrays {
   }
 };
 
+// Operand steps count elements of each operand's own type (A, B, aux: bf16; D: ElementD above).
 struct GroupedProblemDesc {
   const int32_t* offs = nullptr;  // [num_groups] end rows
   int num_groups = 0;
@@ -100,9 +104,9 @@ __device__ __forceinline__ Stride packed_stride(int extent0, int extent1) {
 }
 
 // One thread per group.
-template <class StrideA, class StrideB, class StrideD>
-__global__ void build_grouped_problems(GroupedProblemDesc desc,
-                                       GroupedProblemArrays<StrideA, StrideB, StrideD> out) {
+template <class StrideA, class StrideB, class StrideD, class ElementD>
+__global__ void build_grouped_problems(
+    GroupedProblemDesc desc, GroupedProblemArrays<StrideA, StrideB, StrideD, ElementD> out) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= desc.num_groups) return;
   const int64_t row_begin = g == 0 ? 0 : desc.offs[g - 1];
@@ -118,7 +122,7 @@ __global__ void build_grouped_problems(GroupedProblemDesc desc,
   out.problems[g] = ProblemSize{m, n, k};
   out.ptr_a[g] = operand_ptr<const Element>(desc.a, row_begin, g);
   out.ptr_b[g] = operand_ptr<const Element>(desc.b, row_begin, g);
-  out.ptr_d[g] = operand_ptr<Element>(desc.d, row_begin, g);
+  out.ptr_d[g] = operand_ptr<ElementD>(desc.d, row_begin, g);
   out.ptr_aux[g] = operand_ptr<Element>(desc.aux, row_begin, g);
   out.ptr_aux2[g] = operand_ptr<Element>(desc.aux2, row_begin, g);
   out.stride_a[g] = packed_stride<StrideA>(m, k);

@@ -1,0 +1,46 @@
+// Accumulating weight gradient: acc[g] += a_g^T @ b_g over group g's rows, in the GEMM's epilogue
+// (Megatron's gradient-accumulation fusion: acc is the fp32 main_grad). The mainloop is the plain
+// weight gradient's (grouped_gemm_tn.cu), so acc_before + its fp32 accumulator is what lands; a
+// group without rows has no tiles and its part of acc is left untouched.
+#include "launch/grouped_gemm_impl.cuh"
+
+namespace mok::launch {
+namespace {
+template <class Schedule>
+using TNAccumulateConfig =
+    detail::Config<gemm::ColumnMajor, gemm::RowMajor,
+                   gemm::AccumulateEpilogue<gemm::RowMajor, Schedule>, Schedule,
+                   gemm::ProblemShape, gemm::AccumElement>;
+
+template <class Schedule>
+void run_accumulate(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
+                    cudaStream_t stream) {
+  using Config = TNAccumulateConfig<Schedule>;
+  detail::run_grouped<Config>(desc, args.workspace, args.tuning, stream, [](const auto& arrays) {
+    return detail::accumulate_epilogue<Config>(arrays);
+  });
+}
+}  // namespace
+
+void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, cudaStream_t stream) {
+  detail::check_common(args, "mok::grouped_gemm_tn_accumulate");
+  MOK_HOST_CHECK(reinterpret_cast<uintptr_t>(args.out) % 16 == 0,
+                 "mok::grouped_gemm_tn_accumulate: the fp32 accumulator must be 16-byte aligned "
+                 "(TMA)");
+  gemm::GroupedProblemDesc desc;
+  desc.offs = args.offs;
+  desc.num_groups = args.num_groups;
+  desc.rows = gemm::GroupedRows::kRowsInK;  // a group without rows gets M = 0: no tiles
+  desc.m = args.m;
+  desc.n = args.n;
+  desc.a = {args.a, args.m, 0};
+  desc.b = {args.b, args.n, 0};
+  desc.d = {args.out, 0, int64_t{args.m} * args.n};  // fp32 elements (Config::ElementD)
+  if (args.tuning.pingpong) {
+    run_accumulate<gemm::Pingpong>(desc, args, stream);
+  } else {
+    run_accumulate<gemm::Cooperative>(desc, args, stream);
+  }
+}
+
+}  // namespace mok::launch
