@@ -1,7 +1,15 @@
-"""Skips tests marked ``gpu`` without a CUDA GPU and ``multigpu`` with fewer than 2 GPUs."""
+"""Skips tests marked ``gpu`` without a CUDA GPU and ``multigpu`` with fewer than 2 GPUs.
 
-import pytest
-import torch
+Sets CUDA_MODULE_LOADING=EAGER (unless set) before anything starts CUDA: the virtual-rank tests
+need it (functional.workspace.VIRTUAL_RANKS_RULE).
+"""
+
+import os
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

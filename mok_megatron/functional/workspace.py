@@ -8,6 +8,7 @@ error monitor that turns device-side error flags into host exceptions without a 
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,12 +290,18 @@ def create_virtual_workspaces(
     timeouts) runs unchanged. CUDA backend only, no process group. Rank r's calls must be issued
     on a stream of its own, every rank's before anything waits on the host
     (``mok_megatron.testing.virtual.run_ranks``); they are for tests of the protocol, not speed.
+
+    Needs ``CUDA_MODULE_LOADING=EAGER`` (set before CUDA starts): the ranks share one CUDA
+    context, and a lazily loaded kernel's first launch waits for the device, where another rank's
+    kernel may be waiting for this one (it would time out, not hang; see VIRTUAL_RANKS_RULE).
     """
     from .backends import resolve_backend
 
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a MoKConfig, got {type(config).__name__}")
     device = _resolve_device(device)
+    if device.type == "cuda" and os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
+        raise RuntimeError(VIRTUAL_RANKS_RULE)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
     # NOTE: "auto" knobs take AUTO_FALLBACKS here: a tuned table is for real ranks on GPUs of
     # their own, not for virtual ranks sharing one GPU's SMs.
@@ -320,6 +327,15 @@ def _collective_device(group: dist.ProcessGroup | None, device: torch.device) ->
         return device
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
+
+#: Why virtual ranks need eager module loading, and the fix.
+VIRTUAL_RANKS_RULE = (
+    "virtual ranks need CUDA_MODULE_LOADING=EAGER in the environment before CUDA starts: they "
+    "share one CUDA context, where loading a kernel on its first launch (CUDA's default lazy "
+    "loading) waits for the device, and so for a rank whose kernel waits for the loading one "
+    "(its device wait times out); export CUDA_MODULE_LOADING=EAGER (the test suite's conftest "
+    "sets it)"
+)
 
 _CACHE: dict[tuple, MoKWorkspace] = {}
 

@@ -16,8 +16,20 @@ __all__ = ["rank_streams", "run_ranks"]
 
 
 def rank_streams(num_ranks: int) -> list[torch.cuda.Stream]:
-    """One side stream per virtual rank."""
-    return [torch.cuda.Stream() for _ in range(num_ranks)]
+    """One side stream per virtual rank, each with its cuBLAS state made.
+
+    NOTE: torch makes cuBLAS's handle and a per-stream workspace at a stream's first matmul (and
+    cuBLAS loads its kernels at its first use): done inside a rank's pass, that waits for the
+    device while another rank's kernel waits for this rank, so it is done here, before any pass.
+    """
+    streams = [torch.cuda.Stream() for _ in range(num_ranks)]
+    a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            a @ a  # the matmuls of a pass (bf16 GEMMs) on this stream
+    torch.cuda.synchronize()
+    return streams
 
 
 def run_ranks(

@@ -106,3 +106,17 @@ def test_forced_cuda_backend_without_the_extension_fails_clearly():
             intermediate_size=I,
             backend="cuda",
         )
+
+
+@pytest.mark.parametrize("loading", [None, "LAZY"])
+def test_virtual_ranks_without_eager_module_loading_fail_clearly(monkeypatch, loading):
+    """Virtual ranks under lazy kernel loading would time out in their first pass; the workspace
+    refuses them up front, naming the rule and the fix."""
+    if loading is None:
+        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MODULE_LOADING", loading)
+    with pytest.raises(RuntimeError, match="export CUDA_MODULE_LOADING=EAGER"):
+        F.create_virtual_workspaces(F.MoKConfig(), 2, device="cuda:0", num_local_tokens=8,
+                                    hidden_size=64, topk=2, num_experts=4,
+                                    intermediate_size=32)  # fmt: skip

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .experts import ExpertRows, Experts, accumulate
+from .experts import ExpertRows, Experts, accumulate, grouped_mm
 from .plan import CudaPlan, Rounds, make_rounds, padded_plan, round_accumulator, window_offs
 
 __all__ = ["CudaContext", "forward", "backward", "shared_forward", "slot_weights_of"]
@@ -63,16 +63,42 @@ def slot_weights_of(ws, sched, router_weights: torch.Tensor) -> torch.Tensor:
     return mops.moe_gather_routing(mine, router_weights.contiguous(), ws.buffers.comm)[1]
 
 
+# NOTE: the shared expert's GEMMs are torch._grouped_mm with one group, not cuBLAS (torch's
+# matmul): cuBLAS loads its kernel libraries on their first use, which waits for the device, and
+# inside a pass the device may be waiting for another rank (virtual ranks share one context).
+# torch._grouped_mm wants 16-byte row strides: other widths take torch's matmul.
+def _fits(*dims: int) -> bool:
+    return all(d % 8 == 0 for d in dims)
+
+
+def _one_group(rows: int, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), rows, dtype=torch.int32, device=device)  # a fill: no host sync
+
+
+def _rows_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] → [M, N]."""
+    if a.shape[0] == 0 or not _fits(a.shape[1], b.shape[1]):
+        return a @ b  # no rows (no kernel runs) or a width _grouped_mm does not take
+    return grouped_mm(a, b.unsqueeze(0), _one_group(a.shape[0], a.device))
+
+
+def _grad_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, P]^T @ b [M, Q] → [P, Q] (a weight gradient, reduced over the rows)."""
+    if a.shape[0] == 0 or not _fits(a.shape[1], b.shape[1]):
+        return a.T @ b  # no rows (zeros, no GEMM runs) or a width _grouped_mm does not take
+    return grouped_mm(a.T, b, _one_group(a.shape[0], a.device))[0]
+
+
 def shared_forward(x, shared):
     """The shared expert on the local tokens: (out [T, H], gu [T, 2I_s], a [T, I_s]), or Nones."""
     from mok_megatron.ops import moe as mops
 
     if shared is None:
         return None, None, None
-    gu = x @ torch.cat([shared.gate, shared.up], dim=0).T
+    gu = _rows_mm(x, torch.cat([shared.gate, shared.up], dim=0).T)
     inter = shared.gate.shape[0]
     a = mops.moe_swiglu(gu[:, :inter], gu[:, inter:])
-    return a @ shared.down.T, gu, a
+    return _rows_mm(a, shared.down.T), gu, a
 
 
 def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
@@ -188,11 +214,11 @@ def _accumulator_slots(wgrad_acc):
 def _shared_backward(d_out, x, ctx: CudaContext, shared):
     from mok_megatron.ops import moe as mops
 
-    da = d_out @ shared.down  # [T, I_s]
+    da = _rows_mm(d_out, shared.down)  # [T, I_s]
     inter = shared.gate.shape[0]
     gu = ctx.shared_gu
     dgu = torch.cat(mops.moe_swiglu_backward(da.contiguous(), gu[:, :inter], gu[:, inter:]), 1)
-    d_w1 = dgu.T @ x  # [2I_s, H]
-    d_sd = d_out.T @ ctx.shared_a
-    shared_dx = dgu @ torch.cat([shared.gate, shared.up], dim=0)
+    d_w1 = _grad_mm(dgu, x)  # [2I_s, H]
+    d_sd = _grad_mm(d_out, ctx.shared_a)
+    shared_dx = _rows_mm(dgu, torch.cat([shared.gate, shared.up], dim=0))
     return (d_w1[:inter].contiguous(), d_w1[inter:].contiguous(), d_sd), shared_dx.contiguous()
