@@ -35,7 +35,15 @@ def env_line(path, record) -> str:
             f"`{(env.get('commit') or 'unknown')[:12]}`, {env['utc']}")  # fmt: skip
 
 
+def main_grad_tag(record) -> str:
+    """' (main_grad)' for a bench_moe.py --main-grad record: its backward adds the expert weight
+    gradients into fp32 main_grad as Megatron's DDP does (MoK in its GEMM, the baseline by DDP's
+    hook), so its fwd+bwd rows are not comparable with the others'."""
+    return " (main_grad)" if record.get("args", {}).get("main_grad") else ""
+
+
 def rows(record):
+    tag = main_grad_tag(record)
     for case in record["cases"]:
         if "skipped" in case:
             yield (
@@ -50,7 +58,7 @@ def rows(record):
             b, m = r["baseline"], r["mok"]
             yield (
                 f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} | {case['routing']} "
-                f"| {label.replace('_', '+')} | {case['mok_backend']} "
+                f"| {label.replace('_', '+')}{tag} | {case['mok_backend']} "
                 f"| {b['median_ms_all_ranks_max']:.3f} ({b['p10_ms']:.3f}-{b['p90_ms']:.3f}) "
                 f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
                 f"| **{r['speedup']:.2f}x** | {m['tflops']:.0f} | {m['nvlink_gbps']:.0f} "
@@ -254,7 +262,7 @@ def plot(records, png_path) -> None:
                 continue
             r = case.get("fwd_bwd", case["fwd"])
             labels.append(f"{case['shape']}\nEP{case['ep']} T{case['tokens_per_rank']} "
-                          f"{case['routing'][:4]}")  # fmt: skip
+                          f"{case['routing'][:4]}{main_grad_tag(record)}")  # fmt: skip
             speedups.append(r["speedup"])
             fractions.append(r["mok"]["fraction_of_floor"])
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(labels)), 8), sharex=True)
