@@ -7,11 +7,15 @@ the command line says ``--moe-token-dispatcher-type mok``:
 1. ``megatron.training.arguments.parse_args`` also calls ``add_mok_args``, so ``mok`` is a valid
    dispatcher and ``--mok-config`` / ``--mok-*`` parse (after the script's own
    ``extra_args_provider``, if any).
-2. Megatron-Core's GPT spec builders (``get_gpt_decoder_block_spec``,
-   ``get_gpt_layer_local_spec``, ``get_gpt_layer_with_transformer_engine_spec``,
-   ``get_gpt_decoder_layer_specs``) return their spec with the MoE layers made MoK layers
-   (``mokify_spec``), carrying the ``MoKConfig`` from the flags. So ``gpt_builders.py`` builds a
-   MoK model for every spec path it takes (``--spec`` given or not, TE or local, moe_layer_freq).
+2. Megatron-Core's ``GPTModel`` makes its MoE layers MoK layers (``mokify_spec`` on the layer
+   spec and the multi-token-prediction block spec it is given, carrying the ``MoKConfig`` from
+   the flags) before it builds anything. Every way Megatron-LM core_v0.19.0 builds a GPT model
+   ends in that constructor: ``gpt_builders.py`` (``--spec`` or not, TE or local, block or layer
+   specs, heterogeneous and experimental-attention specs) and ``megatron.training.models.gpt``
+   (the config-container path ``pretrain_gpt.py`` takes), however they imported their spec
+   builders. A spec that already has MoK layers is kept as it is (``--spec
+   mok_megatron.megatron get_gpt_layer_mok_spec``). Other model classes (``HybridModel``,
+   ``MambaModel``) are not changed.
 3. ``megatron.training.training.training_log``, which runs after every iteration once the loss
    scale has reached the host, then calls ``functional.poll_errors()``: a capacity overflow that
    a pass recorded on the device (CUDA-graph replays included) raises there, at no extra sync.
@@ -20,18 +24,13 @@ the command line says ``--moe-token-dispatcher-type mok``:
 from __future__ import annotations
 
 import functools
+import inspect
 import runpy
 import sys
 from pathlib import Path
 
 __all__ = ["install", "main"]
 
-_SPEC_BUILDERS = (
-    "get_gpt_decoder_block_spec",
-    "get_gpt_decoder_layer_specs",
-    "get_gpt_layer_local_spec",
-    "get_gpt_layer_with_transformer_engine_spec",
-)
 _INSTALLED = False
 
 
@@ -64,22 +63,26 @@ def _chain_arg_providers():
     arguments.parse_args = parse_args
 
 
-def _mokify_spec_builders():
-    """Wrap Megatron-Core's GPT spec builders so their MoE layers come out as MoK layers."""
-    from megatron.core.models.gpt import gpt_layer_specs
+def _mokify_gpt_models():
+    """Make ``GPTModel`` build MoK MoE layers from whatever specs it is given."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
 
     from .layer_specs import mokify_spec
 
-    def wrap(builder):
-        @functools.wraps(builder)
-        def mok_builder(*args, **kwargs):
-            # mok_config=None: the layer reads the parsed --mok-* flags
-            return mokify_spec(builder(*args, **kwargs), mok_config=None)
+    original = GPTModel.__init__
+    names = list(inspect.signature(original).parameters)  # self, config, transformer_layer_spec
 
-        return mok_builder
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = dict(zip(names[1:], args))
+        bound.update(kwargs)
+        for name in ("transformer_layer_spec", "mtp_block_spec"):
+            if bound.get(name) is not None:
+                # mok_config=None: the layer reads the parsed --mok-* flags
+                bound[name] = mokify_spec(bound[name], mok_config=None)
+        original(self, **bound)
 
-    for name in _SPEC_BUILDERS:
-        setattr(gpt_layer_specs, name, wrap(getattr(gpt_layer_specs, name)))
+    GPTModel.__init__ = __init__
 
 
 def _poll_errors_after_logging():
@@ -100,12 +103,12 @@ def _poll_errors_after_logging():
 
 
 def install() -> None:
-    """Apply the additions (idempotent). Call before the script imports ``gpt_builders``."""
+    """Apply the additions (idempotent). Call before the script builds its model."""
     global _INSTALLED
     if _INSTALLED:
         return
     _chain_arg_providers()
-    _mokify_spec_builders()
+    _mokify_gpt_models()
     _poll_errors_after_logging()
     _INSTALLED = True
 

@@ -24,6 +24,10 @@ from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -44,25 +48,38 @@ def mokify_spec(spec: Any, *, fused_experts: bool = True, **layer_params: Any) -
     """Megatron spec → the same spec with every ``MoELayer`` builder made a ``MoKMoELayer``.
 
     spec: a ``TransformerBlockSubmodules``, a ``ModuleSpec`` of a TransformerLayer, a list of
-    layer specs, or an MoE MLP builder (``functools.partial(MoELayer, submodules=...)``).
+    layer specs, a multi-token-prediction block spec (its layers' transformer layers), or an MoE
+    MLP builder (``functools.partial(MoELayer, submodules=...)``).
     fused_experts: use ``MoKExperts`` (True) or keep Megatron's experts behind MoK dispatch.
     layer_params: ``MoKMoELayer`` keyword arguments (mok_config, backend, fuse_shared_experts,
     max_local_tokens). Inputs are not modified.
     """
+    again = functools.partial(mokify_spec, fused_experts=fused_experts, **layer_params)
     if isinstance(spec, list):
-        return [mokify_spec(s, fused_experts=fused_experts, **layer_params) for s in spec]
-    if isinstance(spec, TransformerBlockSubmodules):
-        layers = [
-            mokify_spec(s, fused_experts=fused_experts, **layer_params) for s in spec.layer_specs
-        ]
-        return dataclasses.replace(spec, layer_specs=layers)
-    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerLayerSubmodules):
-        mlp = mokify_spec(spec.submodules.mlp, fused_experts=fused_experts, **layer_params)
-        submodules = dataclasses.replace(spec.submodules, mlp=mlp)
+        return [again(s) for s in spec]
+    if isinstance(spec, (TransformerBlockSubmodules, MultiTokenPredictionBlockSubmodules)):
+        return dataclasses.replace(spec, layer_specs=[again(s) for s in spec.layer_specs])
+    if isinstance(spec, MultiTokenPredictionLayerSubmodules):  # an MTP layer's own block/layer
+        return dataclasses.replace(spec, mtp_model_layer=again(spec.mtp_model_layer))
+    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, _NESTED_SUBMODULES):
+        if isinstance(spec.submodules, TransformerLayerSubmodules):
+            submodules = dataclasses.replace(spec.submodules, mlp=again(spec.submodules.mlp))
+        else:
+            submodules = again(spec.submodules)
         return ModuleSpec(spec.module, dict(spec.params), submodules, dict(spec.metainfo))
     if isinstance(spec, functools.partial) and spec.func is MoELayer:
         return _mok_moe_builder(spec, fused_experts, layer_params)
     return spec
+
+
+#: Spec submodules mokify_spec looks inside (a layer's MLP, a block's or MTP block's layers, an
+#: MTP layer's transformer layer).
+_NESTED_SUBMODULES = (
+    TransformerLayerSubmodules,
+    TransformerBlockSubmodules,
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayerSubmodules,
+)
 
 
 def _mok_moe_builder(moe: functools.partial, fused_experts: bool, layer_params: dict):

@@ -244,15 +244,14 @@ def test_misuse_fails_clearly(built, case, text):
 
 
 # --------------------------------------------------------------------------------- the launcher
+# (test_megatron_lm.py runs Megatron-LM's real pretrain_gpt.py; this script checks the flags
+# chain with a script's own extra_args_provider.)
 FAKE_PRETRAIN = """
     from megatron.training.arguments import parse_args
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from mok_megatron.megatron import MoKMoELayer
 
     args = parse_args(extra_args_provider=lambda p: (p.add_argument("--my-flag", type=int), p)[1])
-    spec = get_gpt_layer_local_spec(num_experts=4)
     print("dispatcher", args.moe_token_dispatcher_type, "minibatch", args.mok_minibatch_size,
-          "my_flag", args.my_flag, "mok_layer", spec.submodules.mlp.func is MoKMoELayer)
+          "my_flag", args.my_flag)
 """
 
 
@@ -269,7 +268,7 @@ def _launch(tmp_path, *flags) -> str:
 def test_launcher_runs_a_megatron_lm_script_with_mok(tmp_path):
     out = _launch(tmp_path, "--moe-token-dispatcher-type", "mok", "--mok-minibatch-size", "512",
                   "--my-flag", "7")  # fmt: skip
-    assert "dispatcher mok minibatch 512 my_flag 7 mok_layer True" in out
+    assert "dispatcher mok minibatch 512 my_flag 7" in out
 
 
 def test_launcher_polls_mok_errors_after_each_training_log(monkeypatch):
