@@ -4,6 +4,8 @@ alltoall against mok, and record the losses (issue 16, item 1).
 
     python scripts/megatron_lm_run.py --out docs/results/megatron_lm_h200_<commit>.json \\
         --md docs/MEGATRON_LM_RUN.md
+    python scripts/megatron_lm_run.py --render docs/results/megatron_lm_h200_<commit>.json \\
+        --md docs/MEGATRON_LM_RUN.md   # the table again from a record
 
 Runs, each a fresh ``python -m mok_megatron.megatron.launch pretrain_gpt.py ...`` process with
 the same tiny bf16 MoE GPT, seed and mock data:
@@ -146,12 +148,20 @@ def markdown(record: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="the JSON record")
+    p.add_argument("--out", help="the JSON record (required unless --render)")
+    p.add_argument(
+        "--render", default=None, help="only write --md from this existing record (no runs)"
+    )
     p.add_argument("--md", default=None, help="also write the loss table (markdown) here")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup-iters", type=int, default=10)
     p.add_argument("--logs", default=None, help="folder for each run's output (default: a temp)")
     args = p.parse_args(argv)
+    if args.render:
+        Path(args.md).write_text(markdown(json.loads(Path(args.render).read_text())) + "\n")
+        return 0
+    if not args.out:
+        p.error("--out is required")
     logs = Path(args.logs or tempfile.mkdtemp(prefix="megatron_lm_"))
     logs.mkdir(parents=True, exist_ok=True)
     makefile = ensure_dataset_makefile()
