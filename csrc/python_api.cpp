@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "apis/comm.h"
+#include "apis/fp8_blockwise.h"
 #include "apis/moe.h"
 #include "apis/moe_mega.h"
 #include "apis/routing.h"
@@ -27,6 +28,14 @@ TORCH_LIBRARY(mok, m) {
   m.def(
       "mxfp8_quantize_out(Tensor w, bool rowwise, bool colwise, Tensor(a!) row_data, "
       "Tensor(b!) row_scales, Tensor(c!) col_data, Tensor(d!) col_scales) -> ()");
+  // ---- fp8_blockwise: csrc/apis/fp8_blockwise.h; fakes in mok_megatron/ops/fp8_blockwise.py --
+  m.set_python_module("mok_megatron.ops.fp8_blockwise");
+  m.def(
+      "fp8_blockwise_quantize(Tensor x, int block_rows, int block_cols, bool pow2_scales) -> "
+      "(Tensor, Tensor)");
+  m.def(
+      "fp8_blockwise_quantize_out(Tensor x, int block_rows, int block_cols, bool pow2_scales, "
+      "Tensor(a!) data, Tensor(b!) scales) -> ()");
   // ---- moe (stage-1 expert-parallel MoE): csrc/apis/moe.h; fakes in mok_megatron/ops/moe.py ---
   m.set_python_module("mok_megatron.ops.moe");
   m.def(
@@ -78,6 +87,9 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   // ---- mxfp8 --------------------------------------------------------------------------------
   m.impl("mxfp8_quantize", &mok::apis::mxfp8_quantize);
   m.impl("mxfp8_quantize_out", &mok::apis::mxfp8_quantize_out);
+  // ---- fp8_blockwise ------------------------------------------------------------------------
+  m.impl("fp8_blockwise_quantize", &mok::apis::fp8_blockwise_quantize);
+  m.impl("fp8_blockwise_quantize_out", &mok::apis::fp8_blockwise_quantize_out);
   // ---- moe ---------------------------------------------------------------------------------
   m.impl("moe_gather_routing", &mok::apis::moe_gather_routing);
   m.impl("routing_to_topk", &mok::apis::routing_to_topk);  // csrc/apis/routing.h

@@ -2,14 +2,22 @@
 
 The ``moe_*`` and ``grouped_gemm_*`` ops exist only where the extension provides them (CUDA
 tensors); nothing falls back silently: the CUDA backend checks for every op it needs and backend
-selection names what is missing. Only ``mxfp8_quantize`` has a pure-PyTorch path
-(``mxfp8_quantize_reference``), which it uses for CPU tensors or without the extension.
+selection names what is missing. ``mxfp8_quantize`` has a pure-PyTorch path
+(``mxfp8_quantize_reference``), which it uses for CPU tensors or without the extension;
+``fp8_blockwise_quantize`` uses its reference for CPU tensors only (a CUDA tensor without the
+kernel raises).
 :func:`extension_available`, :func:`has_op` and :func:`extension_error` say what the extension
 offers.
 """
 
 from mok_megatron.ops import moe  # stage-1 expert-parallel MoE ops (and their fakes)
 from mok_megatron.ops._extension import extension_available, extension_error, has_op
+from mok_megatron.ops.fp8_blockwise import (  # Hopper's blockwise FP8 recipe (issue 15)
+    FP8BlockTensor,
+    fp8_blockwise_dequantize,
+    fp8_blockwise_quantize,
+    fp8_blockwise_quantize_reference,
+)
 from mok_megatron.ops.grouped_gemm import (  # expert GEMM engine (issue 7)
     GemmTuning,
     deinterleave_gate_up,
@@ -31,12 +39,16 @@ from mok_megatron.ops.mxfp8 import (
 )
 
 __all__ = [
+    "FP8BlockTensor",
     "GemmTuning",
     "MXFP8Tensor",
     "MXFP8Weight",
     "deinterleave_gate_up",
     "extension_available",
     "extension_error",
+    "fp8_blockwise_dequantize",
+    "fp8_blockwise_quantize",
+    "fp8_blockwise_quantize_reference",
     "grouped_gemm_available",
     "grouped_gemm_dswiglu",
     "grouped_gemm_l1_swiglu",

@@ -1,0 +1,136 @@
+// Blockwise FP8 quantisation of a [num_rows, num_cols] matrix (leading batch dims flattened into
+// rows): blocks of (1, 128), (128, 1) or (128, 128). The format and its rules live in
+// mok/common/fp8_blockwise.cuh.
+//
+// Work split: one CTA per 128 x 128 tile, 256 threads; thread t owns column t % 128 of the
+// tile's rows t / 128 + 2 k (k < 64), held in registers (consecutive threads read and write
+// consecutive columns). The block maxima are taken on the float32 bits of |x| (integer max:
+// Inf and NaN above every finite value): a row block across the 4 warps of a row phase, a
+// column block in-thread then across the 2 phases, a tile block across all 8 warps.
+// Correct first: not tuned (one byte store per element). Torch-free.
+#pragma once
+
+#include <cstdint>
+
+#include "mok/common/fp8_blockwise.cuh"
+#include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
+#include "mok/roles/mxfp8_quantize.cuh"  // the input element types
+
+namespace mok::fp8_blockwise {
+
+constexpr int kTile = kBlock;
+constexpr int kQuantizeThreads = 256;
+constexpr int kPhases = kQuantizeThreads / kTile;  // rows a CTA pass covers
+constexpr int kRowsPerThread = kTile / kPhases;
+constexpr int kWarpsPerPhase = kTile / 32;
+
+struct QuantizeParams {
+  const void* input;  // [num_rows, num_cols], contiguous
+  int64_t num_rows;
+  int64_t num_cols;
+  uint8_t* data;   // [num_rows, num_cols] e4m3
+  float* scales;   // [num_rows / br, num_cols / bc]
+  bool pow2;
+};
+
+MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2) {
+  if (s.nonfinite) return kDataNaN;
+  const float q = pow2 ? x * s.factor : __fdiv_rn(x, s.factor);
+  const float c = fminf(fmaxf(q, -kDataMax), kDataMax);
+  return static_cast<uint8_t>(ptx::cvt_e4m3x2(c, 0.0f) & 0xFF);
+}
+
+template <typename Input, int kBlockRows, int kBlockCols>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    fp8_blockwise_quantize_kernel(const QuantizeParams p) {
+  static_assert((kBlockRows == 1 && kBlockCols == kTile) ||
+                    (kBlockRows == kTile && kBlockCols == 1) ||
+                    (kBlockRows == kTile && kBlockCols == kTile),
+                "blocks are 1x128, 128x1 or 128x128");
+  using Raw = typename Input::Raw;
+  const Raw* in = static_cast<const Raw*>(p.input);
+  const int c = static_cast<int>(threadIdx.x) % kTile;
+  const int phase = static_cast<int>(threadIdx.x) / kTile;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t col = static_cast<int64_t>(blockIdx.y) * kTile + c;
+  const bool col_ok = col < p.num_cols;
+
+  float x[kRowsPerThread];
+  uint32_t abs_bits[kRowsPerThread];
+  #pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    const int64_t row = row0 + phase + kPhases * k;
+    const bool ok = col_ok && row < p.num_rows;
+    x[k] = ok ? Input::to_float(in[row * p.num_cols + col]) : 0.0f;
+    abs_bits[k] = __float_as_uint(x[k]) & mxfp8::kFloatAbsMask;
+  }
+
+  __shared__ uint32_t partial[kTile][kWarpsPerPhase];  // per (row, warp) or per (phase, col)
+  __shared__ BlockScale block[kTile];
+  if constexpr (kBlockRows == 1) {  // one block per row: the 128 columns of 4 warps
+    #pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const uint32_t m = __reduce_max_sync(0xffffffffu, abs_bits[k]);
+      if (threadIdx.x % 32 == 0) partial[phase + kPhases * k][warp % kWarpsPerPhase] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile) {
+      uint32_t m = 0;
+      #pragma unroll
+      for (int w = 0; w < kWarpsPerPhase; ++w) m = max(m, partial[threadIdx.x][w]);
+      block[threadIdx.x] = block_scale(m, p.pow2);
+    }
+  } else {
+    uint32_t m = 0;  // this thread's rows of its column
+    #pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) m = max(m, abs_bits[k]);
+    if constexpr (kBlockCols == 1) {  // one block per column: the 2 phases
+      partial[c][phase] = m;
+      __syncthreads();
+      if (threadIdx.x < kTile) {
+        uint32_t all = 0;
+        #pragma unroll
+        for (int ph = 0; ph < kPhases; ++ph) all = max(all, partial[threadIdx.x][ph]);
+        block[threadIdx.x] = block_scale(all, p.pow2);
+      }
+    } else {  // one block: all 8 warps
+      m = __reduce_max_sync(0xffffffffu, m);
+      __shared__ uint32_t warp_max[kQuantizeThreads / 32];
+      if (threadIdx.x % 32 == 0) warp_max[warp] = m;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        uint32_t all = 0;
+        #pragma unroll
+        for (int w = 0; w < kQuantizeThreads / 32; ++w) all = max(all, warp_max[w]);
+        block[0] = block_scale(all, p.pow2);
+      }
+    }
+  }
+  __syncthreads();
+
+  // Scales: row r of the tile (1x128), column c (128x1), or the tile (128x128).
+  const int64_t scale_cols = p.num_cols / kBlockCols;
+  if constexpr (kBlockRows == 1) {
+    const int64_t row = row0 + threadIdx.x;
+    if (threadIdx.x < kTile && row < p.num_rows) {
+      p.scales[row * scale_cols + blockIdx.y] = block[threadIdx.x].scale;
+    }
+  } else if constexpr (kBlockCols == 1) {
+    if (threadIdx.x < kTile && col_ok) p.scales[blockIdx.x * scale_cols + col] = block[c].scale;
+  } else {
+    if (threadIdx.x == 0) p.scales[blockIdx.x * scale_cols + blockIdx.y] = block[0].scale;
+  }
+  if (!col_ok) return;
+  #pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    const int r = phase + kPhases * k;
+    const int64_t row = row0 + r;
+    if (row >= p.num_rows) break;
+    const BlockScale& s = block[kBlockRows == 1 ? r : (kBlockCols == 1 ? c : 0)];
+    p.data[row * p.num_cols + col] = encode(x[k], s, p.pow2);
+  }
+}
+
+}  // namespace mok::fp8_blockwise
