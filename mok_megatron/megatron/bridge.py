@@ -12,6 +12,10 @@ included, where a ``functools.partial``'s keywords would keep only a ``_target_`
 adds MoK's through Bridge's public ``register_allowed_target_prefix``. ``apply_mok`` calls it;
 a process that only loads a saved config must call it (or import a MoK recipe) first.
 
+HF checkpoint conversion (``AutoBridge`` import / export): ``enable_mok_hf_conversion()`` adds
+``MoKExperts``' parameter mappings (``bridge_conversion``) to Bridge's Qwen3-MoE model bridge (or
+the model bridges given); ``apply_mok`` calls it too.
+
 Tested against the real Megatron-Bridge 0.6.2 (``tests/cpu/megatron/test_megatron_bridge.py``).
 """
 
@@ -23,7 +27,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MoKLayerSpec", "allow_mok_targets", "apply_mok", "mok_transformer_layer_spec"]
+__all__ = [
+    "MoKLayerSpec",
+    "allow_mok_targets",
+    "apply_mok",
+    "enable_mok_hf_conversion",
+    "mok_transformer_layer_spec",
+]
 
 #: The modules whose names a saved Bridge config holds as ``_target_``s.
 _MOK_TARGET_PREFIXES = ("mok_megatron.megatron.bridge", "mok_megatron.functional.config")
@@ -53,12 +63,15 @@ def mok_transformer_layer_spec(
     return mokify_spec(spec, fused_experts=fused_experts, **layer_params)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class MoKLayerSpec:
     """``transformer_layer_spec`` for a Bridge provider: ``base_spec`` with MoK MoE layers.
 
     A dataclass, not a ``functools.partial``, so Bridge's YAML writer stores every field
     (``mok_config`` as its ``_target_`` and all its knobs) and ``from_yaml`` rebuilds it.
+    NOTE: slots (no ``__dict__``): Bridge's HF export copies the provider config through
+    ``remove_non_pickleables``, which sets every attribute of anything with a ``__dict__``, two
+    levels down, and so fails on the frozen ``MoKConfig`` inside; it leaves this spec as is.
     """
 
     base_spec: Any  # the recipe's spec: a ModuleSpec or a callable spec(provider, vp_stage=None)
@@ -91,6 +104,35 @@ def allow_mok_targets() -> bool:
     return True
 
 
+def enable_mok_hf_conversion(*bridge_classes) -> bool:
+    """Make Bridge's HF import / export map ``MoKExperts``' parameters, for the model bridges
+    ``bridge_classes`` (``MegatronModelBridge`` subclasses; default: Bridge's ``Qwen3MoEBridge``).
+
+    Wraps each class's ``mapping_registry`` (once) to add ``bridge_conversion``'s mappings,
+    which match only MoK's parameter names. Returns False where Megatron-Bridge is not installed.
+    """
+    try:
+        from .bridge_conversion import mok_mapping_registry
+
+        if not bridge_classes:
+            from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+
+            bridge_classes = (Qwen3MoEBridge,)
+    except ImportError:
+        return False
+    for cls in bridge_classes:
+        if getattr(cls.mapping_registry, "_mok_wrapped", False):
+            continue
+        own = cls.mapping_registry
+
+        def mapping_registry(self, _own=own):
+            return mok_mapping_registry(self, _own(self))
+
+        mapping_registry._mok_wrapped = True
+        cls.mapping_registry = mapping_registry
+    return True
+
+
 def apply_mok(
     cfg,
     mok_config: Any = None,
@@ -120,6 +162,7 @@ def apply_mok(
         fuse_shared_experts=fuse_shared_experts, max_local_tokens=max_local_tokens,
     )  # fmt: skip
     allow_mok_targets()  # so the run_config.yaml Bridge writes loads back
+    enable_mok_hf_conversion()  # so AutoBridge loads / exports the MoK experts' weights
     return cfg
 
 

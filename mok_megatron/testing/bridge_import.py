@@ -12,6 +12,10 @@ stubbed (modules whose every attribute is a dummy class):
   ``torch.utils.tensorboard`` (it needs the tensorboard package): HF model / data / logging
   code, not GPU builds but large installs that the config round trip does not use.
 
+``install(hf=True)`` (the HF conversion test) keeps the real ``transformers`` and ``safetensors``
+(requirements/bridge.txt installs them, with the packages their imports need, ``--no-deps``):
+Bridge's ``AutoBridge`` reads the HF config and safetensors through them.
+
 Bridge's own package ``__init__``s are made lazy (a name they import loads when first used).
 Call ``install()`` only in a process of its own (the test runs a subprocess): the stubs would
 shadow real packages for everything else in the process.
@@ -29,7 +33,7 @@ import os
 import sys
 import types
 
-__all__ = ["STUBBED", "bridge_site", "install"]
+__all__ = ["HF_PACKAGES", "STUBBED", "bridge_site", "install"]
 
 STUBBED = (
     "datasets",
@@ -42,20 +46,26 @@ STUBBED = (
     "transformers",
 )
 
+#: Stubbed by default, real with ``install(hf=True)``.
+HF_PACKAGES = ("safetensors", "transformers")
+
 
 def bridge_site() -> str:
     """Where requirements/bridge.txt is installed: $MOK_BRIDGE_SITE or <venv>/bridge_site."""
     return os.environ.get("MOK_BRIDGE_SITE") or os.path.join(sys.prefix, "bridge_site")
 
 
-def install() -> bool:
-    """Make ``import megatron.bridge...`` work here; False where bridge_site has no Bridge."""
+def install(hf: bool = False) -> bool:
+    """Make ``import megatron.bridge...`` work here; False where bridge_site has no Bridge.
+
+    hf: import the real ``transformers`` / ``safetensors`` from bridge_site (else stubs)."""
     site = bridge_site()
     if not os.path.isdir(os.path.join(site, "megatron", "bridge")):
         return False
     sys.path.insert(0, site)  # megatron is a namespace package: megatron.bridge joins it
     sys.meta_path.insert(0, _LazyInitFinder("megatron.bridge"))
-    sys.meta_path.insert(0, _StubFinder(STUBBED))
+    stubbed = [n for n in STUBBED if not (hf and n in HF_PACKAGES)]
+    sys.meta_path.insert(0, _StubFinder(stubbed))
     return True
 
 
@@ -91,6 +101,12 @@ class _DummyBase:
 
     def __call__(self, *args, **kwargs):
         return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+    def __enter__(self):  # ``with rich.progress.Progress(...)`` in Bridge's weight conversion
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
     def __getattr__(self, name):
         if name.startswith("__"):
