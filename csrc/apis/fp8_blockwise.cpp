@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "apis/quantize_input.h"
 #include "launch/fp8_blockwise.h"
 
 namespace mok::apis {
@@ -15,19 +16,7 @@ namespace {
 constexpr int64_t kBlock = 128;  // mirrors mok::fp8_blockwise::kBlock
 
 launch::Mxfp8InputType input_type_of(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      return launch::Mxfp8InputType::kFloat32;
-    case at::kHalf:
-      return launch::Mxfp8InputType::kFloat16;
-    case at::kBFloat16:
-      return launch::Mxfp8InputType::kBFloat16;
-    default:
-      break;
-  }
-  TORCH_CHECK(false, "mok::fp8_blockwise_quantize: x.dtype=", x.scalar_type(),
-              " is not supported; use bfloat16, float16 or float32");
-  return launch::Mxfp8InputType::kBFloat16;  // unreachable
+  return quantize_input_type(x, "mok::fp8_blockwise_quantize", "x");
 }
 
 void check_input(const at::Tensor& x, int64_t block_rows, int64_t block_cols) {

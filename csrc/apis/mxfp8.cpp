@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "apis/quantize_input.h"
 #include "launch/mxfp8.h"
 
 namespace mok::apis {
@@ -15,19 +16,7 @@ namespace {
 constexpr int64_t kBlockSize = 32;  // mirrors mok::mxfp8::kBlockSize
 
 launch::Mxfp8InputType input_type_of(const at::Tensor& w) {
-  switch (w.scalar_type()) {
-    case at::kFloat:
-      return launch::Mxfp8InputType::kFloat32;
-    case at::kHalf:
-      return launch::Mxfp8InputType::kFloat16;
-    case at::kBFloat16:
-      return launch::Mxfp8InputType::kBFloat16;
-    default:
-      break;
-  }
-  TORCH_CHECK(false, "mok::mxfp8_quantize: w.dtype=", w.scalar_type(),
-              " is not supported; use bfloat16, float16 or float32");
-  return launch::Mxfp8InputType::kBFloat16;  // unreachable
+  return quantize_input_type(w, "mok::mxfp8_quantize", "w");
 }
 
 void check_input(const at::Tensor& w, bool rowwise, bool colwise) {
