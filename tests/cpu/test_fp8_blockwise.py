@@ -1,7 +1,7 @@
 """Blockwise FP8 quantisation (ops.fp8_blockwise): the PyTorch reference against an independent
 float64 oracle (value by value, signed zeros included), the block forms, special blocks, the
 round-trip bound and the errors. The CUDA kernel is checked against the reference in
-tests/gpu/test_fp8_blockwise.py."""
+tests/gpu/test_fp8_blockwise_cuda.py."""
 
 from __future__ import annotations
 
