@@ -70,17 +70,16 @@ def _mokify_gpt_models():
     from .layer_specs import mokify_spec
 
     original = GPTModel.__init__
-    names = list(inspect.signature(original).parameters)  # self, config, transformer_layer_spec
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        bound = dict(zip(names[1:], args))
-        bound.update(kwargs)
+    def __init__(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
         for name in ("transformer_layer_spec", "mtp_block_spec"):
-            if bound.get(name) is not None:
+            if bound.arguments.get(name) is not None:
                 # mok_config=None: the layer reads the parsed --mok-* flags
-                bound[name] = mokify_spec(bound[name], mok_config=None)
-        original(self, **bound)
+                bound.arguments[name] = mokify_spec(bound.arguments[name], mok_config=None)
+        original(*bound.args, **bound.kwargs)
 
     GPTModel.__init__ = __init__
 

@@ -61,11 +61,10 @@ def mokify_spec(spec: Any, *, fused_experts: bool = True, **layer_params: Any) -
         return dataclasses.replace(spec, layer_specs=[again(s) for s in spec.layer_specs])
     if isinstance(spec, MultiTokenPredictionLayerSubmodules):  # an MTP layer's own block/layer
         return dataclasses.replace(spec, mtp_model_layer=again(spec.mtp_model_layer))
+    if isinstance(spec, TransformerLayerSubmodules):
+        return dataclasses.replace(spec, mlp=again(spec.mlp))
     if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, _NESTED_SUBMODULES):
-        if isinstance(spec.submodules, TransformerLayerSubmodules):
-            submodules = dataclasses.replace(spec.submodules, mlp=again(spec.submodules.mlp))
-        else:
-            submodules = again(spec.submodules)
+        submodules = again(spec.submodules)
         return ModuleSpec(spec.module, dict(spec.params), submodules, dict(spec.metainfo))
     if isinstance(spec, functools.partial) and spec.func is MoELayer:
         return _mok_moe_builder(spec, fused_experts, layer_params)
