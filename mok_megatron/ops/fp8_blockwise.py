@@ -116,7 +116,11 @@ def fp8_blockwise_quantize_reference(
     x: torch.Tensor, block: tuple[int, int] = (1, BLOCK), pow2_scales: bool = False
 ) -> FP8BlockTensor:
     """Pure-PyTorch blockwise FP8 (any device); same contract as :func:`fp8_blockwise_quantize`."""
-    block = _check(x, block)
+    return _quantize_reference(x, _check(x, block), pow2_scales)
+
+
+def _quantize_reference(x: torch.Tensor, block: tuple[int, int], pow2_scales: bool):
+    """The reference on an input ``_check`` passed."""
     br, bc = block
     *batch, rows, cols = x.shape
     f = x.float()
@@ -186,7 +190,7 @@ def fp8_blockwise_quantize(
         raise ValueError(f"fp8_blockwise_quantize: backend={backend!r}: auto, reference or cuda")
     block = _check(x, block)
     if backend == "reference" or (backend == "auto" and x.device.type == "cpu"):
-        return fp8_blockwise_quantize_reference(x, block, pow2_scales)
+        return _quantize_reference(x, block, pow2_scales)
     if not _cuda_op_usable(x):
         why = extension_error() if not extension_available() else "the op is not in the build"
         raise RuntimeError(

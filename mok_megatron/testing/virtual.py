@@ -18,9 +18,12 @@ __all__ = ["rank_streams", "run_ranks"]
 def rank_streams(num_ranks: int) -> list[torch.cuda.Stream]:
     """One side stream per virtual rank, each with its cuBLAS state made.
 
-    NOTE: torch makes cuBLAS's handle and a per-stream workspace at a stream's first matmul (and
-    cuBLAS loads its kernels at its first use): done inside a rank's pass, that waits for the
-    device while another rank's kernel waits for this rank, so it is done here, before any pass.
+    NOTE: torch makes cuBLAS's handle and a per-stream workspace at a stream's first matmul, and
+    cuBLAS loads kernel libraries as it first needs them: inside a rank's pass, a load waits for
+    the device while another rank's kernel waits for this rank. This makes the handle and the
+    workspaces before any pass; it cannot load every kernel a later shape may pick, which is
+    why the CUDA backend's passes keep off cuBLAS (only a shared expert whose widths are not
+    multiples of 8 still takes torch's matmul).
     """
     streams = [torch.cuda.Stream() for _ in range(num_ranks)]
     a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)

@@ -34,6 +34,15 @@ struct QuantizeParams {
   bool pow2;
 };
 
+// The largest of kCount words (the block maxima's partial results).
+template <int kCount>
+MOK_DEVICE uint32_t max_of(const uint32_t* words) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) m = max(m, words[i]);
+  return m;
+}
+
 MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2) {
   if (s.nonfinite) return kDataNaN;
   const float q = pow2 ? x * s.factor : __fdiv_rn(x, s.factor);
@@ -77,10 +86,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     }
     __syncthreads();
     if (threadIdx.x < kTile) {
-      uint32_t m = 0;
-      #pragma unroll
-      for (int w = 0; w < kWarpsPerPhase; ++w) m = max(m, partial[threadIdx.x][w]);
-      block[threadIdx.x] = block_scale(m, p.pow2);
+      block[threadIdx.x] = block_scale(max_of<kWarpsPerPhase>(partial[threadIdx.x]), p.pow2);
     }
   } else {
     uint32_t m = 0;  // this thread's rows of its column
@@ -90,22 +96,14 @@ __global__ void __launch_bounds__(kQuantizeThreads)
       partial[c][phase] = m;
       __syncthreads();
       if (threadIdx.x < kTile) {
-        uint32_t all = 0;
-        #pragma unroll
-        for (int ph = 0; ph < kPhases; ++ph) all = max(all, partial[threadIdx.x][ph]);
-        block[threadIdx.x] = block_scale(all, p.pow2);
+        block[threadIdx.x] = block_scale(max_of<kPhases>(partial[threadIdx.x]), p.pow2);
       }
     } else {  // one block: all 8 warps
       m = __reduce_max_sync(0xffffffffu, m);
       __shared__ uint32_t warp_max[kQuantizeThreads / 32];
       if (threadIdx.x % 32 == 0) warp_max[warp] = m;
       __syncthreads();
-      if (threadIdx.x == 0) {
-        uint32_t all = 0;
-        #pragma unroll
-        for (int w = 0; w < kQuantizeThreads / 32; ++w) all = max(all, warp_max[w]);
-        block[0] = block_scale(all, p.pow2);
-      }
+      if (threadIdx.x == 0) block[0] = block_scale(max_of<kQuantizeThreads / 32>(warp_max), p.pow2);
     }
   }
   __syncthreads();
