@@ -34,7 +34,10 @@ CASES = [
     for shape, blocks in SHAPES
     for block in blocks
 ]
-POISON_DATA, POISON_SCALE = 0x7E, 0x7FA5A5A5  # e4m3 448 and a quiet NaN with a payload
+# (data byte, scale bits): any e4m3 byte is a possible output, so each case runs with both
+# poisons, and an element left unwritten cannot match the reference twice; the scales' poisons
+# are NaNs with payloads, which no scale (finite, or the canonical NaN) has.
+POISONS = ((0x7E, 0x7FA5A5A5), (0xA5, 0x7F812345))
 
 
 def random_input(shape, dtype, seed):
@@ -54,9 +57,9 @@ def random_input(shape, dtype, seed):
     return x
 
 
-def quantize_poisoned(x, block, pow2):
-    data = torch.full(x.shape, POISON_DATA, dtype=torch.uint8, device="cuda")
-    scales = torch.full(fb.scale_shape(x.shape, block), POISON_SCALE, dtype=torch.int32,
+def quantize_poisoned(x, block, pow2, poison):
+    data = torch.full(x.shape, poison[0], dtype=torch.uint8, device="cuda")
+    scales = torch.full(fb.scale_shape(x.shape, block), poison[1], dtype=torch.int32,
                         device="cuda")  # fmt: skip
     data, scales = data.view(torch.float8_e4m3fn), scales.view(torch.float32)
     torch.ops.mok.fp8_blockwise_quantize_out(x, block[0], block[1], pow2, data, scales)
@@ -76,9 +79,10 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str):
 def test_kernel_matches_reference_bitwise(shape, block, dtype, pow2):
     x = random_input(shape, dtype, seed=zlib.crc32(repr((shape, block, dtype, pow2)).encode()))
     want = fb.fp8_blockwise_quantize_reference(x.cpu(), block, pow2)
-    got = quantize_poisoned(x, block, pow2)
-    assert_same_bits(got.data, want.data, "data")
-    assert_same_bits(got.scales, want.scales, "scales")
+    for poison in POISONS:
+        got = quantize_poisoned(x, block, pow2, poison)
+        assert_same_bits(got.data, want.data, f"data (poison {poison[0]:#x})")
+        assert_same_bits(got.scales, want.scales, f"scales (poison {poison[1]:#x})")
     auto = fb.fp8_blockwise_quantize(x, block, pow2)  # the allocating op, "auto" = the kernel
     assert_same_bits(auto.data, want.data, "data (allocating op)")
     assert_same_bits(auto.scales, want.scales, "scales (allocating op)")
