@@ -155,3 +155,25 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("grouped_gemm_nt_wait_out", &mok::apis::grouped_gemm_nt_wait_out);
   m.impl("grouped_gemm_l1_swiglu_wait_out", &mok::apis::grouped_gemm_l1_swiglu_wait_out);
 }
+
+// ==== grouped_gemm_fp8: the blockwise-FP8 expert GEMMs (issue 15) ============================
+// csrc/apis/grouped_gemm_fp8.h; wrappers and fakes in mok_megatron/ops/grouped_gemm_fp8.py.
+#include "apis/grouped_gemm_fp8.h"
+
+TORCH_LIBRARY_FRAGMENT(mok, m) {
+  m.set_python_module("mok_megatron.ops.grouped_gemm_fp8");
+#define MOK_GEMM_TUNING_SCHEMA "str schedule=\"cooperative\", str raster=\"m\", int swizzle=1"
+  m.def("grouped_gemm_fp8_nt_out(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, "
+        "Tensor offs, Tensor(a!) out, " MOK_GEMM_TUNING_SCHEMA ") -> ()");
+  m.def(
+      "grouped_gemm_fp8_l1_swiglu_out(Tensor x, Tensor x_scales, Tensor w_gu, "
+      "Tensor w_gu_scales, Tensor offs, Tensor(a!) act_q, Tensor(b!) act_q_scales, "
+      "Tensor(c!)? act, Tensor(d!)? h, bool pow2_scales=False, " MOK_GEMM_TUNING_SCHEMA
+      ") -> ()");
+#undef MOK_GEMM_TUNING_SCHEMA
+}
+
+TORCH_LIBRARY_IMPL(mok, CUDA, m) {
+  m.impl("grouped_gemm_fp8_nt_out", &mok::apis::grouped_gemm_fp8_nt_out);
+  m.impl("grouped_gemm_fp8_l1_swiglu_out", &mok::apis::grouped_gemm_fp8_l1_swiglu_out);
+}

@@ -1,6 +1,7 @@
 // Host launcher for mok/roles/fp8_blockwise_quantize.cuh: picks the instantiation and the grid.
 #include "launch/fp8_blockwise.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "mok/common/macros.cuh"
@@ -28,9 +29,29 @@ void launch_kernel(const QuantizeParams& params, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
+// The (1, 128) row-block kernel: a grid of a few CTAs per SM striding over the blocks.
+template <typename Input>
+void launch_rows_kernel(const QuantizeParams& params, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  constexpr int kBlocksPerCta = fp8_blockwise::kRowBlockThreads / 32 * fp8_blockwise::kRowBlocksPerWarp;
+  const int64_t blocks = params.num_rows * (params.num_cols / kBlock);
+  const int64_t ctas =
+      std::max<int64_t>(1, std::min<int64_t>(8LL * sms, (blocks + kBlocksPerCta - 1) / kBlocksPerCta));
+  fp8_blockwise::fp8_blockwise_quantize_rows_kernel<Input>
+      <<<static_cast<unsigned>(ctas), fp8_blockwise::kRowBlockThreads, 0, stream>>>(params);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
 template <typename Input>
 void dispatch_block(const Fp8BlockwiseQuantizeArgs& args, const QuantizeParams& params,
                     cudaStream_t stream) {
+  const bool aligned = reinterpret_cast<uintptr_t>(args.input) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(args.data) % 4 == 0;
+  if (args.block_rows == 1 && aligned) return launch_rows_kernel<Input>(params, stream);
+  MOK_HOST_CHECK(args.row_limit == nullptr, "fp8_blockwise_quantize: a row limit needs a "
+                 "16-byte aligned input and a 4-byte aligned output");
   if (args.block_rows == 1) return launch_kernel<Input, 1, kBlock>(params, stream);
   if (args.block_cols == 1) return launch_kernel<Input, kBlock, 1>(params, stream);
   return launch_kernel<Input, kBlock, kBlock>(params, stream);
@@ -55,8 +76,10 @@ void check_args(const Fp8BlockwiseQuantizeArgs& args) {
 void fp8_blockwise_quantize(const Fp8BlockwiseQuantizeArgs& args, cudaStream_t stream) {
   check_args(args);
   if (args.num_rows == 0 || args.num_cols == 0) return;
-  const QuantizeParams params{args.input, args.num_rows, args.num_cols,
-                              args.data,  args.scales,   args.pow2};
+  MOK_HOST_CHECK(args.row_limit == nullptr || args.block_rows == 1,
+                 "fp8_blockwise_quantize: a row limit is for (1, 128) blocks only");
+  const QuantizeParams params{args.input, args.num_rows, args.num_cols, args.data,
+                              args.scales, args.pow2,    args.row_limit};
   switch (args.input_type) {
     case Mxfp8InputType::kFloat32:
       return dispatch_block<mxfp8::Float32Input>(args, params, stream);

@@ -19,6 +19,9 @@ struct Fp8BlockwiseQuantizeArgs {
   bool pow2 = false;
   uint8_t* data = nullptr;  // [num_rows, num_cols] float8_e4m3fn
   float* scales = nullptr;  // [num_rows / block_rows, num_cols / block_cols]
+  // (1, 128) blocks only: a device int32; rows >= *row_limit are neither read nor written
+  // (the grouped GEMMs' rows past offs[-1]). Null: every row.
+  const int32_t* row_limit = nullptr;
 };
 
 // Enqueues one kernel on `stream` (no host synchronisation). Throws mok::Error on a broken

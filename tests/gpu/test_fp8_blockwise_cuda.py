@@ -88,6 +88,22 @@ def test_kernel_matches_reference_bitwise(shape, block, dtype, pow2):
     assert_same_bits(auto.scales, want.scales, "scales (allocating op)")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_misaligned_input_takes_the_tile_kernel_and_matches(dtype):
+    """(1, 128) blocks run a row-block kernel for 16-byte aligned inputs and the tile kernel
+    otherwise (a contiguous view one element into its storage): both give the reference bits."""
+    shape = (300, 1024)
+    flat = torch.empty(shape[0] * shape[1] + 1, dtype=dtype, device="cuda")
+    x = flat[1:].view(shape)
+    x.copy_(random_input(shape, dtype, seed=5))
+    assert x.data_ptr() % 16 != 0 and x.is_contiguous()
+    want = fb.fp8_blockwise_quantize_reference(x.cpu(), (1, 128))
+    for poison in POISONS:
+        got = quantize_poisoned(x, (1, 128), False, poison)
+        assert_same_bits(got.data, want.data, f"misaligned data (poison {poison[0]:#x})")
+        assert_same_bits(got.scales, want.scales, f"misaligned scales (poison {poison[1]:#x})")
+
+
 def test_no_host_sync_and_graph_capture():
     x = random_input((1024, 2048), torch.bfloat16, seed=1)
     want = fb.fp8_blockwise_quantize(x, (1, 128))

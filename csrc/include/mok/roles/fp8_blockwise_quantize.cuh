@@ -32,6 +32,7 @@ struct QuantizeParams {
   uint8_t* data;   // [num_rows, num_cols] e4m3
   float* scales;   // [num_rows / br, num_cols / bc]
   bool pow2;
+  const int32_t* row_limit;  // (1, 128) row kernel only: rows >= *row_limit are skipped (or null)
 };
 
 // The largest of kCount words (the block maxima's partial results).
@@ -128,6 +129,57 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     if (row >= p.num_rows) break;
     const BlockScale& s = block[kBlockRows == 1 ? r : (kBlockCols == 1 ? c : 0)];
     p.data[row * p.num_cols + col] = encode(x[k], s, p.pow2);
+  }
+}
+
+// The (1, 128) form, the activations' hot path: one warp per row block, each lane owning 4
+// consecutive elements (one 8- or 16-byte load, one 4-byte store), the block maximum one warp
+// reduction, no shared memory; a warp takes kRowBlocksPerWarp blocks at a time, all loads
+// first (memory-level parallelism). Same rules, same bits as the tile kernel above. NOTE: the
+// input base is 16-byte aligned and num_cols % 128 == 0 (the launcher checks).
+constexpr int kRowBlockThreads = 256;
+constexpr int kElemsPerLane = kBlock / 32;
+constexpr int kRowBlocksPerWarp = 4;
+
+template <typename Input>
+__global__ void __launch_bounds__(kRowBlockThreads)
+    fp8_blockwise_quantize_rows_kernel(const QuantizeParams p) {
+  using Raw = typename Input::Raw;
+  struct alignas(kElemsPerLane * sizeof(Raw)) Pack { Raw v[kElemsPerLane]; };
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t blocks_per_row = p.num_cols / kBlock;
+  const int64_t num_rows = p.row_limit == nullptr ? p.num_rows
+                                                  : min(p.num_rows, int64_t{*p.row_limit});
+  const int64_t num_blocks = num_rows * blocks_per_row;  // rows are contiguous runs of blocks
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kRowBlockThreads + threadIdx.x) / 32;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * (kRowBlockThreads / 32) * kRowBlocksPerWarp;
+  for (int64_t b0 = warp * kRowBlocksPerWarp; b0 < num_blocks; b0 += step) {
+    Pack in[kRowBlocksPerWarp];
+    #pragma unroll
+    for (int j = 0; j < kRowBlocksPerWarp; ++j) {
+      if (b0 + j < num_blocks) {
+        const int64_t offset = (b0 + j) * kBlock + lane * kElemsPerLane;
+        in[j] = *reinterpret_cast<const Pack*>(static_cast<const Raw*>(p.input) + offset);
+      }
+    }
+    #pragma unroll
+    for (int j = 0; j < kRowBlocksPerWarp; ++j) {
+      if (b0 + j >= num_blocks) break;  // warp-uniform
+      float x[kElemsPerLane];
+      uint32_t m = 0;
+      #pragma unroll
+      for (int i = 0; i < kElemsPerLane; ++i) {
+        x[i] = Input::to_float(in[j].v[i]);
+        m = max(m, __float_as_uint(x[i]) & mxfp8::kFloatAbsMask);
+      }
+      const BlockScale s = block_scale(__reduce_max_sync(0xffffffffu, m), p.pow2);
+      uint32_t bytes = 0;
+      #pragma unroll
+      for (int i = 0; i < kElemsPerLane; ++i) bytes |= uint32_t{encode(x[i], s, p.pow2)} << (8 * i);
+      const int64_t offset = (b0 + j) * kBlock + lane * kElemsPerLane;
+      *reinterpret_cast<uint32_t*>(p.data + offset) = bytes;
+      if (lane == 0) p.scales[b0 + j] = s.scale;
+    }
   }
 }
 

@@ -39,21 +39,24 @@ using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 // and its epilogue overlaps the other's mainloop (helps short K).
 struct Cooperative {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = gemm::ClusterShape;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 struct Pingpong {
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using ClusterShape = gemm::ClusterShape;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 using TileShape = Cooperative::TileShape;  // the SwiGLU epilogues' tile
 
-// The plain epilogue: D = bf16(accumulator), stored by TMA, no source operand.
+// The plain epilogue: D = bf16(accumulator), stored by TMA, no source operand; on the
+// schedule's tile and cluster.
 template <class LayoutD, class Schedule = Cooperative>
 using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
-    ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void,
+    typename Schedule::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void,
     LayoutD*, kAlignment, Element, LayoutD*, kAlignment, typename Schedule::EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 

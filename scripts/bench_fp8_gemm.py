@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Benchmark of the blockwise-FP8 grouped GEMMs (issue 15) against the BF16 engine and torch's
+BF16 grouped GEMM, same process, same GPU, same routing, one GPU.
+
+Shapes: the three benchmark models at EP ``--ep`` (default 1) and ``--tokens`` per rank (default
+8192): rows = tokens * top-k over E / EP local experts, uniform random routing. Ops and impls:
+
+  l1   bf16_mok: the BF16 L1 with SwiGLU fused (act); bf16_torch: torch._grouped_mm (h only);
+       fp8_mok: the FP8 L1 with SwiGLU and act's FP8 quantisation fused (act_q);
+       fp8_mok_save_h: the same, also writing h (bf16) for the backward
+  l2   bf16_mok, bf16_torch, fp8_mok (cooperative 128x256 tile), fp8_mok_pingpong (128x128)
+  quantize_x   ops.fp8_blockwise_quantize of the layer input, (1, 128) blocks (not a GEMM)
+
+Each row: median and spread of per-call milliseconds (CUDA events), TFLOP/s at the median.
+  python scripts/bench_fp8_gemm.py --out $OUT/bench_fp8_gemm.json
+  python scripts/bench_fp8_gemm.py --render docs/results/bench_fp8_gemm_<gpu>_<commit>.json \
+      --md docs/FP8.md          (the table in docs/FP8.md, from a record)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mok_megatron.ops import fp8_blockwise as fb  # noqa: E402
+from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
+from mok_megatron.ops import grouped_gemm_fp8 as gf  # noqa: E402
+from mok_megatron.testing.timing import time_fn  # noqa: E402
+
+MODELS = {  # name: (hidden, intermediate, experts, topk), as scripts/bench_moe.py
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+}
+
+
+def commit() -> str:
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def problem(model: str, ep: int, tokens: int) -> dict:
+    hidden, inter, experts, topk = MODELS[model]
+    groups, rows = experts // ep, tokens * topk
+    gen = torch.Generator().manual_seed(rows + groups)
+    counts = torch.bincount(torch.randint(0, groups, (rows,), generator=gen), minlength=groups)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    w_gu = torch.randn(groups, 2 * inter, hidden, **bf) / hidden**0.5
+    w_down = torch.randn(groups, hidden, inter, **bf) / inter**0.5
+    return dict(
+        hidden=hidden, inter=inter, groups=groups, rows=rows,
+        offs=counts.cumsum(0).to(torch.int32).cuda(),
+        x=torch.randn(rows, hidden, **bf), act=torch.randn(rows, inter, **bf) * 0.1,
+        w_gu=w_gu, w_down=w_down, w_gu_q=gf.fp8_gemm_weight(w_gu),
+        w_down_q=gf.fp8_gemm_weight(w_down),
+    )  # fmt: skip
+
+
+def ops_of(p: dict) -> dict:
+    """op: (flops, {impl: fn})."""
+    x, act, offs = p["x"], p["act"], p["offs"]
+    x_q = fb.fp8_blockwise_quantize(x, (1, 128))
+    act_q = fb.fp8_blockwise_quantize(act, (1, 128))
+    w_gu, w_down, w_gu_q, w_down_q = p["w_gu"], p["w_down"], p["w_gu_q"], p["w_down_q"]
+    l1_flops = 2.0 * p["rows"] * p["hidden"] * 2 * p["inter"]
+    l2_flops = 2.0 * p["rows"] * p["hidden"] * p["inter"]
+    pingpong = gg.GemmTuning("pingpong")
+    return {
+        "l1": (l1_flops, {
+            "bf16_mok": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs),
+            "bf16_torch": lambda: torch._grouped_mm(x, w_gu.transpose(1, 2), offs=offs),
+            "fp8_mok": lambda: gf.grouped_gemm_fp8_l1_swiglu(x_q, w_gu_q, offs),
+            "fp8_mok_save_h": lambda: gf.grouped_gemm_fp8_l1_swiglu(x_q, w_gu_q, offs,
+                                                                    save_h=True),
+        }),
+        "l2": (l2_flops, {
+            "bf16_mok": lambda: gg.grouped_gemm_nt(act, w_down, offs),
+            "bf16_torch": lambda: torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs),
+            "fp8_mok": lambda: gf.grouped_gemm_fp8_nt(act_q, w_down_q, offs),
+            "fp8_mok_pingpong": lambda: gf.grouped_gemm_fp8_nt(act_q, w_down_q, offs, pingpong),
+        }),
+        "quantize_x": (0.0, {"fp8_mok": lambda: fb.fp8_blockwise_quantize(x, (1, 128))}),
+    }  # fmt: skip
+
+
+#: FP8 L1 target of issue 15 (deepseek-v3's EP-1 rows at 8192 tokens per rank), TFLOP/s.
+L1_TARGET_TFLOPS = 1100.0
+TABLE_BEGIN, TABLE_END = "<!-- bench_fp8_gemm table begin -->", "<!-- bench_fp8_gemm table end -->"
+
+
+def render(record: dict) -> str:
+    """The markdown table of a record: per (model, op) each impl's ms and TFLOP/s, and the FP8
+    speedup over our BF16 op."""
+    cfg = record["config"]
+    lines = [
+        f"Record: {record['gpu']}, torch {record['torch']}, commit `{record['commit'][:7]}`, "
+        f"EP {cfg['ep']}, {cfg['tokens']} tokens per rank, {cfg['routing']} routing, median of "
+        f"{cfg['iters']} calls [p10, p90].",
+        "",
+        "| model | op | impl | rows / groups | ms | TFLOP/s | vs bf16_mok |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = {
+        (r["model"], r["op"]): r["median_ms"] for r in record["rows"] if r["impl"] == "bf16_mok"
+    }
+    for r in record["rows"]:
+        rate = f"{r['tflops']:.0f}" if r["tflops"] else "-"
+        ref = base.get((r["model"], r["op"]))
+        speedup = f"{ref / r['median_ms']:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r['model']} | {r['op']} | {r['impl']} | {r['rows']} / {r['groups']} | "
+            f"{r['median_ms']:.3f} [{r['p10_ms']:.3f}, {r['p90_ms']:.3f}] | {rate} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
+def write_table(md_path: str, table: str) -> None:
+    """Replace the text between the table markers of ``md_path`` with ``table``."""
+    with open(md_path) as f:
+        text = f.read()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        raise SystemExit(f"{md_path}: no '{TABLE_BEGIN}' ... '{TABLE_END}' markers to fill")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    with open(md_path, "w") as f:
+        f.write(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out")
+    ap.add_argument("--render", help="a record to render into --md instead of benchmarking")
+    ap.add_argument("--md", help="with --render: the markdown file whose table to replace")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            table = render(json.load(f))
+        if args.md:
+            write_table(args.md, table)
+        else:
+            print(table)
+        return
+    if not args.out:
+        ap.error("--out is required to benchmark")
+    rows = []
+    for model in args.models.split(","):
+        p = problem(model, args.ep, args.tokens)
+        for op, (flops, impls) in ops_of(p).items():
+            for impl, fn in impls.items():
+                t = time_fn(lambda i, fn=fn: fn(), warmup=3, iters=args.iters, device="cuda")
+                tflops = flops / (t.median_ms * 1e-3) / 1e12 if flops else None
+                rows.append(dict(model=model, op=op, impl=impl, rows=p["rows"],
+                                 groups=p["groups"], tflops=tflops, **t.as_dict()))  # fmt: skip
+                rate = f"{tflops:7.1f} TFLOP/s" if tflops else ""
+                print(f"{model:14s} {op:10s} {impl:18s} {t.median_ms:8.3f} ms "
+                      f"[{t.p10_ms:.3f}, {t.p90_ms:.3f}] {rate}", flush=True)  # fmt: skip
+        del p
+        torch.cuda.empty_cache()
+    record = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+        commit=commit(), config=dict(ep=args.ep, tokens=args.tokens, iters=args.iters,
+                                     routing="uniform random"),
+        rows=rows,
+    )  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
