@@ -17,6 +17,7 @@
 
 #include <cutlass/detail/blockwise_scale_layout.hpp>
 
+#include "mok/roles/fp8_mainloop.cuh"
 #include "mok/roles/grouped_gemm_config.cuh"
 
 namespace mok::gemm {
@@ -55,10 +56,11 @@ struct Fp8Pingpong {
 };
 
 // The mainloop + kernel for one (epilogue, schedule) choice; A row-major, B "column-major"
-// ([N, K] with K contiguous), as grouped_gemm_config.cuh's NT op.
+// ([N, K] with K contiguous), as grouped_gemm_config.cuh's NT op. The builder's collective gives
+// the producer, the shared memory and the pipeline; its consumer loop is fp8_mainloop.cuh's.
 template <class CollectiveEpilogue, class Schedule = Fp8Cooperative>
 struct GroupedGemmFp8 {
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuilderMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8Element,
       cute::tuple<RowMajor*, Fp8LayoutSFA*>, kFp8Alignment, Fp8Element,
       cute::tuple<ColumnMajor*, Fp8LayoutSFB*>, kFp8Alignment, Accumulator,
@@ -66,6 +68,7 @@ struct GroupedGemmFp8 {
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
+  using Mainloop = OverlappedPromotionMma<BuilderMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
