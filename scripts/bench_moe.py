@@ -80,6 +80,12 @@ def parse_args(argv=None):
         "'mok_stage1', in the same process, beside the default (the megakernel where it runs)",
     )
     p.add_argument(
+        "--mok-fp8",
+        action="store_true",
+        help="also time MoK with MoKConfig.expert_precision='fp8_blockwise' (stage 1; weights "
+        "quantised once, as between optimizer steps), as 'mok_fp8', in the same process",
+    )
+    p.add_argument(
         "--main-grad",
         action="store_true",
         help="give the expert weights fp32 main_grad buffers and DDP's accumulate hook, with "
@@ -308,12 +314,15 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                              local_experts=experts // world, backward=backward)  # fmt: skip
         result = {"cost": cost}
         variants = [v for v in args.mok_expert_gemm.split(",") if v]
-        contenders = [("baseline", base, None, None), ("mok", layer, None, None)]
-        contenders += [(f"mok_gemm_{v}", layer, v, None) for v in variants]
+        contenders = [("baseline", base, {}), ("mok", layer, {})]
+        contenders += [(f"mok_gemm_{v}", layer, {"expert_gemm": v}) for v in variants]
         if args.mok_stage1:
-            contenders.append(("mok_stage1", layer, None, "stage1"))
-        for who, module, expert_gemm, cuda_forward in contenders:
-            with _mok_knobs(module, expert_gemm=expert_gemm, cuda_forward=cuda_forward):
+            contenders.append(("mok_stage1", layer, {"cuda_forward": "stage1"}))
+        if args.mok_fp8:
+            fp8 = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
+            contenders.append(("mok_fp8", layer, fp8))
+        for who, module, knobs in contenders:
+            with _mok_knobs(module, **knobs):
                 t = measure(module, sets, args, backward)
             module.zero_grad(set_to_none=True)  # one layer's gradients in memory at a time
             ms = t["median_ms_all_ranks_max"]
@@ -323,6 +332,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result[who] = t
         result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
                              / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        if args.mok_fp8:  # > 1: the FP8 experts beat MoK's default (BF16) layer
+            result["fp8_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
+                                     / result["mok_fp8"]["median_ms_all_ranks_max"])  # fmt: skip
         if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
             result["stage1_speedup"] = (result["mok_stage1"]["median_ms_all_ranks_max"]
                                         / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip

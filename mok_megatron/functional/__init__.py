@@ -10,6 +10,7 @@ from .api import (
 )
 from .autograd import moe
 from .config import MoKConfig
+from .fp8_weights import invalidate_fp8_weight_cache
 from .schedule import MoKSchedule
 from .types import ExpertWeights, FusedExpertWeights, MoKGradients
 from .workspace import (
@@ -42,4 +43,5 @@ __all__ = [
     "check_errors",
     "poll_errors",
     "moe",
+    "invalidate_fp8_weight_cache",
 ]

@@ -87,7 +87,9 @@ def forward(
     """out[t] = Σ_k router_weights[t, k] · FFN_{e(t, k)}(x[t]) + FFN_shared(x[t]).
 
     x: [T, H]; router_weights: [T, K], float32; routed weights [E_l, I, H], [E_l, I, H],
-    [E_l, H, I] (tensors or MXFP8 tuples from ``ops.mxfp8_quantize``), or the fused form
+    [E_l, H, I] (tensors, MXFP8 tuples from ``ops.mxfp8_quantize``, or (128, 128)
+    ``FP8BlockTensor`` s from ``ops.fp8_blockwise_quantize``, which an
+    ``expert_precision="fp8_blockwise"`` forward uses as given), or the fused form
     (gate_up [E_l, 2I, H] interleaved as ``ops.interleave_gate_up`` makes it, None, down): see
     ``FusedExpertWeights``; shared weights [I_s, H], [I_s, H], [H, I_s] or all None. Returns
     ``out: [T, H]`` in x's dtype and the backend's context. ``save_for_backward=False`` (no
@@ -128,7 +130,7 @@ def backward(
 ) -> MoKGradients:
     """All eight gradients of ``forward`` (``MoKGradients``, unpacks in the documented order).
 
-    d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for MXFP8); with
+    d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for quantised ones); with
     the fused gate/up form, ``d_w_routed_gate`` is gate_up's gradient (same layout) and
     ``d_w_routed_up`` is None.
 
@@ -287,11 +289,11 @@ def _fused_expert_weights(routed_in, ws, dtype) -> FusedExpertWeights:
 
 
 def _expert_weights(prefix, weights, ws, dtype, shapes, roles=("gate", "up", "down")) -> list:
-    """Each weight checked against its shape (MXFP8 tuples dequantized), in order."""
+    """Each weight checked against its shape (quantised ones dequantized), in order."""
     dense = []
     for role, w, shape in zip(roles, weights, shapes):
         name = f"{prefix}_{role}"
-        w = _dequantize_if_mxfp8(w, dtype)
+        w = _dequantize_if_quantized(w, dtype)
         _check_tensor(name, w, ws, dtypes=(dtype,), ndim=len(shape))
         if tuple(w.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
@@ -300,11 +302,20 @@ def _expert_weights(prefix, weights, ws, dtype, shapes, roles=("gate", "up", "do
 
 
 def _dense_shape(w) -> tuple[int, ...]:
-    return tuple(_mxfp8_parts(w).data.shape if _is_mxfp8(w) else w.shape)
+    if _is_fp8_blocks(w):
+        return tuple(w.data.shape)
+    return tuple(_mxfp8_parts(w).data.shape if _is_quantized(w) else w.shape)
 
 
-def _is_mxfp8(w) -> bool:
+def _is_quantized(w) -> bool:
+    """An MXFP8 tuple or an FP8BlockTensor (tuples, not tensors)."""
     return isinstance(w, tuple) and not isinstance(w, torch.Tensor)
+
+
+def _is_fp8_blocks(w) -> bool:
+    from mok_megatron.ops.fp8_blockwise import FP8BlockTensor
+
+    return isinstance(w, FP8BlockTensor)
 
 
 def _mxfp8_parts(w):
@@ -317,8 +328,16 @@ def _mxfp8_parts(w):
     return rowwise if rowwise is not None else colwise
 
 
-def _dequantize_if_mxfp8(w, dtype: torch.dtype):
-    if not _is_mxfp8(w):
+def _dequantize_if_quantized(w, dtype: torch.dtype):
+    """A dense weight in ``dtype``. An FP8BlockTensor's dense form carries it as its FP8 copy
+    (``fp8_weights.attach_fp8_weight``): an FP8 forward uses the caller's quantisation."""
+    if _is_fp8_blocks(w):
+        from mok_megatron.ops.fp8_blockwise import fp8_blockwise_dequantize
+
+        from .fp8_weights import attach_fp8_weight
+
+        return attach_fp8_weight(fp8_blockwise_dequantize(w, dtype).contiguous(), w)
+    if not _is_quantized(w):
         return w
     from mok_megatron.ops import mxfp8_dequantize
 
@@ -358,7 +377,7 @@ def _cast_weight_grads(grads: MoKGradients, shared_in, routed_in, x_dtype) -> Mo
     def cast(g, w):
         if g is None:
             return None
-        return g.to(x_dtype if _is_mxfp8(w) else w.dtype)
+        return g.to(x_dtype if _is_quantized(w) else w.dtype)
 
     return MoKGradients(
         grads.d_x,

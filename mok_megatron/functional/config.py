@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
-           "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "MOK_ROW_ALIGN", "KNOB_USERS",
+           "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS", "MOK_ROW_ALIGN",
+           "KNOB_USERS",
            "engine_step_list", "tuned_table_path", "warn_ignored_knobs"]  # fmt: skip
 
 #: A knob left "auto" takes its value from the tuned table of the GPU and EP size the workspace
@@ -49,6 +50,10 @@ ENGINE_STEPS = ("l1", "dswiglu", "l2", "dgrad", "wgrad")
 #: The named choices of MoKConfig.expert_gemm; a list of ENGINE_STEPS joined by "," or "+" is
 #: the other form.
 EXPERT_GEMMS = ("auto", "torch", "engine")
+#: The routed experts' GEMM precisions (MoKConfig.expert_precision): "bf16", or "fp8_blockwise",
+#: the Hopper FP8 recipe (ops.fp8_blockwise: E4M3, (1, 128) activation and (128, 128) weight
+#: blocks with float32 scales) for the forward's expert GEMMs.
+EXPERT_PRECISIONS = ("bf16", "fp8_blockwise")
 #: Device waits give up after this long unless MoKConfig.wait_timeout_ms says otherwise.
 DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: Every backward schedule the design names (flags accept these; MoKConfig says which run).
@@ -63,6 +68,7 @@ KNOB_USERS = {
     "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
+    "expert_precision": ("reference", "cuda/stage1"),  # the megakernel refuses fp8_blockwise
     "wait_timeout_ms": ("cuda/stage1", "cuda/megakernel"),  # the reference never waits
 }
 
@@ -113,6 +119,14 @@ class MoKConfig:
         "and the weight gradients when they accumulate into caller buffers such as main_grad; "
         "none where the engine cannot run, with a warning), 'torch' (none), 'engine' (all), or "
         "engine steps joined by ',' or '+' from l1, dswiglu, l2, dgrad, wgrad (docs/GEMM.md).",
+    )
+    expert_precision: str = _knob(
+        "bf16",
+        "The routed experts' forward GEMMs: 'bf16', or 'fp8_blockwise' (the Hopper FP8 recipe of "
+        "Megatron's --fp8-recipe blockwise: E4M3 with (1, 128) activation and (128, 128) weight "
+        "blocks, float32 scales; weights quantised once per weight update). The backward stays "
+        "BF16 (docs/FP8.md). fp8_blockwise runs on the reference backend and the CUDA backend's "
+        "stage 1 (the megakernel has no FP8 mainloop yet).",
     )
     wait_timeout_ms: int = _knob(
         DEFAULT_WAIT_TIMEOUT_MS,
@@ -165,6 +179,17 @@ class MoKConfig:
                 "'stage1' is the default, 'auto' picks the megakernel where it can run"
             )
         _check_expert_gemm(self.expert_gemm)
+        if self.expert_precision not in EXPERT_PRECISIONS:
+            raise ValueError(
+                f"MoKConfig.expert_precision={self.expert_precision!r} must be one of "
+                f"{EXPERT_PRECISIONS}; 'bf16' is the default"
+            )
+        if self.expert_precision != "bf16" and self.cuda_forward == "megakernel":
+            raise ValueError(
+                f"MoKConfig.expert_precision={self.expert_precision!r} with "
+                "cuda_forward='megakernel': the megakernel has no FP8 mainloop yet; use "
+                "cuda_forward='stage1' (or 'auto', which runs stage 1 for FP8)"
+            )
         if not 1 <= self.wait_timeout_ms < 2**31:
             raise ValueError(
                 f"MoKConfig.wait_timeout_ms={self.wait_timeout_ms} must be a positive number of "

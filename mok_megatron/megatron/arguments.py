@@ -13,7 +13,13 @@ import argparse
 import dataclasses
 import typing
 
-__all__ = ["add_mok_args", "mok_config_from_args", "mok_flag_name", "resolve_mok_config"]
+__all__ = [
+    "add_mok_args",
+    "honour_megatron_fp8",
+    "mok_config_from_args",
+    "mok_flag_name",
+    "resolve_mok_config",
+]
 
 DISPATCHER_FLAG = "--moe-token-dispatcher-type"
 _STOCK_DISPATCHERS = ("allgather", "alltoall", "flex")
@@ -73,6 +79,32 @@ def resolve_mok_config(value):
     return MoKConfig()
 
 
+def honour_megatron_fp8(mok_config, transformer_config):
+    """The expert precision Megatron's own FP8 flags ask for, where MoK can give it.
+
+    ``--fp8-format e4m3 --fp8-recipe blockwise`` (TransformerConfig ``fp8="e4m3"``,
+    ``fp8_recipe="blockwise"``) is MoK's ``expert_precision="fp8_blockwise"``, with or without
+    Transformer Engine: a config left at the default "bf16" takes it. Any other FP8 format or
+    recipe leaves the MoK experts in BF16, with a warning that says so; an explicit
+    ``--mok-expert-precision fp8_blockwise`` always wins."""
+    import warnings
+
+    fp8 = getattr(transformer_config, "fp8", None)
+    if not fp8 or mok_config.expert_precision != "bf16":
+        return mok_config
+    recipe = getattr(transformer_config, "fp8_recipe", None)
+    recipe = getattr(recipe, "value", recipe)  # an enum in some Megatron versions
+    if fp8 == "e4m3" and recipe == "blockwise":
+        return dataclasses.replace(mok_config, expert_precision="fp8_blockwise")
+    warnings.warn(
+        f"mok: Megatron's --fp8-format {fp8} --fp8-recipe {recipe} is not a precision the MoK "
+        "experts run; they stay BF16 (MoK's FP8 is --fp8-format e4m3 --fp8-recipe blockwise, or "
+        "--mok-expert-precision fp8_blockwise)",
+        stacklevel=2,
+    )
+    return mok_config
+
+
 def _megatron_global_args():
     try:
         from megatron.training import global_vars
@@ -128,6 +160,10 @@ def _known_choices(name: str) -> tuple | None:
         from mok_megatron.functional.config import CUDA_FORWARDS
 
         return CUDA_FORWARDS
+    if name == "expert_precision":
+        from mok_megatron.functional.config import EXPERT_PRECISIONS
+
+        return EXPERT_PRECISIONS
     return None
 
 

@@ -71,10 +71,11 @@ class MoKMoELayer(MoELayer):
             fuse_shared_experts, self.shared_experts, pg_collection
         )
         if fused:
-            from .arguments import resolve_mok_config
+            from .arguments import honour_megatron_fp8, resolve_mok_config
 
             runtime = FusedRuntime(
-                resolve_mok_config(mok_config), backend, self.ep_group, max_local_tokens,
+                honour_megatron_fp8(resolve_mok_config(mok_config), config), backend,
+                self.ep_group, max_local_tokens,
                 self.shared_experts if self.fuse_shared_experts else None,
             )  # fmt: skip
             self.experts.bind(runtime)

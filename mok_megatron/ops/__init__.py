@@ -30,6 +30,12 @@ from mok_megatron.ops.grouped_gemm import (  # expert GEMM engine (issue 7)
     grouped_gemm_tn_accumulate,
     interleave_gate_up,
 )
+from mok_megatron.ops.grouped_gemm_fp8 import (  # blockwise-FP8 expert GEMMs (issue 15)
+    fp8_gemm_weight,
+    grouped_gemm_fp8_available,
+    grouped_gemm_fp8_l1_swiglu,
+    grouped_gemm_fp8_nt,
+)
 from mok_megatron.ops.mxfp8 import (
     MXFP8Tensor,
     MXFP8Weight,
@@ -49,6 +55,10 @@ __all__ = [
     "fp8_blockwise_dequantize",
     "fp8_blockwise_quantize",
     "fp8_blockwise_quantize_reference",
+    "fp8_gemm_weight",
+    "grouped_gemm_fp8_available",
+    "grouped_gemm_fp8_l1_swiglu",
+    "grouped_gemm_fp8_nt",
     "grouped_gemm_available",
     "grouped_gemm_dswiglu",
     "grouped_gemm_l1_swiglu",

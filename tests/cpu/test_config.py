@@ -16,7 +16,7 @@ def test_every_knob_is_documented_and_defaults_validate():
     names = [f.name for f in dataclasses.fields(MoKConfig)]
     assert names == ["fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
                      "schedule_capacity_multiplier", "cuda_forward", "expert_gemm",
-                     "wait_timeout_ms", "bwd_schedule"]  # fmt: skip
+                     "expert_precision", "wait_timeout_ms", "bwd_schedule"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -37,6 +37,11 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"cuda_forward": "mega"}, ["cuda_forward='mega'", "'auto'"]),
         ({"expert_gemm": "fast"}, ["expert_gemm='fast'", "'auto'", "'l1'", "joined by"]),
         ({"expert_gemm": "l1,fp8"}, ["expert_gemm='l1,fp8'", "'wgrad'"]),
+        ({"expert_precision": "fp8"}, ["expert_precision='fp8'", "'fp8_blockwise'", "'bf16'"]),
+        (
+            {"expert_precision": "fp8_blockwise", "cuda_forward": "megakernel"},
+            ["no FP8 mainloop", "cuda_forward='stage1'"],
+        ),
         ({"expert_gemm": ""}, ["expert_gemm=''"]),
         ({"expert_gemm": 2}, ["expert_gemm=2"]),
         ({"wait_timeout_ms": 0}, ["wait_timeout_ms=0", "positive", "try 10000"]),

@@ -4,6 +4,7 @@ buffers.py   the workspace: the C++ layout in (symmetric) device memory, peer ta
              virtual ranks (W workspaces of one process on one GPU) for protocol tests
 plan.py      stage 1's padded row layout and macrobatch rounds, from the schedule
 experts.py   the routed expert MLP on one round's rows: the GEMM engine or torch._grouped_mm
+fp8.py       its blockwise-FP8 forward (expert_precision="fp8_blockwise") and the FP8 weights
 stage1.py    the stage-1 pass: a sequence of sync-free kernels driven from Python
 backend.py   ``CudaBackend``, what ``functional`` calls
 """

@@ -58,11 +58,20 @@ class Experts:
 
     ``accumulate``: the weight gradients go into caller buffers (``mm_tn_accumulate``); for either
     form, on the engine when its "wgrad" step is (AUTO_ACCUMULATE_STEPS), else by torch.
+
+    ``precision`` (MoKConfig.expert_precision): "fp8_blockwise" runs the forward's L1 and L2 in
+    blockwise FP8 (``fp8.forward``; fused form only); the backward's GEMMs stay as above.
     """
 
-    def __init__(self, routed, expert_gemm: str, device: torch.device, accumulate: bool = False):
+    def __init__(self, routed, expert_gemm: str, device: torch.device, accumulate: bool = False,
+                 precision: str = "bf16"):  # fmt: skip
+        from . import fp8
+
         self.routed = routed
         self.fused = isinstance(routed, FusedExpertWeights)
+        self.fp8 = precision == "fp8_blockwise"
+        if self.fp8:
+            fp8.check_fp8_experts(routed, device)
         steps = engine_steps(expert_gemm, device, accumulate) if self.fused or accumulate else ()
         self.engine = steps if self.fused else ()
         # NOTE: the weight-gradient GEMM does not depend on the form, so accumulation follows
@@ -83,6 +92,11 @@ class Experts:
 
         w = self.routed
         g = u = h = None
+        if self.fp8:
+            from . import fp8
+
+            a, y, h = fp8.forward(w, x_rows, offs, save_pre=save_pre, with_down=with_down)
+            return ExpertRows(x_rows, a, y, h=h)
         if "l1" in self.engine:
             a, h = gg.grouped_gemm_l1_swiglu(x_rows, w.gate_up, offs, save_h=save_pre)
         elif self.fused:

@@ -112,7 +112,8 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
     recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
     shared_out, shared_gu, shared_a = shared_forward(x, shared)
     acc = round_accumulator(rounds, recv)
-    experts = Experts(routed, ws.config.expert_gemm, x.device)
+    experts = Experts(routed, ws.config.expert_gemm, x.device,
+                      precision=ws.config.expert_precision)  # fmt: skip
     for r in range(rounds.count):
         window = rounds.window(r)
         offs = window_offs(plan, window)
@@ -148,7 +149,8 @@ def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, rout
     if shared is not None:
         d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
-    experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None)
+    experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None,
+                      precision=ws.config.expert_precision)  # fmt: skip
     d_w = [None, None, None]  # gate (or fused gate_up), up, down
     acc_w = _accumulator_slots(wgrad_acc)  # the caller's buffers in the same slots, or None
     acc = round_accumulator(rounds, d_recv)

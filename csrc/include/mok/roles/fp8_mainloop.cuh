@@ -6,8 +6,9 @@
 // promotes. This mainloop keeps two temporaries and issues block k+1's wgmmas before it
 // promotes block k (warpgroup_wait<1>), so the promotion's FFMAs run under the next block's
 // MMAs. Same producer, same shared memory, same pipeline; only `mma` differs, and it computes
-// the same expression in the same order (total += partial(k) * (sa(k) * sb(k)), k ascending):
-// bitwise the results of the CUTLASS mainloop.
+// the same expression in the same order (total += partial(k) * (sa(k) * sb(k)), k ascending)
+// as the CUTLASS mainloop (by construction; the tests compare with a float64 oracle, not with
+// it).
 //
 // NOTE: for one weight-scale block per tile along N and per-row scales along M (our
 // Fp8ScaleConfig): ScaleNsPerTile == 1 and ScaleGranularityK == the tile's K. Three float32

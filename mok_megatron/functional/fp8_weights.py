@@ -1,0 +1,61 @@
+"""The FP8 copies of the routed weights that ``expert_precision="fp8_blockwise"`` reads, made
+once per weight update rather than once per pass (any backend, any device).
+
+A weight's (128, 128)-block FP8 copy (``ops.grouped_gemm_fp8.fp8_gemm_weight``) is kept on the
+weight tensor and made again when the weight has changed, as its version counter (an in-place
+write through autograd, ``load_state_dict``), its storage, or a ``torch.optim`` optimizer step
+anywhere in the process (the step hook below) says. A write none of these see (``p.data.copy_``
+outside an optimizer step) needs :func:`invalidate_fp8_weight_cache`. A weight passed already
+quantised (an ``FP8BlockTensor`` to ``functional.forward``) is used as given
+(:func:`attach_fp8_weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["attach_fp8_weight", "fp8_weight", "invalidate_fp8_weight_cache"]
+
+_CACHE_ATTR = "_mok_fp8_blocks"
+_epoch = 0  # bumped by every optimizer step and by invalidate_fp8_weight_cache()
+
+
+def invalidate_fp8_weight_cache() -> None:
+    """Make every FP8 weight copy stale: the next FP8 forward quantises its weights again."""
+    global _epoch
+    _epoch += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    invalidate_fp8_weight_cache()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _key(w: torch.Tensor) -> tuple:
+    return (_epoch, w._version, w.data_ptr(), tuple(w.shape))
+
+
+def fp8_weight(w: torch.Tensor):
+    """``w: [G, N, K]`` in (128, 128) FP8 blocks (an ``FP8BlockTensor``), made once per weight
+    update (module docstring); the CUDA quantiser for CUDA tensors, the reference on CPU."""
+    from mok_megatron.ops.grouped_gemm_fp8 import fp8_gemm_weight
+
+    cached = getattr(w, _CACHE_ATTR, None)
+    if cached is not None and cached[0] == _key(w):
+        return cached[1]
+    with torch.no_grad():
+        q = fp8_gemm_weight(w.detach())
+    setattr(w, _CACHE_ATTR, (_key(w), q))
+    return q
+
+
+def attach_fp8_weight(dense: torch.Tensor, q) -> torch.Tensor:
+    """Make ``q`` (the caller's quantisation of ``dense``) the FP8 copy :func:`fp8_weight`
+    returns for ``dense`` until it changes, when it is a grouped weight in the GEMMs' (128, 128)
+    blocks; another form (a 2-d or (1, 128) one) is only its dense value. Returns ``dense``."""
+    if tuple(q.block) == (128, 128) and q.data.dim() == 3:
+        setattr(dense, _CACHE_ATTR, (_key(dense), q))
+    return dense

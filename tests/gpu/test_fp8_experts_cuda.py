@@ -1,0 +1,155 @@
+"""MoKConfig.expert_precision="fp8_blockwise" on the CUDA backend (stage 1, EP 1): forward and
+every gradient against the reference backend's FP8 emulation and near the BF16 path; bitwise run
+to run; no host sync; the FP8 weight copies follow weight updates (in place, optimizer steps,
+explicit invalidation)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mok_megatron import functional as F
+from mok_megatron.ops import interleave_gate_up
+from mok_megatron.ops.grouped_gemm_fp8 import grouped_gemm_fp8_available
+from mok_megatron.testing import random_moe_problem, relative_error
+from mok_megatron.testing.runs import global_d_out
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not grouped_gemm_fp8_available(), reason="FP8 grouped GEMMs not built"),
+]
+
+FP8 = F.MoKConfig(expert_precision="fp8_blockwise", wait_timeout_ms=60_000)
+BF16 = dataclasses.replace(FP8, expert_precision="bf16")
+# Scaled-down benchmark shapes with H and I multiples of 128: (hidden, inter, experts, topk,
+# shared_inter).
+SHAPES = {
+    "qwen3-30b-a3b": (256, 128, 16, 8, 0),
+    "deepseek-v3": (512, 256, 16, 8, 128),
+    "mixtral-8x7b": (512, 512, 8, 2, 0),
+}
+# CUDA FP8 against the reference's FP8 emulation: the same quantised operands, different
+# accumulation orders; an act that lands one bf16 ulp apart can quantise one e4m3 step apart.
+FP8_VS_REFERENCE = 2e-2
+# FP8 against BF16 on the same inputs: e4m3 keeps 3 mantissa bits (2^-4 relative per element
+# and quantisation, three quantisations on the way to y).
+FP8_VS_BF16 = 0.1
+NAMES = ("out", "d_x", "d_router_weights", "d_w_routed_gate", "d_w_routed_down")
+
+
+class Pass:
+    """One rank's inputs on the device and its workspace; ``()`` runs schedule, forward and
+    backward (no host work: the inputs are made here)."""
+
+    def __init__(self, problem, config, backend, device, weights=None):
+        x, topk, rw, routed, shared = problem.local(0, dtype=torch.bfloat16, device=device)
+        if weights is None:
+            gate, up, down = routed
+            weights = (interleave_gate_up(gate, up), None, down)
+        self.config, self.x, self.topk, self.rw = config, x, topk, rw
+        self.weights = (*(shared or (None, None, None)), *weights)
+        self.d_out = global_d_out(problem, 1).to(device, torch.bfloat16)
+        self.ws = F.create_workspace(
+            config, None, device=device, num_local_tokens=x.shape[0], hidden_size=x.shape[1],
+            topk=topk.shape[1], num_experts=problem.w_gate.shape[0],
+            intermediate_size=problem.w_gate.shape[1],
+            shared_intermediate_size=shared[0].shape[0] if shared else 0, dtype=torch.bfloat16,
+            backend=backend,
+        )  # fmt: skip
+
+    def __call__(self) -> dict:
+        sched = F.build_schedule(self.ws, self.config, self.topk, self.ws.num_local_experts)
+        out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
+        grads = F.backward(self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw,
+                           *self.weights)  # fmt: skip
+        return {"out": out, **grads._asdict()}
+
+
+def run(problem, config, backend, device, *, weights=None):
+    return Pass(problem, config, backend, device, weights)()
+
+
+def problem_of(shape, seed=0):
+    hidden, inter, experts, topk, shared = SHAPES[shape]
+    return random_moe_problem([200], hidden, inter, experts, topk, shared_inter=shared, seed=seed)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_matches_the_reference_emulation_and_stays_near_bf16(shape):
+    problem = problem_of(shape)
+    got = run(problem, FP8, "cuda", "cuda")
+    want = run(problem, FP8, "reference", "cuda")
+    bf16 = run(problem, BF16, "cuda", "cuda")
+    for name in NAMES:
+        err = relative_error(got[name].float(), want[name].float())
+        assert err < FP8_VS_REFERENCE, f"{shape} {name}: {err:.2e} from the reference's FP8"
+        drift = relative_error(got[name].float(), bf16[name].float())
+        assert drift < FP8_VS_BF16, f"{shape} {name}: {drift:.2e} from BF16"
+    assert not torch.equal(got["out"], bf16["out"]), "expert_precision changed nothing"
+
+
+def test_fp8_bitwise_run_to_run_and_no_host_sync():
+    layer = Pass(problem_of("deepseek-v3", seed=3), FP8, "cuda", "cuda")
+    first = layer()  # warm-up too (lazy initialisation may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = layer()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    layer.ws.check_errors()
+    for name in NAMES:
+        assert torch.equal(first[name], again[name]), f"{name} differs run to run"
+
+
+def test_fp8_weight_copies_follow_weight_updates():
+    """Scaling W_down by 2 (exact in bf16 and in the block scales) doubles y, so the output
+    doubles exactly once the FP8 copy is remade, and stays as it was while it is stale."""
+    problem = random_moe_problem([128], 256, 128, 8, 2, seed=5)
+    _, _, _, (gate, up, down), _ = problem.local(0, dtype=torch.bfloat16, device="cuda")
+    weights = (interleave_gate_up(gate, up), None, down)
+    base = run(problem, FP8, "cuda", "cuda", weights=weights)["out"]
+    with torch.no_grad():
+        down.mul_(2)  # through autograd's version counter: seen
+    assert torch.equal(run(problem, FP8, "cuda", "cuda", weights=weights)["out"], 2 * base)
+    down.data.mul_(0.5)  # behind the version counter: the copy is stale until invalidated
+    assert torch.equal(run(problem, FP8, "cuda", "cuda", weights=weights)["out"], 2 * base)
+    F.invalidate_fp8_weight_cache()
+    assert torch.equal(run(problem, FP8, "cuda", "cuda", weights=weights)["out"], base)
+    down.data.mul_(2)
+    param = torch.nn.Parameter(torch.zeros(1, device="cuda"))
+    param.grad = torch.zeros_like(param)
+    torch.optim.SGD([param], lr=0.0).step()  # any optimizer step makes every copy stale
+    assert torch.equal(run(problem, FP8, "cuda", "cuda", weights=weights)["out"], 2 * base)
+
+
+def test_fp8_needs_the_fused_form_and_128_multiples():
+    problem = random_moe_problem([64], 256, 128, 8, 2, seed=6)
+    _, _, _, (gate, up, down), _ = problem.local(0, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="fused gate/up"):
+        run(problem, FP8, "cuda", "cuda", weights=(gate, up, down))
+    odd = random_moe_problem([64], 192, 128, 8, 2, seed=7)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        run(odd, FP8, "cuda", "cuda")
+    auto = dataclasses.replace(FP8, cuda_forward="auto")  # auto: stage 1 for FP8
+    assert torch.equal(run(problem, auto, "cuda", "cuda")["out"],
+                       run(problem, FP8, "cuda", "cuda")["out"])  # fmt: skip
+
+
+def test_prequantised_weights_are_used_as_given():
+    """(128, 128) FP8BlockTensor weights: the FP8 forward reads them as they are, so its output
+    is the one the same weights give when the layer quantises them itself."""
+    from mok_megatron.ops.fp8_blockwise import fp8_blockwise_quantize
+
+    problem = random_moe_problem([160], 256, 128, 8, 4, seed=8)
+    _, _, _, (gate, up, down), _ = problem.local(0, dtype=torch.bfloat16, device="cuda")
+    dense = (interleave_gate_up(gate, up), None, down)
+    quantised = (fp8_blockwise_quantize(dense[0], (128, 128)), None,
+                 fp8_blockwise_quantize(down, (128, 128)))  # fmt: skip
+    want = run(problem, FP8, "cuda", "cuda", weights=dense)
+    got = run(problem, FP8, "cuda", "cuda", weights=quantised)
+    assert torch.equal(got["out"], want["out"])
+    assert got["d_w_routed_gate"].dtype == torch.bfloat16  # the gradients in x's dtype
