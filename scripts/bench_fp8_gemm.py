@@ -97,6 +97,9 @@ def ops_of(p: dict) -> dict:
 #: FP8 L1 target of issue 15 (deepseek-v3's EP-1 rows at 8192 tokens per rank), TFLOP/s.
 L1_TARGET_TFLOPS = 1100.0
 TABLE_BEGIN, TABLE_END = "<!-- bench_fp8_gemm table begin -->", "<!-- bench_fp8_gemm table end -->"
+LAYER_BEGIN, LAYER_END = "<!-- fp8_layer table begin -->", "<!-- fp8_layer table end -->"
+#: Layer targets of issue 15 (deepseek-v3, EP 1, 8192 tokens per rank): FP8 over MoK's BF16.
+LAYER_TARGETS = {"fwd": 1.5, "fwd_bwd": 1.3}
 
 
 def render(record: dict) -> str:
@@ -125,33 +128,64 @@ def render(record: dict) -> str:
     return "\n".join(lines)
 
 
-def write_table(md_path: str, table: str) -> None:
-    """Replace the text between the table markers of ``md_path`` with ``table``."""
+def render_layer(record: dict) -> str:
+    """The layer table of a ``bench_moe.py --mok-fp8`` record: per case and pass, the baseline,
+    MoK (BF16 experts) and MoK with FP8 experts, and the FP8 speedup over MoK."""
+    env = record["environment"]
+    lines = [
+        f"Record: {env['gpu']}, torch {env['torch']}, commit `{env['commit'][:7]}`, EP "
+        f"{env['world_size']} (`scripts/bench_moe.py --mok-fp8`): median ms "
+        "of the Megatron MoE layer, the alltoall + grouped-GEMM baseline and MoK in the same "
+        "process.",
+        "",
+        "| model | tokens | pass | baseline | MoK BF16 | MoK FP8 | FP8 over BF16 | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in record["cases"]:
+        for label in ("fwd", "fwd_bwd"):
+            if label not in case:
+                continue
+            r = case[label]
+            ms = {who: r[who]["median_ms_all_ranks_max"] for who in ("baseline", "mok", "mok_fp8")}
+            target = LAYER_TARGETS[label] if case["shape"] == "deepseek-v3" else None
+            lines.append(
+                f"| {case['shape']} | {case['tokens_per_rank']} | {label} | {ms['baseline']:.2f} | "
+                f"{ms['mok']:.2f} | {ms['mok_fp8']:.2f} | {r['fp8_speedup']:.2f}x | "
+                f"{f'{target:.1f}x' if target else '-'} |"
+            )
+    return "\n".join(lines)
+
+
+def write_table(md_path: str, table: str, begin: str = TABLE_BEGIN, end: str = TABLE_END) -> None:
+    """Replace the text between the markers ``begin`` and ``end`` of ``md_path`` with ``table``."""
     with open(md_path) as f:
         text = f.read()
-    if TABLE_BEGIN not in text or TABLE_END not in text:
-        raise SystemExit(f"{md_path}: no '{TABLE_BEGIN}' ... '{TABLE_END}' markers to fill")
-    head, rest = text.split(TABLE_BEGIN, 1)
-    _, tail = rest.split(TABLE_END, 1)
+    if begin not in text or end not in text:
+        raise SystemExit(f"{md_path}: no '{begin}' ... '{end}' markers to fill")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
     with open(md_path, "w") as f:
-        f.write(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
+        f.write(f"{head}{begin}\n{table}\n{end}{tail}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out")
     ap.add_argument("--render", help="a record to render into --md instead of benchmarking")
+    ap.add_argument("--render-layer", help="a bench_moe.py --mok-fp8 record to render into --md")
     ap.add_argument("--md", help="with --render: the markdown file whose table to replace")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    if args.render:
-        with open(args.render) as f:
-            table = render(json.load(f))
+    if args.render or args.render_layer:
+        with open(args.render or args.render_layer) as f:
+            record = json.load(f)
+        table = render(record) if args.render else render_layer(record)
+        markers = (TABLE_BEGIN, TABLE_END) if args.render else (LAYER_BEGIN, LAYER_END)
         if args.md:
-            write_table(args.md, table)
+            write_table(args.md, table, *markers)
         else:
             print(table)
         return
