@@ -71,7 +71,8 @@ def layer_run(problem, config, backend: str, d_out) -> dict:
     return {n: result[n].double().cpu() for n in NAMES}
 
 
-def measure() -> list[dict]:
+def measure(shapes, record: dict, out: str) -> list[dict]:
+    """The rows for ``shapes``; ``record`` is rewritten to ``out`` after each shape."""
     import torch
 
     from mok_megatron import functional as F
@@ -80,8 +81,8 @@ def measure() -> list[dict]:
 
     fp8 = F.MoKConfig(expert_precision="fp8_blockwise", wait_timeout_ms=60_000)
     bf16 = dataclasses.replace(fp8, expert_precision="bf16")
-    rows = []
-    for name, hidden, inter, experts, topk, shared, tokens in SHAPES:
+    rows = record["rows"]
+    for name, hidden, inter, experts, topk, shared, tokens in shapes:
         problem = random_moe_problem([tokens], hidden, inter, experts, topk,
                                      shared_inter=shared, seed=11)  # fmt: skip
         d_out64 = global_d_out(problem, 1)
@@ -101,6 +102,8 @@ def measure() -> list[dict]:
             print(name, comparison, " ".join(f"{n}={e:.2e}" for n, e in errors.items()),
                   flush=True)  # fmt: skip
         torch.cuda.empty_cache()
+        with open(out, "w") as f:  # each shape lands as soon as it is measured
+            json.dump(record, f, indent=1)
     return rows
 
 
@@ -121,6 +124,13 @@ def render(record: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out")
+    ap.add_argument(
+        "--shapes",
+        default="all",
+        choices=("all", "scaled"),
+        help="'scaled': the three scaled-down shapes only (the full widths' float64 "
+        "oracle takes minutes)",
+    )
     ap.add_argument("--render")
     ap.add_argument("--md")
     args = ap.parse_args()
@@ -141,9 +151,9 @@ def main() -> None:
 
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": commit(), "rows": measure()}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+              "commit": commit(), "rows": []}  # fmt: skip
+    shapes = [s for s in SHAPES if args.shapes == "all" or "(scaled)" in s[0]]
+    measure(shapes, record, args.out)
     print(f"wrote {args.out}")
 
 
