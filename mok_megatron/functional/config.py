@@ -69,7 +69,7 @@ KNOB_USERS = {
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
     "expert_precision": ("reference", "cuda/stage1"),  # the megakernel refuses fp8_blockwise
-    "wait_timeout_ms": ("cuda/stage1", "cuda/megakernel"),  # the reference never waits
+    "wait_timeout_ms": ("reference", "cuda/stage1", "cuda/megakernel"),
 }
 
 
@@ -132,7 +132,8 @@ class MoKConfig:
         DEFAULT_WAIT_TIMEOUT_MS,
         "Every device-side wait of the CUDA backend (barriers, the megakernel's rows and tiles) "
         "gives up after this many milliseconds, reporting rank, phase and flag, and fails the "
-        "launch instead of hanging. Raise it for slow starts.",
+        "launch instead of hanging; the reference backend's collectives on gloo likewise (a "
+        "monitored barrier before each). Raise it for slow starts.",
     )
     bwd_schedule: str = _knob(
         "macrobatch",
@@ -279,6 +280,9 @@ class MoKConfig:
         """
         if not dist.is_available() or not dist.is_initialized():
             return
+        from .rank_wait import wait_for_ranks
+
+        wait_for_ranks(group, self.wait_timeout_ms, "workspace: config check")
         mine = torch.tensor([self.fingerprint()], dtype=torch.int64, device=device)
         lo, hi = mine.clone(), mine.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)

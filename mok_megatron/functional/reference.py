@@ -61,7 +61,7 @@ class ReferenceBackend:
         """Gather the routing (with the router weights when given: one gather) and plan."""
         padded = _pad_rows(topk_experts, ws.num_local_tokens, -1)
         sched = build_schedule_from_global(
-            _all_gather(padded, ws),
+            _all_gather(padded, ws, "schedule: routing all-gather"),
             rank=ws.rank,
             num_tokens=topk_experts.shape[0],
             num_experts=ws.num_experts,
@@ -70,7 +70,7 @@ class ReferenceBackend:
             token_capacity=ws.token_capacity,
         )
         if router_weights is not None:
-            sched.global_weights = _gather_weights(router_weights, sched, ws)
+            sched.global_weights = _gather_weights(router_weights, sched, ws, "schedule")
             sched.weights_source = (router_weights, router_weights._version)
         return sched
 
@@ -79,11 +79,11 @@ class ReferenceBackend:
         if fp8:
             _check_fp8_sizes(x, routed)
         cdt = compute_dtype(x.dtype)
-        x_rows = _pull_rows(x.to(cdt), sched, ws)
+        x_rows = _pull_rows(x.to(cdt), sched, ws, "forward: dispatch")
         if sched.gathered_weights_match(router_weights):
             global_weights = sched.global_weights
         else:
-            global_weights = _gather_weights(router_weights, sched, ws)
+            global_weights = _gather_weights(router_weights, sched, ws, "forward")
         w_rows = _row_values(global_weights, sched).to(cdt)
         if fp8:
             g, u, y = _fp8_experts(x_rows, routed, sched.row_expert, cdt)
@@ -92,7 +92,7 @@ class ReferenceBackend:
             g = _grouped_linear(x_rows, wg, sched.row_expert)
             u = _grouped_linear(x_rows, wu, sched.row_expert)
             y = _grouped_linear(F.silu(g) * u, wd, sched.row_expert)
-        out = _push_and_sum(y * w_rows[:, None], sched, ws)[: sched.num_tokens]
+        out = _push_and_sum(y * w_rows[:, None], sched, ws, "forward: combine")[: sched.num_tokens]
         shared_g = shared_u = None
         if shared is not None:
             sg, su, sd = (w.to(cdt) for w in shared)
@@ -106,7 +106,7 @@ class ReferenceBackend:
         wgrad_accumulators, in the weights' form) or None."""
         cdt = compute_dtype(x.dtype)
         wg, wu, wd = (w.to(cdt) for w in _split_form(routed))
-        d_rows = _pull_rows(d_out.to(cdt), sched, ws)
+        d_rows = _pull_rows(d_out.to(cdt), sched, ws, "backward: dispatch")
         d_w_rows = (d_rows * ctx.y_rows).sum(-1)
         dy = d_rows * ctx.w_rows[:, None]
         silu_g = F.silu(ctx.g_rows)
@@ -118,8 +118,10 @@ class ReferenceBackend:
         dx_rows = dx_rows + _grouped_linear(du, wu.transpose(1, 2), sched.row_expert)
         d_wg = _grouped_wgrad(dg, ctx.x_rows, sched.row_expert, ws.num_local_experts)
         d_wu = _grouped_wgrad(du, ctx.x_rows, sched.row_expert, ws.num_local_experts)
-        d_x = _push_and_sum(dx_rows, sched, ws)[: sched.num_tokens]
-        d_rw = _push_slot_values(d_w_rows, sched, ws)[: sched.num_tokens]
+        d_x = _push_and_sum(dx_rows, sched, ws, "backward: combine")[: sched.num_tokens]
+        d_rw = _push_slot_values(d_w_rows, sched, ws, "backward: router weights")[
+            : sched.num_tokens
+        ]
         d_shared = (None, None, None)
         if shared is not None:
             d_x, d_shared = _shared_backward(d_out.to(cdt), x.to(cdt), ctx, shared, d_x, cdt)
@@ -282,9 +284,9 @@ def _shared_backward(d_out, x, ctx: ReferenceContext, shared: ExpertWeights, d_x
 
 
 # ---------------------------------------------------------------------------- data movement
-def _pull_rows(values: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace) -> torch.Tensor:
+def _pull_rows(values: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace, phase: str):
     """values: [T, H] local → [C, H] in schedule row order (each token pulled once per rank)."""
-    every = _all_gather(_pad_rows(values, sched.max_tokens, 0), ws).flatten(0, 1)
+    every = _all_gather(_pad_rows(values, sched.max_tokens, 0), ws, phase).flatten(0, 1)
     tokens = every[sched.recv_token_src.clamp(min=0)]
     return tokens[sched.row_token_idx.clamp(min=0)]
 
@@ -296,7 +298,7 @@ def _row_values(per_slot: torch.Tensor, sched: MoKSchedule) -> torch.Tensor:
     return torch.where(sched.row_expert < sched.num_local_experts, per_slot.flatten()[flat], 0)
 
 
-def _push_and_sum(rows: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace) -> torch.Tensor:
+def _push_and_sum(rows: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace, phase: str):
     """rows: [C, H] → [T_max, H] at the sources: Σ_k on the expert side, then Σ over ranks."""
     per_token = rows.new_zeros(sched.token_capacity, rows.shape[1])
     for k in range(sched.topk):
@@ -304,29 +306,32 @@ def _push_and_sum(rows: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace) -> t
         per_token = per_token + torch.where((idx >= 0)[:, None], rows[idx.clamp(min=0)], 0)
     pos = sched.recv_token_pos
     parts = torch.where((pos >= 0)[:, None], per_token[pos.clamp(min=0)], 0)
-    received = _exchange(parts.view(sched.num_ranks, sched.max_tokens, -1), ws)
+    received = _exchange(parts.view(sched.num_ranks, sched.max_tokens, -1), ws, phase)
     out = rows.new_zeros(sched.max_tokens, rows.shape[1])
     for d in range(sched.num_ranks):
         out = out + torch.where(sched.send_to[:, d, None], received[d], 0)
     return out
 
 
-def _push_slot_values(row_values: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace):
+def _push_slot_values(row_values: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace, phase: str):
     """row_values: [C] → [T_max, K] at the sources (each slot lives on exactly one rank)."""
     pos = sched.recv_token_pos
     slot_rows = sched.token_rows[pos.clamp(min=0)]
     here = (pos >= 0)[:, None] & (slot_rows >= 0)
     parts = torch.where(here, row_values[slot_rows.clamp(min=0)], 0)
-    received = _exchange(parts.view(sched.num_ranks, sched.max_tokens, -1), ws)
+    received = _exchange(parts.view(sched.num_ranks, sched.max_tokens, -1), ws, phase)
     out = row_values.new_zeros(sched.max_tokens, sched.topk)
     for d in range(sched.num_ranks):
         out = out + received[d]
     return out
 
 
-def _gather_weights(router_weights: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace):
+def _gather_weights(router_weights: torch.Tensor, sched: MoKSchedule, ws: MoKWorkspace,
+                    phase: str):  # fmt: skip
     """Every rank's router weights, [W, T_max, K], 0 padded."""
-    return _all_gather(_pad_rows(router_weights, sched.max_tokens, 0), ws)
+    return _all_gather(
+        _pad_rows(router_weights, sched.max_tokens, 0), ws, f"{phase}: router weights"
+    )
 
 
 def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
@@ -336,24 +341,33 @@ def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
     return torch.cat([t, pad])
 
 
-def _all_gather(t: torch.Tensor, ws: MoKWorkspace) -> torch.Tensor:
+def _all_gather(t: torch.Tensor, ws: MoKWorkspace, phase: str) -> torch.Tensor:
     """[n, ...] → [W, n, ...] from every rank of the workspace's group."""
     if ws.num_ranks == 1:
         return t.unsqueeze(0)
     comm = t.to(_comm_device(ws))
     out = comm.new_empty((ws.num_ranks * t.shape[0], *t.shape[1:]))
+    _wait_for_ranks(ws, phase)
     dist.all_gather_into_tensor(out, comm.contiguous(), group=ws.group)
     return out.view(ws.num_ranks, *t.shape).to(t.device)
 
 
-def _exchange(t: torch.Tensor, ws: MoKWorkspace) -> torch.Tensor:
+def _exchange(t: torch.Tensor, ws: MoKWorkspace, phase: str) -> torch.Tensor:
     """[W, ...] with block d meant for rank d → [W, ...] with block s received from rank s."""
     if ws.num_ranks == 1:
         return t
     comm = t.to(_comm_device(ws)).contiguous()
     out = torch.empty_like(comm)
+    _wait_for_ranks(ws, phase)
     dist.all_to_all_single(out, comm, group=ws.group)
     return out.to(t.device)
+
+
+def _wait_for_ranks(ws: MoKWorkspace, phase: str) -> None:
+    """Every rank at ``phase`` within wait_timeout_ms, or an error that names it (gloo)."""
+    from .rank_wait import wait_for_ranks
+
+    wait_for_ranks(ws.group, ws.config.wait_timeout_ms, phase)
 
 
 def _comm_device(ws: MoKWorkspace) -> torch.device:

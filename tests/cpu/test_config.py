@@ -176,7 +176,7 @@ def _tiny_workspace(config):
 
 @pytest.mark.parametrize("knob,value", [("fwd_num_comm_sms", 24), ("bwd_num_comm_sms", 7),
                                         ("minibatch_size", 512), ("expert_gemm", "torch"),
-                                        ("wait_timeout_ms", 500)])  # fmt: skip
+                                        ("macrobatch_size", 1024)])  # fmt: skip
 def test_a_knob_the_backend_ignores_warns_once_naming_knob_and_backend(knob, value):
     from mok_megatron.functional import config as config_module
 
@@ -197,6 +197,8 @@ def test_default_knobs_and_used_knobs_do_not_warn():
         warnings.simplefilter("error")
         _tiny_workspace(MoKConfig())
         assert warn_ignored_knobs(MoKConfig(macrobatch_size=1024), "cuda/stage1") == []
+        # the reference's collectives on gloo wait at most wait_timeout_ms (rank_wait.py)
+        assert warn_ignored_knobs(MoKConfig(wait_timeout_ms=500), "reference") == []
         for path in ("cuda/stage1", "cuda/megakernel"):  # the megakernel's backward is stage 1's
             assert warn_ignored_knobs(MoKConfig(expert_gemm="engine"), path) == []
             assert warn_ignored_knobs(MoKConfig(wait_timeout_ms=500), path) == []
