@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mok_megatron.ops import fp8_blockwise as fb  # noqa: E402
 from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
 from mok_megatron.ops import grouped_gemm_fp8 as gf  # noqa: E402
+from mok_megatron.testing.records import commit  # noqa: E402
 from mok_megatron.testing.timing import time_fn  # noqa: E402
 
 MODELS = {  # name: (hidden, intermediate, experts, topk), as scripts/bench_moe.py
@@ -39,15 +39,6 @@ MODELS = {  # name: (hidden, intermediate, experts, topk), as scripts/bench_moe.
     "deepseek-v3": (7168, 2048, 256, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
 }
-
-
-def commit() -> str:
-    if os.environ.get("MOK_COMMIT"):
-        return os.environ["MOK_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def problem(model: str, ep: int, tokens: int) -> dict:

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
 from mok_megatron.ops import moe  # noqa: E402
+from mok_megatron.testing.records import commit  # noqa: E402
 
 MODELS = {  # name: (hidden, intermediate, experts, topk)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -47,15 +48,6 @@ SWEEP = [  # tile-order / schedule settings (gg.GemmTuning) tried by --sweep (EP
     gg.GemmTuning(sch, r, sw)
     for sch in ("cooperative", "pingpong") for r in ("m", "n") for sw in (1, 4)
 ]  # fmt: skip
-
-
-def commit() -> str:
-    if os.environ.get("MOK_COMMIT"):
-        return os.environ["MOK_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def driver() -> str:

@@ -19,11 +19,12 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mok_megatron.testing.records import commit  # noqa: E402
 
 NAMES = ("out", "d_x", "d_router_weights", "d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
 #: (name, hidden, inter, experts, topk, shared_inter, tokens)
@@ -37,15 +38,6 @@ SHAPES = [
 ]
 TABLE_BEGIN, TABLE_END = "<!-- fp8_accuracy table begin -->", "<!-- fp8_accuracy table end -->"
 COMPARISONS = ("bf16_vs_float64", "fp8_vs_float64", "fp8_vs_bf16", "fp8_vs_reference")
-
-
-def commit() -> str:
-    if os.environ.get("MOK_COMMIT"):
-        return os.environ["MOK_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def layer_run(problem, config, backend: str, d_out) -> dict:

@@ -18,27 +18,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mok_megatron.testing.records import commit  # noqa: E402
+
 #: The stated band: |loss_fp8 - loss_bf16| <= BAND_RELATIVE * loss_bf16 from BAND_FROM_STEP on.
 BAND_RELATIVE = 0.02
 BAND_FROM_STEP = 20
 TABLE_BEGIN, TABLE_END = "<!-- fp8_training table begin -->", "<!-- fp8_training table end -->"
-
-
-def commit() -> str:
-    if os.environ.get("MOK_COMMIT"):
-        return os.environ["MOK_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def rank_body(rank: int, world: int, run, ckpt: str) -> dict:

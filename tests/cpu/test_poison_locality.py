@@ -13,10 +13,11 @@ import torch
 
 from mok_megatron import functional as F
 from mok_megatron.testing import random_moe_problem, run_ranks
+from mok_megatron.testing.locality import ROUTED_GRADS, assert_poison_local
 from mok_megatron.testing.runs import run_local
 
 PER_TOKEN = ("out", "d_x", "d_router_weights")
-ROUTED = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
+
 SHARED = ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
 CONFIG = F.MoKConfig(schedule_capacity_multiplier=2.0)
 
@@ -32,28 +33,11 @@ def _run(problem) -> dict:
     shared gradients summed over ranks."""
     world = len(problem.tokens_per_rank)
     results = run_ranks(_rank_run, world, problem) if world > 1 else [_rank_run(0, 1, problem)]
-    whole = {n: torch.cat([r[n] for r in results]) for n in PER_TOKEN + ROUTED}
+    whole = {n: torch.cat([r[n] for r in results]) for n in PER_TOKEN + ROUTED_GRADS}
     for n in SHARED:  # None without a shared expert
         parts = [r[n] for r in results]
         whole[n] = None if parts[0] is None else sum(parts[1:], parts[0])
     return whole
-
-
-def _assert_only(clean: dict, poisoned: dict, slots: torch.Tensor, experts: torch.Tensor,
-                 names: tuple[str, ...]) -> None:  # fmt: skip
-    """Non-finite exactly where the poison reaches, bitwise equal elsewhere: ``slots`` [T, K]
-    marks the poisoned (token, slot) pairs (their router-weight gradients; their tokens' out and
-    d_x rows, wholly), ``experts`` the experts whose gradients in ``names`` it reaches."""
-    rows = {"out": slots.any(-1), "d_x": slots.any(-1), "d_router_weights": slots}
-    for name, hit in rows.items():
-        assert not torch.isfinite(poisoned[name][hit]).any(), f"{name}: a dependent value is finite"
-        assert torch.equal(poisoned[name][~hit], clean[name][~hit]), f"{name}: the poison spread"
-    for name in ROUTED:
-        hit = torch.zeros(clean[name].shape[0], dtype=torch.bool)
-        if name in names:
-            hit[experts] = True
-            assert not torch.isfinite(poisoned[name][hit]).all(), f"{name}: expert unaffected"
-        assert torch.equal(poisoned[name][~hit], clean[name][~hit]), f"{name}: the poison spread"
 
 
 @pytest.mark.parametrize("tokens_per_rank", [[48], [20, 17]], ids=["ep1", "ep2"])
@@ -67,7 +51,7 @@ def test_nan_in_one_token_stays_with_that_token(tokens_per_rank):
     experts = problem.topk_experts[token]
     slots = torch.zeros(problem.topk_experts.shape, dtype=torch.bool)
     slots[token] = experts >= 0
-    _assert_only(clean, poisoned, slots, experts[experts >= 0], ROUTED)
+    assert_poison_local(clean, poisoned, slots, experts[experts >= 0], ROUTED_GRADS)
     for name in SHARED:  # the shared expert saw the token
         assert not torch.isfinite(poisoned[name]).all(), name
 
@@ -83,5 +67,5 @@ def test_nan_in_one_experts_weight_stays_with_its_tokens(tokens_per_rank):
     slots = problem.topk_experts == expert
     assert 0 < slots.any(-1).sum() < problem.x.shape[0]
     # W_down's own gradient (dy^T a) does not read W_down: only the L1 gradients see the NaN
-    _assert_only(clean, poisoned, slots, torch.tensor([expert]), ("d_w_routed_gate",
+    assert_poison_local(clean, poisoned, slots, torch.tensor([expert]), ("d_w_routed_gate",
                                                                    "d_w_routed_up"))  # fmt: skip

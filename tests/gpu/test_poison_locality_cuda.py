@@ -1,6 +1,6 @@
-"""Poisoned input stays local on the CUDA backend (issue 17, item 2; tests/cpu/
-test_poison_locality.py is the reference backend's half, whose checks this reuses): a NaN in
-one token's x, or in one expert's W_down, makes exactly what depends on it non-finite and leaves
+"""Poisoned input stays local on the CUDA backend (issue 17, item 2; the reference backend's
+half is tests/cpu/test_poison_locality.py, the check is testing.locality's): a NaN in one
+token's x, or in one expert's W_down, makes exactly what depends on it non-finite and leaves
 every other output and gradient bitwise equal to the clean run. EP 1, stage 1, both weight
 forms. (Written in session 8 without a GPU run; the reference half passes.)"""
 
@@ -14,11 +14,11 @@ import torch
 from mok_megatron import functional as F
 from mok_megatron.ops import interleave_gate_up
 from mok_megatron.testing import random_moe_problem
+from mok_megatron.testing.locality import ROUTED_GRADS, assert_poison_local
 from mok_megatron.testing.runs import global_d_out
 
 pytestmark = pytest.mark.gpu
 
-PER_TOKEN = ("out", "d_x", "d_router_weights")
 CONFIG = F.MoKConfig(wait_timeout_ms=60_000)
 
 
@@ -40,23 +40,6 @@ def run(problem, fused: bool) -> dict:
     return {k: v.cpu() for k, v in {"out": out, **grads}.items() if v is not None}
 
 
-def assert_only(clean, poisoned, slots, experts, names):
-    """As tests/cpu/test_poison_locality.py: ``slots`` [T, K] the poisoned (token, slot) pairs,
-    ``experts`` the experts whose gradients in ``names`` the poison reaches."""
-    rows = {"out": slots.any(-1), "d_x": slots.any(-1), "d_router_weights": slots}
-    for name, hit in rows.items():
-        assert not torch.isfinite(poisoned[name][hit]).any(), f"{name}: a dependent value is finite"
-        assert torch.equal(poisoned[name][~hit], clean[name][~hit]), f"{name}: the poison spread"
-    for name in ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down"):
-        if name not in clean:  # the fused form has no separate up gradient
-            continue
-        hit = torch.zeros(clean[name].shape[0], dtype=torch.bool)
-        if name in names:
-            hit[experts] = True
-            assert not torch.isfinite(poisoned[name][hit]).all(), f"{name}: expert unaffected"
-        assert torch.equal(poisoned[name][~hit], clean[name][~hit]), f"{name}: the poison spread"
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 def test_nan_in_one_token_stays_with_that_token(fused):
     problem = random_moe_problem([96], 256, 128, 8, 2, seed=3)
@@ -68,8 +51,7 @@ def test_nan_in_one_token_stays_with_that_token(fused):
     experts = problem.topk_experts[token]
     slots = torch.zeros(problem.topk_experts.shape, dtype=torch.bool)
     slots[token] = experts >= 0
-    names = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
-    assert_only(clean, poisoned, slots, experts[experts >= 0], names)
+    assert_poison_local(clean, poisoned, slots, experts[experts >= 0], ROUTED_GRADS)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
@@ -82,5 +64,5 @@ def test_nan_in_one_experts_weight_stays_with_its_tokens(fused):
     poisoned = run(dataclasses.replace(problem, w_down=w_down), fused)
     slots = problem.topk_experts == expert
     assert 0 < slots.any(-1).sum() < problem.x.shape[0]
-    assert_only(clean, poisoned, slots, torch.tensor([expert]), ("d_w_routed_gate",
+    assert_poison_local(clean, poisoned, slots, torch.tensor([expert]), ("d_w_routed_gate",
                                                                   "d_w_routed_up"))  # fmt: skip
