@@ -130,9 +130,9 @@ def backward(
 ) -> MoKGradients:
     """All eight gradients of ``forward`` (``MoKGradients``, unpacks in the documented order).
 
-    d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for quantised ones); with
-    the fused gate/up form, ``d_w_routed_gate`` is gate_up's gradient (same layout) and
-    ``d_w_routed_up`` is None.
+    d_out: [T, H], x's dtype. Weight gradients come in each weight's dtype (x's for quantised
+    ones); with the fused gate/up form, ``d_w_routed_gate`` is gate_up's gradient (same layout)
+    and ``d_w_routed_up`` is None.
 
     wgrad_accumulators: None (return the routed-weight gradients), or one buffer per routed
     weight, in the weights' order and form: (gate [E_l, I, H], up [E_l, I, H], down [E_l, H, I]),

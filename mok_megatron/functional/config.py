@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
-           "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS", "MOK_ROW_ALIGN",
-           "KNOB_USERS",
-           "engine_step_list", "tuned_table_path", "warn_ignored_knobs"]  # fmt: skip
+           "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS",
+           "MOK_ROW_ALIGN", "KNOB_USERS", "engine_step_list", "tuned_table_path",
+           "warn_ignored_knobs"]  # fmt: skip
 
 #: A knob left "auto" takes its value from the tuned table of the GPU and EP size the workspace
 #: runs on (``mok_megatron/tuned/<gpu>_ep<N>.yaml``, written by scripts/tune.py), else from

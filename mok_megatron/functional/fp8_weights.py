@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["attach_fp8_weight", "fp8_weight", "invalidate_fp8_weight_cache"]
+__all__ = ["attach_fp8_weight", "check_fp8_sizes", "fp8_weight", "invalidate_fp8_weight_cache"]
 
 _CACHE_ATTR = "_mok_fp8_blocks"
 _epoch = 0  # bumped by every optimizer step and by invalidate_fp8_weight_cache()
@@ -32,6 +32,18 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def check_fp8_sizes(hidden: int, inter: int) -> None:
+    """Raise, naming the rule, unless H and I fill whole FP8 scale blocks (any backend)."""
+    from mok_megatron.ops.fp8_blockwise import BLOCK
+
+    if hidden % BLOCK or inter % BLOCK:
+        raise ValueError(
+            f"MoKConfig.expert_precision='fp8_blockwise' needs hidden (H={hidden}) and "
+            f"intermediate (I={inter}) sizes that are multiples of {BLOCK} (the FP8 scale "
+            "blocks); pad them or use expert_precision='bf16'"
+        )
 
 
 def _key(w: torch.Tensor) -> tuple:

@@ -77,7 +77,9 @@ class ReferenceBackend:
     def forward(self, ws, sched, x, router_weights, shared, routed, save: bool = True):
         fp8 = ws.config.expert_precision == "fp8_blockwise"
         if fp8:
-            _check_fp8_sizes(x, routed)
+            from .fp8_weights import check_fp8_sizes
+
+            check_fp8_sizes(x.shape[-1], routed.down.shape[-1])
         cdt = compute_dtype(x.dtype)
         x_rows = _pull_rows(x.to(cdt), sched, ws, "forward: dispatch")
         if sched.gathered_weights_match(router_weights):
@@ -162,30 +164,17 @@ def _split_form(routed) -> ExpertWeights:
 
 
 # ------------------------------------------------------------------- blockwise FP8 forward
-#: Hidden and intermediate sizes must be multiples of this with fp8_blockwise: the scale blocks.
-FP8_BLOCK = 128
-
-
-def _check_fp8_sizes(x: torch.Tensor, routed) -> None:
-    """Raise, naming the rule, unless H and I fill whole FP8 scale blocks."""
-    hidden, inter = x.shape[-1], routed.down.shape[-1]
-    if hidden % FP8_BLOCK or inter % FP8_BLOCK:
-        raise ValueError(
-            f"MoKConfig.expert_precision='fp8_blockwise' needs hidden (H={hidden}) and "
-            f"intermediate (I={inter}) sizes that are multiples of {FP8_BLOCK} (the FP8 scale "
-            "blocks); pad them or use expert_precision='bf16'"
-        )
-
-
 def _fp8_experts(x_rows: torch.Tensor, routed, row_expert: torch.Tensor, cdt: torch.dtype):
     """(g, u, y) of the routed experts as the CUDA FP8 path computes them (ops.grouped_gemm_fp8):
     rows and act in (1, 128) blocks, weights in (128, 128) blocks, products in ``cdt``."""
+    from mok_megatron.ops.fp8_blockwise import BLOCK
+
     wg, wu, wd = _fp8_weights(routed, cdt)
-    x_q = _fp8_round_trip(x_rows, (1, FP8_BLOCK), cdt)
+    x_q = _fp8_round_trip(x_rows, (1, BLOCK), cdt)
     g = _grouped_linear(x_q, wg, row_expert)
     u = _grouped_linear(x_q, wu, row_expert)
     act = (F.silu(g) * u).to(torch.bfloat16)  # the L1 kernel writes act in bf16, then quantises
-    y = _grouped_linear(_fp8_round_trip(act, (1, FP8_BLOCK), cdt), wd, row_expert)
+    y = _grouped_linear(_fp8_round_trip(act, (1, BLOCK), cdt), wd, row_expert)
     return g, u, y
 
 
@@ -206,29 +195,25 @@ def _fp8_weight(w: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """A weight through FP8 in (128, 128) blocks: its kept FP8 copy (``fp8_weights``: the
     caller's own quantisation when it passed one, made once per update otherwise; the CUDA path
     reads the same copy), or, for float64 weights the quantiser does not take, a fresh one."""
+    from mok_megatron.ops.fp8_blockwise import BLOCK, fp8_blockwise_dequantize_exact
+
     from .fp8_weights import fp8_weight
 
     if w.dtype == torch.float64:
-        return _fp8_round_trip(w, (FP8_BLOCK, FP8_BLOCK), cdt)
-    return _fp8_dequantize_exact(fp8_weight(w)).to(cdt)
+        return _fp8_round_trip(w, (BLOCK, BLOCK), cdt)
+    return fp8_blockwise_dequantize_exact(fp8_weight(w)).to(cdt)
 
 
 def _fp8_round_trip(t: torch.Tensor, block: tuple[int, int], cdt: torch.dtype) -> torch.Tensor:
     """``t`` quantised to blockwise FP8 from its float32 values (bf16 converts exactly; the
     quantiser takes no float64), dequantised exactly, in ``cdt``."""
-    from mok_megatron.ops.fp8_blockwise import fp8_blockwise_quantize_reference
+    from mok_megatron.ops.fp8_blockwise import (
+        fp8_blockwise_dequantize_exact,
+        fp8_blockwise_quantize_reference,
+    )
 
     q = fp8_blockwise_quantize_reference(t.float().contiguous(), block)
-    return _fp8_dequantize_exact(q).to(cdt)
-
-
-def _fp8_dequantize_exact(q) -> torch.Tensor:
-    """``data * scale`` per block in float64: exact (4 + 24 significant bits), unlike the float32
-    product of ops.fp8_blockwise_dequantize, so float64 inputs see no extra rounding."""
-    br, bc = q.block
-    *batch, rows, cols = q.data.shape
-    blocks = q.data.to(torch.float64).reshape(*batch, rows // br, br, cols // bc, bc)
-    return (blocks * q.scales.to(torch.float64)[..., :, None, :, None]).reshape(q.data.shape)
+    return fp8_blockwise_dequantize_exact(q).to(cdt)
 
 
 # ----------------------------------------------------------------------------------- math

@@ -43,6 +43,7 @@ __all__ = [
     "BLOCKS",
     "FP8BlockTensor",
     "fp8_blockwise_dequantize",
+    "fp8_blockwise_dequantize_exact",
     "fp8_blockwise_quantize",
     "fp8_blockwise_quantize_reference",
 ]
@@ -213,3 +214,12 @@ def fp8_blockwise_dequantize(t: FP8BlockTensor, dtype: torch.dtype = torch.float
     blocks = t.data.float().reshape(*batch, rows // br, br, cols // bc, bc)
     out = blocks * t.scales.float()[..., :, None, :, None]
     return out.reshape(t.data.shape).to(dtype)
+
+
+def fp8_blockwise_dequantize_exact(t: FP8BlockTensor) -> torch.Tensor:
+    """``data * s`` per block in float64, exact (4 + 24 significant bits): the oracles' form
+    (:func:`fp8_blockwise_dequantize` rounds the product to float32)."""
+    br, bc = t.block
+    *batch, rows, cols = t.data.shape
+    blocks = t.data.to(torch.float64).reshape(*batch, rows // br, br, cols // bc, bc)
+    return (blocks * t.scales.to(torch.float64)[..., :, None, :, None]).reshape(t.data.shape)

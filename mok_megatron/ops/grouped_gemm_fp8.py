@@ -38,6 +38,7 @@ from mok_megatron.ops._extension import has_op
 from mok_megatron.ops.fp8_blockwise import (
     BLOCK,
     FP8BlockTensor,
+    fp8_blockwise_dequantize_exact,
     fp8_blockwise_quantize,
 )
 from mok_megatron.ops.grouped_gemm import GemmTuning, _tuning_args
@@ -129,7 +130,9 @@ def grouped_gemm_fp8_reference(
 ) -> torch.Tensor:  # fmt: skip
     """``dequant(a)`` group g's rows times ``dequant(w[g])^T`` in ``dtype`` (float64: the
     oracle); rows at or past ``offs[-1]`` are zero. Pure PyTorch, any device (reads offs)."""
-    a_f, w_f = _dequantize(a, dtype), _dequantize(w, dtype)
+    # NOTE: exact in float64, then one rounding to dtype: the product a float32 one would give
+    a_f = fp8_blockwise_dequantize_exact(a).to(dtype)
+    w_f = fp8_blockwise_dequantize_exact(w).to(dtype)
     out = a_f.new_zeros(a_f.shape[0], w_f.shape[1])
     ends = offs.tolist()
     begin = 0
@@ -138,14 +141,6 @@ def grouped_gemm_fp8_reference(
             out[begin:end] = a_f[begin:end] @ w_f[g].transpose(0, 1)
         begin = end
     return out
-
-
-def _dequantize(t: FP8BlockTensor, dtype: torch.dtype) -> torch.Tensor:
-    """``data * s`` computed in ``dtype`` (in float64 exact: 4 + 24 significant bits)."""
-    br, bc = t.block
-    *batch, rows, cols = t.data.shape
-    blocks = t.data.to(dtype).reshape(*batch, rows // br, br, cols // bc, bc)
-    return (blocks * t.scales.to(dtype)[..., :, None, :, None]).reshape(t.data.shape)
 
 
 def _out_fake(*args, **kwargs) -> None:  # the ops write into caller-provided outputs

@@ -12,7 +12,7 @@ from ..config import ENGINE_STEPS, engine_step_list
 from ..types import FusedExpertWeights
 
 __all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "AUTO_ACCUMULATE_STEPS", "ExpertRows", "Experts",
-           "engine_steps", "grouped_mm", "accumulate"]  # fmt: skip
+           "engine_steps", "grouped_mm", "accumulate", "not_hopper"]  # fmt: skip
 
 #: What MoKConfig.expert_gemm="auto" picks on Hopper. "l2": its engine GEMM beat
 #: torch._grouped_mm on all six points of the same-process micro-benchmark (docs/GEMM.md). "l1"
@@ -189,14 +189,9 @@ def engine_steps(
         )
     if not steps:
         return ()
-    why_not = None
+    why_not = not_hopper(device)
     if not grouped_gemm_available():
         why_not = "mok_megatron._C lacks the grouped-GEMM ops"
-    elif device.type != "cuda":
-        why_not = f"the device is {device}, not a CUDA GPU"
-    elif torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        why_not = f"it is built for sm_90a and this GPU is sm_{major}{minor}"
     if why_not is None:
         return steps
     if expert_gemm != "auto":
@@ -209,6 +204,16 @@ def engine_steps(
         f"{why_not} (MoKConfig.expert_gemm='torch' chooses this without the warning)"
     )
     return ()
+
+
+def not_hopper(device: torch.device | None) -> str | None:
+    """Why ``device`` cannot run the sm_90a kernels (None when it can)."""
+    if device is None or device.type != "cuda":
+        return f"the device is {device}, not a CUDA GPU"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"mok_megatron._C is built for sm_90a and this GPU is sm_{major}{minor}"
+    return None
 
 
 _WARNED: set[str] = set()

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8_weights import fp8_weight, invalidate_fp8_weight_cache
+from ..fp8_weights import check_fp8_sizes, fp8_weight
 from ..types import FusedExpertWeights
+from .experts import not_hopper
 
-__all__ = ["FP8_DIM_MULTIPLE", "check_fp8_experts", "fp8_weight", "forward",
-           "invalidate_fp8_weight_cache"]  # fmt: skip
-
-#: Hidden and intermediate sizes must be multiples of this: the FP8 scale blocks.
-FP8_DIM_MULTIPLE = 128
+__all__ = ["check_fp8_experts", "forward"]
 
 
 def check_fp8_experts(routed, device: torch.device) -> None:
@@ -33,21 +30,10 @@ def check_fp8_experts(routed, device: torch.device) -> None:
             "gate/up weights (gate_up [E_l, 2I, H] interleaved, None, down): MoKExperts' form, "
             "ops.interleave_gate_up makes it"
         )
-    inter, hidden = routed.gate_up.shape[1] // 2, routed.gate_up.shape[2]
-    if hidden % FP8_DIM_MULTIPLE or inter % FP8_DIM_MULTIPLE:
-        raise ValueError(
-            f"MoKConfig.expert_precision='fp8_blockwise' needs hidden (H={hidden}) and "
-            f"intermediate (I={inter}) sizes that are multiples of {FP8_DIM_MULTIPLE} (the FP8 "
-            "scale blocks); pad them or use expert_precision='bf16'"
-        )
-    why = None
+    check_fp8_sizes(routed.gate_up.shape[2], routed.gate_up.shape[1] // 2)
+    why = not_hopper(device)
     if not grouped_gemm_fp8_available():
         why = "mok_megatron._C lacks the FP8 grouped-GEMM ops"
-    elif device.type != "cuda":
-        why = f"the device is {device}, not a CUDA GPU"
-    elif torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        why = f"they are built for sm_90a and this GPU is sm_{major}{minor}"
     if why is not None:
         raise RuntimeError(
             f"MoKConfig.expert_precision='fp8_blockwise' but the FP8 expert GEMMs can't run: "

@@ -29,13 +29,10 @@ def unsupported_reasons(device: torch.device | None) -> list[str]:
     from mok_megatron.ops import has_op
     from mok_megatron.ops.moe import MEGA_OPS
 
+    from .experts import not_hopper
+
     reasons = [f"mok_megatron._C lacks {op}" for op in MEGA_OPS if not has_op(op)]
-    if device is None or device.type != "cuda":
-        reasons.append(f"the device is {device}, not a CUDA GPU")
-    elif torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        reasons.append(f"it is built for sm_90a and this GPU is sm_{major}{minor}")
-    return reasons
+    return reasons + [r for r in (not_hopper(device),) if r]
 
 
 def wanted(config, device: torch.device | None) -> bool:
