@@ -26,7 +26,7 @@ inline void check_fp8(const Fp8GroupedGemmArgs& args, const char* op) {
                  "%s: tuning swizzle=%d must be 1, 2, 4 or 8", op, swizzle);
 }
 
-// A rows-in-M FP8 problem from the args; the caller sets d / aux / q / qs.
+// A rows-in-M FP8 problem from the args; the caller sets d (and aux).
 inline gemm::Fp8ProblemDesc fp8_desc(const Fp8GroupedGemmArgs& args) {
   gemm::Fp8ProblemDesc desc;
   desc.offs = args.offs;

@@ -1,7 +1,7 @@
 // Role: the blockwise-FP8 grouped GEMM's per-group problem arrays, built on the device from the
 // row offsets (as grouped_problems.cuh does for the BF16 engine: the host never reads a row
 // count). Besides the operands they hold each group's scale pointers and scale layouts
-// (grouped_gemm_fp8_config.cuh gives the layouts), and the fused L1 epilogue's extra outputs.
+// (grouped_gemm_fp8_config.cuh gives the layouts).
 #pragma once
 
 #include <cstdint>
@@ -20,16 +20,14 @@ struct Fp8ProblemArrays {
   const ScaleElement** ptr_sfa = nullptr;
   const ScaleElement** ptr_sfb = nullptr;
   Element** ptr_d = nullptr;
-  Element** ptr_aux = nullptr;     // the L1 epilogue's h (may stay unused)
-  uint8_t** ptr_q = nullptr;       // the L1 epilogue's act, quantised (may stay unused)
-  ScaleElement** ptr_qs = nullptr;  // and its (1 x 128) scales
+  Element** ptr_aux = nullptr;  // the L1 epilogue's h (may stay unused)
   StrideA* stride_a = nullptr;
   StrideB* stride_b = nullptr;
   StrideD* stride_d = nullptr;
   Fp8LayoutSFA* layout_sfa = nullptr;
   Fp8LayoutSFB* layout_sfb = nullptr;
 
-  static constexpr size_t kNumPointerArrays = 8;
+  static constexpr size_t kNumPointerArrays = 6;
   static constexpr size_t round_up(size_t x) {
     return GroupedProblemArrays<StrideA, StrideB, StrideD>::round_up(x);
   }
@@ -55,8 +53,6 @@ struct Fp8ProblemArrays {
     a.ptr_sfb = reinterpret_cast<const ScaleElement**>(take(g * sizeof(void*)));
     a.ptr_d = reinterpret_cast<Element**>(take(g * sizeof(void*)));
     a.ptr_aux = reinterpret_cast<Element**>(take(g * sizeof(void*)));
-    a.ptr_q = reinterpret_cast<uint8_t**>(take(g * sizeof(void*)));
-    a.ptr_qs = reinterpret_cast<ScaleElement**>(take(g * sizeof(void*)));
     a.stride_a = reinterpret_cast<StrideA*>(take(g * sizeof(StrideA)));
     a.stride_b = reinterpret_cast<StrideB*>(take(g * sizeof(StrideB)));
     a.stride_d = reinterpret_cast<StrideD*>(take(g * sizeof(StrideD)));
@@ -67,13 +63,13 @@ struct Fp8ProblemArrays {
 };
 
 // A rows-in-M FP8 problem: group g's rows of A [rows, k] times B[g] ([n, k]) into D [rows, n_d].
-// Steps count elements of each operand's own type (scales: floats; q: bytes).
+// Steps count elements of each operand's own type (scales: floats).
 struct Fp8ProblemDesc {
   const int32_t* offs = nullptr;
   int num_groups = 0;
   int n = 0;
   int k = 0;
-  OperandStep a, b, sfa, sfb, d, aux, q, qs;
+  OperandStep a, b, sfa, sfb, d, aux;
 };
 
 // One thread per group.
@@ -91,8 +87,6 @@ __global__ void build_fp8_problems(Fp8ProblemDesc desc,
   out.ptr_sfb[g] = operand_ptr<const ScaleElement>(desc.sfb, row_begin, g);
   out.ptr_d[g] = operand_ptr<Element>(desc.d, row_begin, g);
   out.ptr_aux[g] = operand_ptr<Element>(desc.aux, row_begin, g);
-  out.ptr_q[g] = operand_ptr<uint8_t>(desc.q, row_begin, g);
-  out.ptr_qs[g] = operand_ptr<ScaleElement>(desc.qs, row_begin, g);
   out.stride_a[g] = packed_stride<StrideA>(m, desc.k);
   out.stride_b[g] = packed_stride<StrideB>(desc.n, desc.k);
   out.stride_d[g] = packed_stride<StrideD>(m, desc.n);
