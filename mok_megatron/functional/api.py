@@ -2,7 +2,10 @@
 
 ``build_schedule`` → ``forward`` → ``backward`` (or ``recompute_forward_context`` first, for
 activation checkpointing). Each call is a collective over the workspace's expert-parallel group.
-This module checks every input and hands the call to ``ws.backend``.
+This module checks every input and hands the call to ``ws.backend``: one contract for every
+backend (each tensor contiguous, on the workspace's device, starting on a TENSOR_ALIGN_BYTES
+boundary; x in the workspace's dtype), checked before any work, so a rejected call writes nothing
+(``mok_megatron.testing.bad_input`` tabulates every kind of bad input).
 """
 
 from __future__ import annotations
@@ -19,10 +22,17 @@ from .workspace import poll_errors as poll_all_errors
 
 __all__ = [
     "build_schedule", "forward", "backward", "recompute_forward_context", "check_errors",
-    "poll_errors", "check_wgrad_accumulators", "ACCUMULATOR_ALIGN_BYTES",
+    "poll_errors", "check_wgrad_accumulators", "TENSOR_ALIGN_BYTES",
 ]  # fmt: skip
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+#: Where every tensor argument (inputs, weights, accumulators) must start: the CUDA kernels read
+#: and write them by TMA and 16-byte vector loads. One contract for every backend; an empty
+#: tensor is exempt (nothing is read).
+TENSOR_ALIGN_BYTES = 16
+#: Why, in the error for a tensor that breaks the rule.
+_ALIGN_WHY = "the CUDA kernels read it by TMA and 16-byte vector loads; a view at an odd offset?"
 
 
 def build_schedule(
@@ -86,15 +96,15 @@ def forward(
 ) -> tuple[torch.Tensor, Any]:
     """out[t] = Σ_k router_weights[t, k] · FFN_{e(t, k)}(x[t]) + FFN_shared(x[t]).
 
-    x: [T, H]; router_weights: [T, K], float32; routed weights [E_l, I, H], [E_l, I, H],
-    [E_l, H, I] (tensors, MXFP8 tuples from ``ops.mxfp8_quantize``, or (128, 128)
-    ``FP8BlockTensor`` s from ``ops.fp8_blockwise_quantize``, which an
-    ``expert_precision="fp8_blockwise"`` forward uses as given), or the fused form
-    (gate_up [E_l, 2I, H] interleaved as ``ops.interleave_gate_up`` makes it, None, down): see
-    ``FusedExpertWeights``; shared weights [I_s, H], [I_s, H], [H, I_s] or all None. Returns
-    ``out: [T, H]`` in x's dtype and the backend's context. ``save_for_backward=False`` (no
-    backward will follow, e.g. under ``torch.no_grad()``): the CUDA backend keeps no activations
-    and the context cannot serve ``backward``.
+    x: [T, H], the workspace's dtype; router_weights: [T, K], float32 (float64 too when x is);
+    routed weights in x's dtype, [E_l, I, H], [E_l, I, H], [E_l, H, I] (tensors, MXFP8 tuples
+    from ``ops.mxfp8_quantize``, or (128, 128) ``FP8BlockTensor`` s from
+    ``ops.fp8_blockwise_quantize``, which an ``expert_precision="fp8_blockwise"`` forward uses
+    as given), or the fused form (gate_up [E_l, 2I, H] interleaved as ``ops.interleave_gate_up``
+    makes it, None, down): see ``FusedExpertWeights``; shared weights [I_s, H], [I_s, H],
+    [H, I_s] or all None. Returns ``out: [T, H]`` in x's dtype and the backend's context.
+    ``save_for_backward=False`` (no backward will follow, e.g. under ``torch.no_grad()``): the
+    CUDA backend keeps no activations and the context cannot serve ``backward``.
     """
     shared, routed = _check_call(config, ws, sched, x, router_weights,
                                  (w_shared_gate, w_shared_up, w_shared_down),
@@ -185,10 +195,6 @@ def check_wgrad_accumulators(accumulators, ws: MoKWorkspace, dtype: torch.dtype,
     return ExpertWeights(*accumulators)
 
 
-#: The weight-gradient GEMM's epilogue loads and stores an accumulator by TMA: 16-byte rows.
-ACCUMULATOR_ALIGN_BYTES = 16
-
-
 def _check_accumulator(name, buf, shape, ws, dtypes) -> None:
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (its weight's fp32 gradient buffer), got "
@@ -204,13 +210,9 @@ def _check_accumulator(name, buf, shape, ws, dtypes) -> None:
             f"{name} has shape {tuple(buf.shape)}; an accumulator has its weight's shape "
             f"{tuple(shape)}"
         )
-    _check_tensor(name, buf, ws, dtypes=dtypes, ndim=len(buf.shape))
-    if buf.data_ptr() % ACCUMULATOR_ALIGN_BYTES:
-        raise ValueError(
-            f"{name} starts at an address that is not {ACCUMULATOR_ALIGN_BYTES}-byte aligned "
-            "(the weight-gradient GEMM's epilogue reads and writes it by TMA); pass a fresh "
-            "tensor, or a view that starts at a multiple of 4 float32 elements"
-        )
+    _check_tensor(name, buf, ws, dtypes=dtypes, ndim=len(buf.shape),
+                  why="the weight-gradient GEMM's epilogue reads and writes it by TMA",
+                  fix="pass a fresh tensor")  # fmt: skip
     if buf.requires_grad:
         raise ValueError(
             f"{name} requires grad; an accumulator is a plain buffer (like main_grad): pass "
@@ -238,6 +240,11 @@ def poll_errors() -> None:
 def _check_call(config, ws, sched, x, router_weights, shared_in, routed_in):
     _check_config(ws, config)
     _check_tensor("x", x, ws, dtypes=_FLOAT_DTYPES, ndim=2)
+    if x.dtype != ws.dtype:
+        raise TypeError(
+            f"x has dtype {x.dtype} but the workspace was made for dtype={ws.dtype}; make a "
+            "workspace per activation dtype (create_workspace(..., dtype=x.dtype))"
+        )
     _check_tokens("x", x, ws)
     if x.shape[0] != sched.num_tokens:
         raise ValueError(
@@ -352,7 +359,10 @@ def _check_config(ws: MoKWorkspace, config: MoKConfig) -> None:
         )
 
 
-def _check_tensor(name: str, t, ws: MoKWorkspace, *, dtypes, ndim: int) -> None:
+def _check_tensor(name: str, t, ws: MoKWorkspace, *, dtypes, ndim: int, why: str = _ALIGN_WHY,
+                  fix: str | None = None) -> None:  # fmt: skip
+    """A tensor argument's type, dtype, dims, device, contiguity and alignment (``why`` and
+    ``fix``: the alignment rule's reason and remedy, named in its error)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -363,6 +373,29 @@ def _check_tensor(name: str, t, ws: MoKWorkspace, *, dtypes, ndim: int) -> None:
         raise ValueError(f"{name} is on {t.device} but the workspace is on {ws.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
+    if _misaligned(t):
+        fix = fix or f"pass {name}.clone() (a fresh tensor)"
+        per = TENSOR_ALIGN_BYTES // t.element_size()
+        raise ValueError(
+            f"{name} starts at an address that is not {TENSOR_ALIGN_BYTES}-byte aligned ({why}); "
+            f"{fix}, or a view that starts at a multiple of {per} "
+            f"{str(t.dtype).removeprefix('torch.')} elements"
+        )
+
+
+def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when it is contiguous and starts on a TENSOR_ALIGN_BYTES boundary, else a copy that
+    does (for tensors the API makes itself, e.g. the gradient autograd hands the backward)."""
+    t = t.contiguous()
+    return t.clone() if _misaligned(t) else t
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds elements and starts off a TENSOR_ALIGN_BYTES boundary (never for a
+    fake tensor, which has no address: torch.compile's tracing of a call)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(t.numel()) and not is_fake(t) and t.data_ptr() % TENSOR_ALIGN_BYTES != 0
 
 
 def _check_tokens(name: str, t: torch.Tensor, ws: MoKWorkspace) -> None:

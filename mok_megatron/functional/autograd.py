@@ -53,7 +53,7 @@ class _MoKFunction(torch.autograd.Function):
         x, router_weights = fctx.saved_tensors
         accumulation = fctx.accumulation
         grads = api.backward(
-            fctx.config, fctx.ws, fctx.sched, fctx.backend_ctx, d_out.contiguous(), x,
+            fctx.config, fctx.ws, fctx.sched, fctx.backend_ctx, api._aligned_contiguous(d_out), x,
             router_weights, *fctx.weights,
             wgrad_accumulators=accumulation.buffers if accumulation is not None else None,
         )  # fmt: skip

@@ -243,7 +243,7 @@ def main_grad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor) -> torc
 
 def _unusable_main_grad(name: str, p: torch.Tensor) -> str | None:
     """Why MoK cannot add into ``p.main_grad`` (None: it can); functional.backward's rules."""
-    from mok_megatron.functional.api import ACCUMULATOR_ALIGN_BYTES
+    from mok_megatron.functional.api import TENSOR_ALIGN_BYTES
 
     grad = p.main_grad
     if grad.dtype != torch.float32:
@@ -252,8 +252,8 @@ def _unusable_main_grad(name: str, p: torch.Tensor) -> str | None:
     if grad.shape != p.shape or grad.device != p.device:
         return (f"{name}.main_grad {tuple(grad.shape)} on {grad.device} is not shaped and placed "
                 f"like {name} {tuple(p.shape)} on {p.device}")  # fmt: skip
-    if not grad.is_contiguous() or grad.data_ptr() % ACCUMULATOR_ALIGN_BYTES:
-        return (f"{name}.main_grad is not a contiguous, {ACCUMULATOR_ALIGN_BYTES}-byte aligned "
+    if not grad.is_contiguous() or grad.data_ptr() % TENSOR_ALIGN_BYTES:
+        return (f"{name}.main_grad is not a contiguous, {TENSOR_ALIGN_BYTES}-byte aligned "
                 "buffer (the distributed optimizer aligns each parameter's; without it an offset "
                 "may be any)")  # fmt: skip
     return None

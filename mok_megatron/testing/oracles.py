@@ -68,16 +68,19 @@ class MoEProblem:
         return slice(rank * e_l, (rank + 1) * e_l)
 
     def local(self, rank: int, dtype=None, device="cpu"):
-        """This rank's (x, topk, router_weights, routed weights, shared) as contiguous tensors."""
+        """This rank's (x, topk, router_weights, routed weights, shared) as fresh contiguous
+        tensors (copies, not views of the problem's: each starts on an aligned address, as the
+        functional API requires)."""
         ts, es = self.token_slice(rank), self.expert_slice(rank)
 
-        def cast(t):
-            return t.to(device=device, dtype=dtype or t.dtype).contiguous()
+        def cast(t, dt=dtype):
+            return t.to(device=device, dtype=dt or t.dtype, copy=True,
+                        memory_format=torch.contiguous_format)  # fmt: skip
 
         shared = tuple(cast(w) for w in self.shared) if self.shared else None
         routed = tuple(cast(w[es]) for w in (self.w_gate, self.w_up, self.w_down))
-        return (cast(self.x[ts]), self.topk_experts[ts].to(device).contiguous(),
-                self.router_weights[ts].to(device).contiguous(), routed, shared)  # fmt: skip
+        return (cast(self.x[ts]), cast(self.topk_experts[ts], None),
+                cast(self.router_weights[ts], None), routed, shared)  # fmt: skip
 
 
 def random_moe_problem(

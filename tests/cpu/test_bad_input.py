@@ -1,4 +1,10 @@
-"""Bad input gets a clear error that names the rule (reference backend, one rank)."""
+"""Bad input gets a clear error that names the rule, and the rejected call writes nothing
+(reference backend, one rank): every kind of ``mok_megatron.testing.bad_input``'s table, in both
+routed-weight forms; tests/gpu/test_bad_input_cuda.py runs the same table on the CUDA backend.
+
+A config that differs across the ranks of a group needs ranks: test_functional_ep.py's
+test_configs_that_differ_across_ranks_are_rejected (gloo, EP 2).
+"""
 
 from __future__ import annotations
 
@@ -6,91 +12,78 @@ import pytest
 import torch
 
 from mok_megatron import functional as F
-from mok_megatron.testing import random_moe_problem
+from mok_megatron.testing import bad_input, random_moe_problem
 from mok_megatron.testing.runs import problem_workspace
 
-H, I, E, K, T = 16, 24, 4, 2, 20
+H, I, E, K, T, I_S = 16, 24, 4, 2, 20, 8
+CASES = bad_input.cases("reference")
 
 
-def _setup(dtype=torch.float32):
-    problem = random_moe_problem([T], H, I, E, K, shared_inter=8, dtype=dtype)
+def _good(form: str) -> bad_input.GoodCall:
+    problem = random_moe_problem([T], H, I, E, K, shared_inter=I_S, dtype=torch.float32, seed=1)
     config = F.MoKConfig()
-    ws = problem_workspace(problem, dtype=dtype, config=config)
-    x, topk, rw, routed, shared = problem.local(0)
-    return config, ws, x, topk, rw, list(routed), list(shared)
+    ws = problem_workspace(problem, dtype=torch.float32, config=config)
+    return bad_input.good_call(config, ws, problem, 0, form, torch.float32, "cpu",
+                               other_device="meta", backend="reference")  # fmt: skip
 
 
-def _forward(config, ws, x, topk, rw, routed, shared):
-    sched = F.build_schedule(ws, config, topk, ws.num_local_experts)
-    return F.forward(config, ws, sched, x, rw, *shared, *routed)
+@pytest.mark.parametrize("kind,form", CASES, ids=[f"{k.name}-{f}" for k, f in CASES])
+def test_bad_input_raises_naming_the_rule_and_writes_nothing(kind, form):
+    good = _good(form)
+    for step in bad_input.PREPARE[kind.call]:
+        bad_input.prepare(good, step)
+    bad = kind.spoil(good)
+    snap = bad_input.snapshot_calls(good, bad)
+    with pytest.raises(kind.error, match=kind.pattern(good)):
+        bad_input.make_call(kind.call, bad)
+    assert bad_input.changed(snap) == []
 
 
-def test_expert_id_out_of_range():
-    config, ws, x, topk, rw, routed, shared = _setup()
-    topk[3, 1] = E
-    with pytest.raises(ValueError, match=r"expert id outside \[-1, 4\)"):
-        F.build_schedule(ws, config, topk, ws.num_local_experts)
+def test_every_kind_of_the_table_runs_here():
+    """Each reference kind is in CASES (the count a report prints comes from the same table)."""
+    assert {k.name for k, _ in CASES} == {k.name for k in bad_input.kinds("reference")}
+    count = len(bad_input.kinds("reference")) + len(bad_input.ELSEWHERE)
+    assert bad_input.kinds_line("reference").startswith(f"{count} kinds tried")
 
 
-def test_topk_larger_than_num_experts():
-    with pytest.raises(ValueError, match="topk=5 must be in"):
-        F.create_workspace(
-            F.MoKConfig(),
-            None,
-            device="cpu",
-            num_local_tokens=4,
-            hidden_size=H,
-            topk=5,
-            num_experts=4,
-            intermediate_size=I,
-            backend="reference",
-        )
+def _empty_at_an_odd_offset(cols: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype)[1:].view(0, cols)  # one element into its storage
 
 
-def test_wrong_dtypes():
-    config, ws, x, topk, rw, routed, shared = _setup()
-    with pytest.raises(TypeError, match="topk_experts has dtype torch.int32"):
-        F.build_schedule(ws, config, topk.int(), ws.num_local_experts)
-    with pytest.raises(TypeError, match="router_weights has dtype torch.float16"):
-        _forward(config, ws, x, topk, rw.half(), routed, shared)
-    routed[1] = routed[1].double()
-    with pytest.raises(TypeError, match="w_routed_up has dtype torch.float64"):
-        _forward(config, ws, x, topk, rw, routed, shared)
+def test_empty_tensors_at_any_offset_stay_valid():
+    """0 tokens: the alignment rule is for tensors something reads; an empty one passes, views
+    at an odd offset included (torch reports data_ptr() == 0 for them)."""
+    good = _good("split")
+    x = _empty_at_an_odd_offset(H, torch.float32)
+    topk = _empty_at_an_odd_offset(K, torch.int64)
+    rw = _empty_at_an_odd_offset(K, torch.float32)
+    assert x.storage_offset() == topk.storage_offset() == 1
+    weights = (*good.shared, *good.routed)
+    sched = F.build_schedule(good.ws, good.config, topk, router_weights=rw)
+    out, ctx = F.forward(good.config, good.ws, sched, x, rw, *weights)
+    grads = F.backward(good.config, good.ws, sched, ctx, x.clone(), x, rw, *weights)
+    assert out.shape == (0, H) and grads.d_x.shape == (0, H) and grads.d_router_weights.numel() == 0
 
 
-def test_wrong_shapes():
-    config, ws, x, topk, rw, routed, shared = _setup()
-    with pytest.raises(ValueError, match=r"router_weights has shape \(20, 1\); it must match"):
-        _forward(config, ws, x, topk, rw[:, :1].contiguous(), routed, shared)
-    with pytest.raises(ValueError, match="w_routed_down has shape"):
-        _forward(config, ws, x, topk, rw, routed[:2] + [routed[2].transpose(1, 2).contiguous()],
-                 shared)  # fmt: skip
-    with pytest.raises(ValueError, match="3 slots per token"):
-        F.build_schedule(ws, config, torch.cat([topk, topk[:, :1]], 1), ws.num_local_experts)
-    with pytest.raises(ValueError, match="at most num_local_tokens=20"):
-        F.build_schedule(ws, config, torch.cat([topk, topk]), ws.num_local_experts)
-
-
-def test_wrong_device():
-    config, ws, x, topk, rw, routed, shared = _setup()
-    sched = F.build_schedule(ws, config, topk, ws.num_local_experts)
-    with pytest.raises(ValueError, match="x is on meta but the workspace is on cpu"):
-        F.forward(config, ws, sched, x.to("meta"), rw, *shared, *routed)
-
-
-def test_non_contiguous_weights():
-    config, ws, x, topk, rw, routed, shared = _setup()
-    routed[0] = routed[0].transpose(1, 2).contiguous().transpose(1, 2)
-    with pytest.raises(ValueError, match=r"w_routed_gate must be contiguous"):
-        _forward(config, ws, x, topk, rw, routed, shared)
-
-
-def test_partial_shared_expert_and_config_mismatch():
-    config, ws, x, topk, rw, routed, shared = _setup()
-    with pytest.raises(ValueError, match="all three shared-expert weights or none"):
-        _forward(config, ws, x, topk, rw, routed, [shared[0], None, None])
-    with pytest.raises(ValueError, match="differs from the one the workspace was made with"):
-        _forward(F.MoKConfig(fwd_num_comm_sms=3), ws, x, topk, rw, routed, shared)
+def test_moe_takes_an_upstream_gradient_at_an_odd_address():
+    """The alignment rule is the caller's for what it passes; the gradient autograd hands
+    ``moe``'s backward (here a view 4 bytes into cat's gradient) is the layer's to align."""
+    problem = random_moe_problem([T], H, I, E, K, dtype=torch.float32, seed=2)
+    x, topk, rw, routed, _ = problem.local(0)
+    weights = torch.arange(1.0, x.numel() + 1).view(x.shape)
+    grads, seen = [], []
+    for misaligned in (True, False):
+        xg = x.clone().requires_grad_()
+        out = F.moe(xg, topk, rw, *routed, config=F.MoKConfig())
+        out.register_hook(lambda g: seen.append(g.data_ptr() % 16))
+        if misaligned:  # d_out = the [1:] view of the flat cat's gradient
+            flat = torch.cat([torch.zeros(1), out.flatten()])
+            (flat[1:] * weights.flatten()).sum().backward()
+        else:
+            out.backward(weights)
+        grads.append(xg.grad)
+    assert seen[0] != 0 and seen[1] == 0
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_forced_cuda_backend_without_the_extension_fails_clearly():
