@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from mok_megatron import functional
+from mok_megatron.testing.long_runs import memory_sample
 
 from . import cpu_shim
 from .yaml_config import MoKRunConfig
@@ -44,11 +45,17 @@ class MockBatch:
 
 @dataclass
 class RunResult:
-    """Per-step losses (averaged over data-parallel ranks) and the wall time of the loop."""
+    """Per-step losses (averaged over data-parallel ranks), the wall time of the loop and this
+    rank's memory after every step (``testing.long_runs.memory_sample``): memory_kind
+    "cuda_reserved" (memory_bytes the caching allocator's reserved bytes, memory_allocated_bytes
+    its allocated bytes) or "rss" (memory_bytes the process's resident set; no allocated)."""
 
     losses: list[float]
     seconds: float
     dispatcher: str
+    memory_kind: str = ""
+    memory_bytes: list[int] = field(default_factory=list)
+    memory_allocated_bytes: list[int] = field(default_factory=list)
 
 
 def setup_parallel(run: MoKRunConfig) -> None:
@@ -295,14 +302,19 @@ def train(
     model, optimizer = _wrap_for_training(run, model)
     num_micro = _num_micro_batches(run)
     bar = _progress_bar(run, dispatcher, progress)
-    losses, start = [], time.perf_counter()
+    losses, memory, start = [], [], time.perf_counter()
     for step in range(run.training.train_iters):
         losses.append(_train_step(run, model, optimizer, step, num_micro))
         functional.poll_errors()  # the loss is on the host: every pass's error bits are too
+        memory.append(memory_sample(run.training.resolved_device()))  # host-side, no sync
         _report(bar, step, losses[-1], run.training.train_iters)
     if bar is not None:
         bar.close()
-    return RunResult(losses=losses, seconds=time.perf_counter() - start, dispatcher=dispatcher)
+    return RunResult(
+        losses=losses, seconds=time.perf_counter() - start, dispatcher=dispatcher,
+        memory_kind=memory[0].kind if memory else "", memory_bytes=[m.bytes for m in memory],
+        memory_allocated_bytes=[m.allocated_bytes for m in memory if m.allocated_bytes is not None],
+    )  # fmt: skip
 
 
 def _progress_bar(run, dispatcher, enabled):
