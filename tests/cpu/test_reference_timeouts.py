@@ -1,7 +1,10 @@
 """A rank that stops short of a pass on the reference backend over gloo (issue 17, item 1,
-reference half): before the workspace, before the forward, or before the backward. The other
-ranks fail within MoKConfig.wait_timeout_ms. Each error names the phase they waited at, and on
-rank 0 the missing rank. No rank waits for the process group's 30-minute default."""
+reference half): before the workspace, before the forward, or before the backward, stalling
+(sleeping past the others' timeout) or exiting (its process ends). The other ranks fail within
+MoKConfig.wait_timeout_ms. Each error names the phase they waited at, and on rank 0 the missing
+rank. No rank waits for the process group's 30-minute default. A process that survives the
+error then runs a correct pass (on a group of its own: nothing of the failed pass is left in
+it)."""
 
 from __future__ import annotations
 
@@ -9,10 +12,11 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mok_megatron import functional as F
 from mok_megatron.testing import random_moe_problem, run_ranks
-from mok_megatron.testing.runs import global_d_out, problem_workspace
+from mok_megatron.testing.runs import global_d_out, problem_workspace, run_oracle
 
 TIMEOUT_MS = 1500
 STEPS = ("workspace", "forward", "backward")
@@ -22,9 +26,11 @@ PHASES = {"workspace": "workspace: config check", "forward": "schedule: routing 
           "backward": "backward: dispatch"}  # fmt: skip
 
 
-def _stalling_run(rank, world_size, problem, stalled_rank, stall_at):
+def _stalling_run(rank, world_size, problem, stalled_rank, stall_at, how="stall"):
     """One pass on every rank; ``stalled_rank`` stops before ``stall_at`` and sleeps past the
-    others' timeout. Returns (error message or None, seconds the failing step took)."""
+    others' timeout (``how="stall"``) or returns at once, ending its process (``"exit"``).
+    Returns (error message or None, seconds the failing step took, the largest relative error of
+    a later pass that a rank which got the error runs on a group of its own, or None)."""
     config = F.MoKConfig(wait_timeout_ms=TIMEOUT_MS, schedule_capacity_multiplier=float(world_size))
     x, topk, rw, routed, _ = problem.local(rank, dtype=torch.float32)
     d_out = global_d_out(problem, 0)[problem.token_slice(rank)].float().contiguous()
@@ -41,14 +47,30 @@ def _stalling_run(rank, world_size, problem, stalled_rank, stall_at):
     }  # fmt: skip
     for step in STEPS:
         if rank == stalled_rank and step == stall_at:
-            time.sleep(6 * TIMEOUT_MS / 1000)  # longer than the others wait: they must give up
-            return None, 0.0
+            if how == "stall":
+                time.sleep(6 * TIMEOUT_MS / 1000)  # longer than the others wait: they give up
+            return None, 0.0, None
         start = time.monotonic()
         try:
             steps[step]()
         except RuntimeError as exc:
-            return str(exc), time.monotonic() - start
-    return None, 0.0
+            return str(exc), time.monotonic() - start, _later_pass_error(rank)
+    return None, 0.0, None
+
+
+def _later_pass_error(rank: int) -> float:
+    """A pass after the failure, on a group of this rank alone, against the float64 oracle."""
+    solo = dist.new_group([rank], use_local_synchronization=True)
+    problem = random_moe_problem([20], 16, 24, 4, 2, seed=5 + rank)
+    config = F.MoKConfig(wait_timeout_ms=TIMEOUT_MS)
+    ws = F.create_workspace(config, solo, device="cpu", num_local_tokens=20, hidden_size=16,
+                            topk=2, num_experts=4, intermediate_size=24, dtype=torch.float64,
+                            backend="reference")  # fmt: skip
+    x, topk, rw, routed, _ = problem.local(0, dtype=torch.float64)
+    sched = F.build_schedule(ws, config, topk, ws.num_local_experts)
+    out, _ = F.forward(config, ws, sched, x, rw.double(), None, None, None, *routed)
+    want = run_oracle(problem, global_d_out(problem, 0))["out"]
+    return float(((out - want).norm() / want.norm()).item())
 
 
 def _forward(state, config, topk, x, rw, routed):
@@ -58,21 +80,28 @@ def _forward(state, config, topk, x, rw, routed):
     return sched, out, ctx
 
 
+@pytest.mark.parametrize("how", ["stall", "exit"])
 @pytest.mark.parametrize("stall_at", STEPS)
-def test_a_stalled_rank_fails_the_others_in_bounded_time_naming_the_phase(stall_at):
+def test_a_stalled_rank_fails_the_others_in_bounded_time_naming_the_phase(stall_at, how,
+                                                                          record_property):  # fmt: skip
     problem = random_moe_problem([12, 12, 12], 16, 24, 6, 2, seed=1)
-    results = run_ranks(_stalling_run, 3, problem, 2, stall_at)
+    results = run_ranks(_stalling_run, 3, problem, 2, stall_at, how)
     for rank in (0, 1):
-        message, seconds = results[rank]
+        message, seconds, later = results[rank]
         assert message is not None, f"rank {rank} finished a pass without rank 2"
         assert f"waited at '{PHASES[stall_at]}'" in message, message
         assert "wait_timeout_ms=1500" in message, message
         assert seconds < 10 * TIMEOUT_MS / 1000, f"rank {rank} waited {seconds:.1f} s"
-    assert "2" in results[0][0].split("waited at", 1)[1], results[0][0]  # rank 0 names rank 2
+        assert later < 1e-12, f"rank {rank}'s later pass is off the oracle by {later:.2e}"
+    if how == "stall":  # an exited rank may be reported as a closed connection instead
+        assert "2" in results[0][0].split("waited at", 1)[1], results[0][0]  # names rank 2
+    record_property("seconds_to_error", f"{max(r[1] for r in results[:2]):.3f}")
 
 
-def test_a_stalled_rank_zero_fails_the_others_too():
+def test_a_stalled_rank_zero_fails_the_others_too(record_property):
     problem = random_moe_problem([10, 10], 16, 24, 4, 2, seed=2)
-    message, seconds = run_ranks(_stalling_run, 2, problem, 0, "backward")[1]
+    message, seconds, later = run_ranks(_stalling_run, 2, problem, 0, "backward")[1]
     assert message is not None and "waited at 'backward: dispatch'" in message, message
     assert seconds < 10 * TIMEOUT_MS / 1000
+    assert later < 1e-12, later
+    record_property("seconds_to_error", f"{seconds:.3f}")

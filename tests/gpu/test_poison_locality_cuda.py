@@ -1,8 +1,9 @@
 """Poisoned input stays local on the CUDA backend (issue 17, item 2; the reference backend's
 half is tests/cpu/test_poison_locality.py, the check is testing.locality's): a NaN in one
 token's x, or in one expert's W_down, makes exactly what depends on it non-finite and leaves
-every other output and gradient bitwise equal to the clean run. EP 1, stage 1, both weight
-forms. (Written in session 8 without a GPU run; the reference half passes.)"""
+every other output and gradient bitwise equal to the clean run. EP 1: stage 1 (the default
+cuda_forward) with the split and the fused gate/up weights, and the megakernel (fused weights,
+cuda_forward="megakernel"; its backward is stage 1's)."""
 
 from __future__ import annotations
 
@@ -19,49 +20,54 @@ from mok_megatron.testing.runs import global_d_out
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = F.MoKConfig(wait_timeout_ms=60_000)
+#: The forward paths: (cuda_forward, fused gate/up weights).
+PATHS = {"stage1-split": ("stage1", False), "stage1-fused": ("stage1", True),
+         "megakernel": ("megakernel", True)}  # fmt: skip
 
 
-def run(problem, fused: bool) -> dict:
+def run(problem, path: str) -> dict:
     """out and every gradient (on the CPU) of one forward + backward, CUDA backend, bf16."""
+    cuda_forward, fused = PATHS[path]
+    config = F.MoKConfig(wait_timeout_ms=60_000, cuda_forward=cuda_forward)
     x, topk, rw, (gate, up, down), shared = problem.local(0, dtype=torch.bfloat16, device="cuda")
     routed = (interleave_gate_up(gate, up), None, down) if fused else (gate, up, down)
     ws = F.create_workspace(
-        CONFIG, None, device="cuda", num_local_tokens=x.shape[0], hidden_size=x.shape[1],
+        config, None, device="cuda", num_local_tokens=x.shape[0], hidden_size=x.shape[1],
         topk=topk.shape[1], num_experts=gate.shape[0], intermediate_size=gate.shape[1],
         shared_intermediate_size=shared[0].shape[0] if shared else 0, dtype=torch.bfloat16,
         backend="cuda",
     )  # fmt: skip
-    sched = F.build_schedule(ws, CONFIG, topk, ws.num_local_experts)
+    assert ws.backend.path(ws) == cuda_forward
+    sched = F.build_schedule(ws, config, topk, ws.num_local_experts, router_weights=rw)
     weights = (*(shared or (None, None, None)), *routed)
-    out, ctx = F.forward(CONFIG, ws, sched, x, rw, *weights)
+    out, ctx = F.forward(config, ws, sched, x, rw, *weights)
     d_out = global_d_out(problem, 1).to("cuda", torch.bfloat16)
-    grads = F.backward(CONFIG, ws, sched, ctx, d_out, x, rw, *weights)._asdict()
+    grads = F.backward(config, ws, sched, ctx, d_out, x, rw, *weights)._asdict()
     return {k: v.cpu() for k, v in {"out": out, **grads}.items() if v is not None}
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
-def test_nan_in_one_token_stays_with_that_token(fused):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_nan_in_one_token_stays_with_that_token(path):
     problem = random_moe_problem([96], 256, 128, 8, 2, seed=3)
-    clean = run(problem, fused)
+    clean = run(problem, path)
     token = 90
     x = problem.x.clone()
     x[token, 5] = float("nan")
-    poisoned = run(dataclasses.replace(problem, x=x), fused)
+    poisoned = run(dataclasses.replace(problem, x=x), path)
     experts = problem.topk_experts[token]
     slots = torch.zeros(problem.topk_experts.shape, dtype=torch.bool)
     slots[token] = experts >= 0
     assert_poison_local(clean, poisoned, slots, experts[experts >= 0], ROUTED_GRADS)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
-def test_nan_in_one_experts_weight_stays_with_its_tokens(fused):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_nan_in_one_experts_weight_stays_with_its_tokens(path):
     problem = random_moe_problem([96], 256, 128, 8, 2, seed=4)
-    clean = run(problem, fused)
+    clean = run(problem, path)
     expert = 5
     w_down = problem.w_down.clone()
     w_down[expert, :, 3] = float("nan")
-    poisoned = run(dataclasses.replace(problem, w_down=w_down), fused)
+    poisoned = run(dataclasses.replace(problem, w_down=w_down), path)
     slots = problem.topk_experts == expert
     assert 0 < slots.any(-1).sum() < problem.x.shape[0]
     assert_poison_local(clean, poisoned, slots, torch.tensor([expert]), ("d_w_routed_gate",
