@@ -11,6 +11,7 @@ allocated bytes (host-side queries, no sync), on CPU the process's resident set 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -246,7 +247,10 @@ def train_steps(config_path: str, steps: int, *, warmup: int = 20) -> dict:
     run = replace_training(load_run_config(config_path), train_iters=steps)
     world, device = run.parallelism.world_size(), run.training.resolved_device()
     start = time.perf_counter()
-    per_rank = run_ranks(_train_rank, world, run, backend="nccl" if device == "cuda" else "gloo")
+    with _gpus_hidden(device == "cpu"):
+        per_rank = run_ranks(
+            _train_rank, world, run, backend="nccl" if device == "cuda" else "gloo"
+        )
     seconds = time.perf_counter() - start
     losses = per_rank[0]["losses"]
     figures = [_memory_figures(r["memory_bytes"], warmup) for r in per_rank]
@@ -265,6 +269,24 @@ def train_steps(config_path: str, steps: int, *, warmup: int = 20) -> dict:
                      for r in per_rank]  # fmt: skip
         record.update({key: [f[key] for f in allocated] for key in allocated[0]})
     return record
+
+
+@contextlib.contextmanager
+def _gpus_hidden(hide: bool):
+    """A CPU config's ranks see no GPU, as on a CPU machine (the spawned ranks read
+    CUDA_VISIBLE_DEVICES when they start): Megatron's CPU path (``megatron.cpu_shim``) stands in
+    for torch.cuda only where CUDA is unavailable, and a GPU machine's demo trains the GPU config."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if hide:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 # ---------------------------------------------------------------------------------- checks

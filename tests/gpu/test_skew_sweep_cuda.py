@@ -62,6 +62,18 @@ PATHS = {"stage1-split": ("split", "stage1"), "stage1-fused": ("fused_auto", "st
          "megakernel": ("fused_auto", "megakernel")}  # fmt: skip
 
 
+def _capacity_errors(workspaces) -> list[str | None]:
+    """Each rank's MoKCapacityError message (None: no error) of the passes so far (cleared)."""
+    errors = []
+    for ws in workspaces:
+        try:
+            ws.check_errors()
+            errors.append(None)
+        except F.MoKCapacityError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def _point(world: int, path: str, problem):
     """('ran' | 'raised', peak bytes of a pass above the memory allocated before it, failures)."""
     form, cuda_forward = PATHS[path]
@@ -72,11 +84,12 @@ def _point(world: int, path: str, problem):
     else:
         vruns = VirtualRuns(problem, world, config=config, form=form)
         workspaces = vruns.workspaces
-    # the checked pass, outputs poisoned (errors are read below, not raised here)
+    # the checked pass, outputs poisoned; its errors are read (and cleared) before the next
     if world == 1:  # (EP 1 never overflows: the poisoned pass checks its errors itself)
         results = [run()[1]]
     else:
         scheds, results = vruns(check_errors=False)
+    errors = _capacity_errors(workspaces)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -86,13 +99,9 @@ def _point(world: int, path: str, problem):
         vruns.passes(vruns.schedules())
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    errors = []
-    for ws in workspaces:
-        try:
-            ws.check_errors()
-            errors.append(None)
-        except F.MoKCapacityError as exc:
-            errors.append(str(exc))
+    again = _capacity_errors(workspaces)
+    if [e is None for e in again] != [e is None for e in errors]:
+        return "?", peak, [f"the same routing raised {errors} once and {again} the next time"]
     if any(errors):
         ok = all(e and "schedule_capacity_multiplier" in e for e in errors)
         return "raised", peak, [] if ok else [f"not every rank raised naming the knob: {errors}"]
