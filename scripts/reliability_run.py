@@ -5,6 +5,9 @@ machine, record what they showed, and render docs/RELIABILITY.md from the record
     python scripts/reliability_run.py --run --out $OUT/reliability_<gpu>_<commit>.json
         (pytest over RELIABILITY_TESTS with a junit file, then scripts/long_runs.py; on a GPU
         machine both the CPU and the GPU tests run; --skip-long leaves the long runs out)
+    python scripts/reliability_run.py --run --tests cpu --out R.json --add-junit junit_gpu.xml
+        (the CPU tests and the long runs here, with the GPU reliability tests of a junit file of
+        the same commit and machine: scripts/gpu_check.sh's, run with -o junit_family=xunit1)
     python scripts/reliability_run.py --tests-record T.json --long-runs L.json --out R.json
         (one record from a --run --skip-long record and a scripts/long_runs.py record made
         separately, on the same machine and commit: both are checked)
@@ -47,9 +50,10 @@ ITEMS = {
 RELIABILITY_TESTS = [f for _, files in ITEMS.values() for f in files]
 
 
-def run_pytest(junit: str) -> int:
+def run_pytest(junit: str, which: str = "all") -> int:
+    files = [f for f in RELIABILITY_TESTS if which == "all" or f.startswith(f"tests/{which}/")]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           "-o", "junit_family=xunit1", *RELIABILITY_TESTS]  # fmt: skip
+           "-o", "junit_family=xunit1", *files]  # fmt: skip
     print("[reliability]", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT).returncode
 
@@ -227,6 +231,19 @@ def main() -> None:
     ap.add_argument("--run", action="store_true", help="run the tests and the long runs here")
     ap.add_argument("--skip-long", action="store_true")
     ap.add_argument("--skip-cpu-demo", action="store_true", help="long runs without the CPU demo")
+    ap.add_argument(
+        "--tests",
+        choices=["all", "cpu", "gpu"],
+        default="all",
+        help="with --run: which of the reliability tests to run",
+    )
+    ap.add_argument(
+        "--add-junit",
+        nargs="+",
+        default=[],
+        help="junit files (junit_family=xunit1) of the same commit and machine, e.g. "
+        "scripts/gpu_check.sh's: their reliability tests join the record",
+    )
     ap.add_argument("--tests-record", help="a record made with --run --skip-long")
     ap.add_argument("--long-runs", help="a scripts/long_runs.py record made separately")
     ap.add_argument("--out", help="the record to write")
@@ -244,7 +261,7 @@ def main() -> None:
     elif args.run:
         with tempfile.TemporaryDirectory(prefix="mok_rel_") as tmp:
             junit = os.path.join(tmp, "junit.xml")
-            status |= run_pytest(junit)
+            status |= run_pytest(junit, args.tests)
             long_runs = None
             if not args.skip_long:
                 long_runs = os.path.join(tmp, "long_runs.json")
@@ -252,6 +269,10 @@ def main() -> None:
             record = assemble(junit, long_runs if long_runs and os.path.exists(long_runs) else None)
     else:
         ap.error("give --run or --tests-record")
+    for path in args.add_junit:
+        extra = [dict(c, item=item_of(c["file"])) for c in parse_junit(path)]
+        record["tests"] += [c for c in extra if c["item"]]
+        record.setdefault("added_junit", []).append(os.path.basename(path))
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print("\n".join(render_record(args.out, record)))
