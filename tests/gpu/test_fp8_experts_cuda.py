@@ -1,7 +1,9 @@
 """MoKConfig.expert_precision="fp8_blockwise" on the CUDA backend (stage 1, EP 1): forward and
 every gradient against the reference backend's FP8 emulation and near the BF16 path; bitwise run
 to run; no host sync; the FP8 weight copies follow weight updates (in place, optimizer steps,
-explicit invalidation)."""
+explicit invalidation). The CUDA passes checked against the reference and run to run allocate
+their outputs from poisoned memory (``testing.poison.poisoned_memory``: every size class), so an
+element a kernel leaves unwritten shows as a NaN."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from mok_megatron import functional as F
 from mok_megatron.ops import interleave_gate_up
 from mok_megatron.ops.grouped_gemm_fp8 import grouped_gemm_fp8_available
 from mok_megatron.testing import random_moe_problem, relative_error
+from mok_megatron.testing.poison import poisoned_memory
 from mok_megatron.testing.runs import global_d_out
 
 pytestmark = [
@@ -59,7 +62,17 @@ class Pass:
             backend=backend,
         )  # fmt: skip
 
-    def __call__(self) -> dict:
+    def __call__(self, poison: bool = False) -> dict:
+        """Out and every gradient; ``poison``: allocated from poisoned memory (checked)."""
+        if not poison:
+            return self._pass()
+        with poisoned_memory(large_bytes=1 << 30) as mem:
+            result = self._pass()
+        torch.cuda.synchronize()
+        mem.assert_covers(**result)
+        return result
+
+    def _pass(self) -> dict:
         sched = F.build_schedule(self.ws, self.config, self.topk, self.ws.num_local_experts)
         out, ctx = F.forward(self.config, self.ws, sched, self.x, self.rw, *self.weights)
         grads = F.backward(self.config, self.ws, sched, ctx, self.d_out, self.x, self.rw,
@@ -67,8 +80,8 @@ class Pass:
         return {"out": out, **grads._asdict()}
 
 
-def run(problem, config, backend, device, *, weights=None):
-    return Pass(problem, config, backend, device, weights)()
+def run(problem, config, backend, device, *, weights=None, poison=False):
+    return Pass(problem, config, backend, device, weights)(poison=poison)
 
 
 def problem_of(shape, seed=0):
@@ -79,7 +92,7 @@ def problem_of(shape, seed=0):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_matches_the_reference_emulation_and_stays_near_bf16(shape):
     problem = problem_of(shape)
-    got = run(problem, FP8, "cuda", "cuda")
+    got = run(problem, FP8, "cuda", "cuda", poison=True)
     want = run(problem, FP8, "reference", "cuda")
     bf16 = run(problem, BF16, "cuda", "cuda")
     for name in NAMES:
@@ -92,14 +105,15 @@ def test_fp8_matches_the_reference_emulation_and_stays_near_bf16(shape):
 
 def test_fp8_bitwise_run_to_run_and_no_host_sync():
     layer = Pass(problem_of("deepseek-v3", seed=3), FP8, "cuda", "cuda")
-    first = layer()  # warm-up too (lazy initialisation may sync)
+    layer()  # warm-up (lazy initialisation may sync)
+    first = layer(poison=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        again = layer()
+        layer()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    again = layer(poison=True)  # (poisoned_memory itself syncs: outside the sync check)
     layer.ws.check_errors()
     for name in NAMES:
         assert torch.equal(first[name], again[name]), f"{name} differs run to run"
