@@ -5,7 +5,8 @@ machine, record what they showed, and render docs/RELIABILITY.md from the record
     python scripts/reliability_run.py --run --out $OUT/reliability_<gpu>_<commit>.json
         (pytest over RELIABILITY_TESTS with a junit file, then scripts/long_runs.py; on a GPU
         machine both the CPU and the GPU tests run; --skip-long leaves the long runs out)
-    python scripts/reliability_run.py --run --tests cpu --out R.json --add-junit junit_gpu.xml
+    python scripts/reliability_run.py --run --tests cpu --out R.json --add-junit junit_gpu.xml \
+        --gpu-check gpu_check_<kind>_<date>.json
         (the CPU tests and the long runs here, with the GPU reliability tests of a junit file of
         the same commit and machine: scripts/gpu_check.sh's, run with -o junit_family=xunit1)
     python scripts/reliability_run.py --tests-record T.json --long-runs L.json --out R.json
@@ -102,24 +103,38 @@ def assemble(junit: str, long_runs: str | None) -> dict:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__, "commit": commit(), "host_cpus": os.cpu_count(),
         "utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "tests": cases, "bad_input_kinds": bad_input_kinds(),
+        "tests": cases,
         "long_runs": json.load(open(long_runs)) if long_runs else None,
     }  # fmt: skip
 
 
-def bad_input_kinds() -> dict:
-    """How many bad-input kinds the table (testing/bad_input.py) holds for each path, and the
-    kinds tested with real ranks instead (the tests run each kind in each weight form)."""
-    from mok_megatron.testing import bad_input
+#: The bad-input test that runs each kind of testing/bad_input.py's table (one case per kind,
+#: weight form and path); its case ids name them: "[kind-form]" (CPU), "[path-form-kind]" (GPU).
+BAD_INPUT_TEST = "test_bad_input_raises_naming_the_rule_and_writes_nothing"
 
-    paths = {p: len(bad_input.kinds(p)) for p in ("reference", "stage1", "megakernel")}
-    return {"table": paths, "deferred": sum(k.deferred for k in bad_input.KINDS),
-            "real_ranks": dict(bad_input.ELSEWHERE)}  # fmt: skip
+
+def bad_input_kinds(tests: list[dict]) -> dict[str, dict[str, int]]:
+    """By path: how many distinct kinds of the table the record's tests ran, and passed."""
+    out: dict[str, dict[str, int]] = {}
+    for t in tests:
+        name, _, case = t["name"].partition("[")
+        if name != BAD_INPUT_TEST or t["outcome"] == "skipped":
+            continue
+        case = case.rstrip("]")
+        if "/gpu/" in t["file"]:
+            path, _, kind = case.split("-", 2)
+        else:
+            path, kind = "reference", case.rsplit("-", 1)[0]
+        seen = out.setdefault(path, {"ran": set(), "failed": set()})
+        seen["ran"].add(kind)
+        if t["outcome"] != "passed":
+            seen["failed"].add(kind)
+    return {p: {"kinds": len(v["ran"]), "failed": len(v["failed"])} for p, v in out.items()}
 
 
 def merge(tests_record: str, long_runs: str | None) -> dict:
     record = json.load(open(tests_record))
-    record["bad_input_kinds"] = bad_input_kinds()
+    record.pop("bad_input_kinds", None)
     if long_runs:
         runs = json.load(open(long_runs))
         for key in ("gpu", "torch", "commit"):
@@ -140,7 +155,8 @@ its multi-rank cases on *virtual ranks* (W ranks of one process, MEGAKERNEL.md).
 marked for two GPUs (`-m multigpu`: real ranks that stall or exit, in
 tests/gpu/test_rank_faults_cuda.py, and configs that differ across ranks, in
 tests/gpu/test_bad_input_cuda.py) run only where two GPUs are lent; a record made on one GPU
-holds none of them.
+holds none of them. The CUDA backend's timeout names the barrier's phase (e.g. "dispatch/tokens
+staged", which the forward's x and the backward's d_out both pass), not the pass.
 """
 
 
@@ -154,9 +170,13 @@ def _short(name: str) -> str:
 
 def render_record(path: str, rec: dict) -> list[str]:
     tests = [t for t in rec["tests"] if t["item"]]
+    gpu_check = rec.get("gpu_check")
+    joined = (f" GPU reliability tests from `{gpu_check['file']}`'s run ({gpu_check['created_utc']}: "
+              f"{gpu_check['totals']['passed']} GPU tests passed, {gpu_check['totals']['failed']} "
+              "failed in all)." if gpu_check else "")  # fmt: skip
     lines = [f"## `{os.path.basename(path)}`", "",
              f"{rec['gpu'] or 'no GPU'}, torch {rec['torch']}, commit `{rec['commit'][:7]}`, "
-             f"{rec['host_cpus']} CPUs, {rec['utc']}.", "",
+             f"{rec['host_cpus']} CPUs; CPU tests and long runs {rec['utc']}.{joined}", "",
              "| item | what | backend | passed | failed | skipped |", "|---|---|---|---|---|---|"]  # fmt: skip
     for item, (what, _) in ITEMS.items():
         for backend in ("reference (CPU)", "CUDA (GPU)"):
@@ -172,16 +192,21 @@ def render_record(path: str, rec: dict) -> list[str]:
             secs = t["properties"].get("seconds_to_error", "-")
             lines.append(f"| {_backend(t['file'])} | `{_short(t['name'])}` | {t['outcome']} | "
                          f"{secs} |")  # fmt: skip
-    kinds = rec.get("bad_input_kinds")
+    kinds = bad_input_kinds(tests)
     lines += ["", "### 3. Bad input", ""]
     if kinds:
-        table = ", ".join(f"{path} {n}" for path, n in kinds["table"].items())
-        lines += [f"Kinds in the table (testing/bad_input.py), by path: {table} ({kinds['deferred']} "
-                  "of them deferred on the CUDA backend: found on the device, raised at the next "
-                  "host-visible point). Tested with real ranks instead: "
-                  + "; ".join(f"{k}: {v}" for k, v in kinds["real_ranks"].items()) + ".", ""]  # fmt: skip
+        table = ", ".join(
+            f"{path} {v['kinds']} ({v['failed']} failed)" for path, v in kinds.items()
+        )
+        lines += [f"Distinct kinds of testing/bad_input.py's table run, by path: {table}. An "
+                  "expert id out of range is deferred on the CUDA backend (found on the device, "
+                  "raised at the next host-visible point; the schedule's own regions are written). "
+                  "A config that differs across ranks is tested with real ranks (gloo on CPU in "
+                  "tests/cpu/test_functional_ep.py, NCCL with -m multigpu): not in this record.",
+                  ""]  # fmt: skip
     lines += ["| backend | tests run (each kind in each weight form and path, and the rules "
-              "around them) | passed: raised as the rule says, nothing written | not |",
+              "around them) | passed: raised as the rule says, nothing written (deferred kinds: "
+              "see above) | not |",
               "|---|---|---|---|"]  # fmt: skip
     for backend in ("reference (CPU)", "CUDA (GPU)"):
         mine = [t for t in tests if t["item"] == "3" and _backend(t["file"]) == backend
@@ -220,12 +245,12 @@ def _long_run_line(run: dict) -> str:
     """One long run (scripts/long_runs.py's record) in a sentence; memory figures from the
     warm-up on: drift = end - after warm-up, spread = max - min, tail = over the second half."""
     kind = run.get("memory_kind")
-    memory = (f"{kind} memory after warm-up {_mib(_first(run.get('memory_after_warmup')))}, "
-              f"drift {_mib(_first(run.get('memory_drift_bytes')))}, spread "
-              f"{_mib(_first(run.get('memory_spread_bytes')))}, second-half drift "
-              f"{_mib(_first(run.get('memory_tail_drift_bytes')))}")  # fmt: skip
+    memory = (f"{kind} memory after warm-up {_ranks(run.get('memory_after_warmup'))}, "
+              f"drift {_ranks(run.get('memory_drift_bytes'))}, spread "
+              f"{_ranks(run.get('memory_spread_bytes'))}, second-half drift "
+              f"{_ranks(run.get('memory_tail_drift_bytes'))}")  # fmt: skip
     if "allocated_drift_bytes" in run:
-        memory += f"; allocated bytes drift {_mib(_first(run['allocated_drift_bytes']))}"
+        memory += f"; allocated bytes drift {_ranks(run['allocated_drift_bytes'])}"
     verdict = "passed" if not run.get("failures") else f"FAILED: {run['failures']}"
     if run.get("kind") == "repeat_passes":
         return (f"{run['passes']} forward + backward passes on one workspace, {run['path']} "
@@ -235,13 +260,15 @@ def _long_run_line(run: dict) -> str:
     return (f"`{run.get('config')}` trained {run.get('steps')} steps on {run.get('device')} "
             f"({run.get('world')} rank(s)): every loss finite: {run.get('all_losses_finite')}, "
             f"first {run.get('first_loss', float('nan')):.4f}, final "
-            f"{run.get('final_loss', float('nan')):.4f}; {memory} (the largest over ranks); "
+            f"{run.get('final_loss', float('nan')):.4f}; {memory}; "
             f"{run.get('seconds', 0):.1f} s; {verdict}.")  # fmt: skip
 
 
-def _first(value):
-    """A per-rank list's largest entry (by size), or the value itself."""
-    return max(value, key=abs) if isinstance(value, list) and value else value
+def _ranks(value) -> str:
+    """A figure in MiB; a per-rank list as every rank's, in rank order."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_mib(v).removesuffix(" MiB") for v in value) + "] MiB by rank"
+    return _mib(value)
 
 
 def render(paths: list[str], md: str | None) -> None:
@@ -275,6 +302,11 @@ def main() -> None:
         help="junit files (junit_family=xunit1) of the same commit and machine, e.g. "
         "scripts/gpu_check.sh's: their reliability tests join the record",
     )
+    ap.add_argument(
+        "--gpu-check",
+        help="with --add-junit: the gpu_check JSON record of that run "
+        "(its commit and GPU must be the record's)",
+    )
     ap.add_argument("--tests-record", help="a record made with --run --skip-long")
     ap.add_argument("--long-runs", help="a scripts/long_runs.py record made separately")
     ap.add_argument("--out", help="the record to write")
@@ -300,6 +332,19 @@ def main() -> None:
             record = assemble(junit, long_runs if long_runs and os.path.exists(long_runs) else None)
     else:
         ap.error("give --run or --tests-record")
+    if args.add_junit and not args.gpu_check:
+        ap.error("--add-junit needs --gpu-check (the gpu_check record of the same run)")
+    if args.gpu_check:
+        gpu = json.load(open(args.gpu_check))
+        if (
+            gpu["commit"][:7] != record["commit"][:7]
+            or record["gpu"] not in gpu["hardware"]["gpus"]
+        ):
+            raise SystemExit(f"{args.gpu_check} is of commit {gpu['commit']} on "
+                             f"{gpu['hardware']['gpus']}, the record of {record['commit']} on "
+                             f"{record['gpu']}: add junit files of the same commit and GPU")  # fmt: skip
+        record["gpu_check"] = {"file": os.path.basename(args.gpu_check), "commit": gpu["commit"],
+                               "created_utc": gpu["created_utc"], "totals": gpu["totals"]}  # fmt: skip
     for path in args.add_junit:
         extra = [dict(c, item=item_of(c["file"])) for c in parse_junit(path)]
         record["tests"] += [c for c in extra if c["item"]]

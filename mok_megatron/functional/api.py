@@ -300,12 +300,27 @@ def _expert_weights(prefix, weights, ws, dtype, shapes, roles=("gate", "up", "do
     dense = []
     for role, w, shape in zip(roles, weights, shapes):
         name = f"{prefix}_{role}"
+        if _is_fp8_blocks(w):
+            _check_fp8_block_parts(name, w)
         w = _dequantize_if_quantized(w, dtype)
         _check_tensor(name, w, ws, dtypes=(dtype,), ndim=len(shape))
         if tuple(w.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape}")
         dense.append(w)
     return dense
+
+
+def _check_fp8_block_parts(name: str, w) -> None:
+    """The alignment rule for an FP8BlockTensor's own tensors: the FP8 GEMMs read its data and
+    scales as given (the dense copy the other checks see is fresh; an MXFP8 weight is only ever
+    read through such a copy)."""
+    for field, t in zip(w._fields, w):
+        if isinstance(t, torch.Tensor) and _misaligned(t):
+            raise ValueError(
+                f"{name}.{field} starts at an address that is not {TENSOR_ALIGN_BYTES}-byte "
+                f"aligned ({_ALIGN_WHY}); quantise a fresh tensor, or pass "
+                f"{field}.clone()"
+            )
 
 
 def _dense_shape(w) -> tuple[int, ...]:
@@ -374,7 +389,7 @@ def _check_tensor(name: str, t, ws: MoKWorkspace, *, dtypes, ndim: int, why: str
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
     if _misaligned(t):
-        fix = fix or f"pass {name}.clone() (a fresh tensor)"
+        fix = fix or f"pass {name.split(' (')[0]}.clone() (a fresh tensor)"
         per = TENSOR_ALIGN_BYTES // t.element_size()
         raise ValueError(
             f"{name} starts at an address that is not {TENSOR_ALIGN_BYTES}-byte aligned ({why}); "

@@ -126,6 +126,16 @@ def misaligned(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def _fp8_blocks_misaligned(w: torch.Tensor):
+    """``w`` as a (128, 128)-block FP8BlockTensor whose data starts off an aligned address (the
+    scales are ones: the alignment rule is checked before they are read)."""
+    from mok_megatron.ops.fp8_blockwise import FP8BlockTensor
+
+    blocks = (*w.shape[:-2], -(-w.shape[-2] // 128), -(-w.shape[-1] // 128))
+    scales = torch.ones(blocks, dtype=torch.float32, device=w.device)
+    return FP8BlockTensor(misaligned(w.to(torch.float8_e4m3fn)), scales, (128, 128))
+
+
 def _with(**changes: Callable[[GoodCall], Any]) -> Callable[[GoodCall], GoodCall]:
     """A spoiler that replaces each named argument by ``change(good)``."""
     return lambda g: dataclasses.replace(g, **{k: f(g) for k, f in changes.items()})
@@ -189,7 +199,7 @@ def _forward_without_save(g: GoodCall):
 
 # --------------------------------------------------------------------------------- the table
 _DEV = r"is on {other} but the workspace is on {device}"
-_MIS = r"starts at an address that is not 16-byte aligned .* multiple of"
+_MIS = rf"starts at an address that is not {TENSOR_ALIGN_BYTES}-byte aligned .* multiple of"
 _RW = r"router_weights has dtype torch\.{0}; expected one of \[torch\.float32\]"
 _SPLIT, _FUSED = ("split",), ("fused",)
 
@@ -209,7 +219,7 @@ def _table() -> list[BadInput]:
           _with(topk=lambda g: g.topk.to(g.other_device))),
         B("topk_non_contiguous", "schedule", ValueError, r"topk_experts must be contiguous",
           _with(topk=lambda g: strided(g.topk))),
-        B("topk_misaligned", "schedule", ValueError, r"topk_experts " + _MIS + r" 2 int64",
+        B("topk_misaligned", "schedule", ValueError, r"topk_experts " + _MIS + rf" {TENSOR_ALIGN_BYTES // 8} int64",
           _with(topk=lambda g: misaligned(g.topk))),
         B("topk_more_tokens_than_workspace", "schedule", ValueError,
           r"topk_experts has {T2} tokens but the workspace holds at most num_local_tokens={T}",
@@ -250,7 +260,8 @@ def _table() -> list[BadInput]:
         B("x_non_contiguous", "forward", ValueError, r"x must be contiguous",
           _with(x=lambda g: strided(g.x))),
         B("x_misaligned", "forward", ValueError,
-          r"x starts at an address that is not 16-byte aligned \(.*\); pass x\.clone\(\) \(a fresh "
+          rf"x starts at an address that is not {TENSOR_ALIGN_BYTES}-byte aligned \(.*\); pass "
+          r"x\.clone\(\) \(a fresh "
           r"tensor\), or a view that starts at a multiple of", _with(x=lambda g: misaligned(g.x))),
         B("x_more_tokens_than_workspace", "forward", ValueError,
           r"x has {T2} tokens but the workspace holds at most num_local_tokens={T}",
@@ -293,6 +304,9 @@ def _table() -> list[BadInput]:
           _slot("routed", 0, lambda w: w.transpose(1, 2).contiguous().transpose(1, 2))),
         B("routed_down_misaligned", "forward", ValueError, r"w_routed_down " + _MIS,
           _slot("routed", 2, misaligned)),
+        B("routed_down_fp8_blocks_misaligned", "forward", ValueError,
+          rf"w_routed_down\.data starts at an address that is not {TENSOR_ALIGN_BYTES}-byte "
+          r"aligned .*quantise a fresh tensor", _slot("routed", 2, _fp8_blocks_misaligned)),
         B("routed_weights_of_another_intermediate_size", "forward", ValueError,
           r"{gate} has shape .*, expected ",
           _with(routed=lambda g: _resized_routed(g, g.ws.num_local_experts,
@@ -373,7 +387,7 @@ def _table() -> list[BadInput]:
           r"wgrad_accumulators\[2\] must be contiguous",
           _slot("accumulators", 2, lambda a: a.transpose(1, 2).contiguous().transpose(1, 2))),
         B("accumulator_misaligned", "backward", ValueError,
-          r"wgrad_accumulators\[2\] " + _MIS + r" 4 float32 elements",
+          r"wgrad_accumulators\[2\] " + _MIS + rf" {TENSOR_ALIGN_BYTES // 4} float32 elements",
           _slot("accumulators", 2, misaligned)),
         B("accumulator_requires_grad", "backward", ValueError,
           r"wgrad_accumulators\[0\] requires grad; .* pass it detached",

@@ -1,10 +1,12 @@
 """A rank that stops short of a pass on the reference backend over gloo (issue 17, item 1,
 reference half): before the workspace, before the forward, or before the backward, stalling
-(sleeping past the others' timeout) or exiting (its process ends). The other ranks fail within
-MoKConfig.wait_timeout_ms. Each error names the phase they waited at, and on rank 0 the missing
-rank. No rank waits for the process group's 30-minute default. A process that survives the
-error then runs a correct pass (on a group of its own: nothing of the failed pass is left in
-it)."""
+(sleeping past the others' bound) or exiting (its process ends at once, closing its process
+group on the way out). The other ranks fail within
+MoKConfig.wait_timeout_ms (bounded here by ERROR_WITHIN_S, well below the stall, also when the
+stalled rank is rank 0). Each error names the phase they waited at and the missing rank. No rank
+waits for the process group's 30-minute default. A process that got the error then runs a
+correct pass on a group of its own (the failure leaves no module state, e.g. caches, that
+breaks a later pass; the failed group itself is not reused)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from mok_megatron.testing import random_moe_problem, run_ranks
 from mok_megatron.testing.runs import global_d_out, problem_workspace, run_oracle
 
 TIMEOUT_MS = 1500
+#: The most seconds a waiting rank may take to fail: the timeout and a margin for the key-value
+#: store's round trips; the stalled rank sleeps STALL_S, longer, so a pass shows the bound.
+ERROR_WITHIN_S = 3 * TIMEOUT_MS / 1000
+STALL_S = 6 * TIMEOUT_MS / 1000
 STEPS = ("workspace", "forward", "backward")
 # the phase the waiting ranks report when the stalled rank skips each step (the forward step
 # starts with the schedule's routing all-gather)
@@ -48,7 +54,7 @@ def _stalling_run(rank, world_size, problem, stalled_rank, stall_at, how="stall"
     for step in STEPS:
         if rank == stalled_rank and step == stall_at:
             if how == "stall":
-                time.sleep(6 * TIMEOUT_MS / 1000)  # longer than the others wait: they give up
+                time.sleep(STALL_S)  # longer than the others may wait: they must give up
             return None, 0.0, None
         start = time.monotonic()
         try:
@@ -91,10 +97,9 @@ def test_a_stalled_rank_fails_the_others_in_bounded_time_naming_the_phase(stall_
         assert message is not None, f"rank {rank} finished a pass without rank 2"
         assert f"waited at '{PHASES[stall_at]}'" in message, message
         assert "wait_timeout_ms=1500" in message, message
-        assert seconds < 10 * TIMEOUT_MS / 1000, f"rank {rank} waited {seconds:.1f} s"
+        assert "missing rank(s) [2]" in message, message
+        assert seconds < ERROR_WITHIN_S, f"rank {rank} waited {seconds:.1f} s"
         assert later < 1e-12, f"rank {rank}'s later pass is off the oracle by {later:.2e}"
-    if how == "stall":  # an exited rank may be reported as a closed connection instead
-        assert "2" in results[0][0].split("waited at", 1)[1], results[0][0]  # names rank 2
     record_property("seconds_to_error", f"{max(r[1] for r in results[:2]):.3f}")
 
 
@@ -102,6 +107,7 @@ def test_a_stalled_rank_zero_fails_the_others_too(record_property):
     problem = random_moe_problem([10, 10], 16, 24, 4, 2, seed=2)
     message, seconds, later = run_ranks(_stalling_run, 2, problem, 0, "backward")[1]
     assert message is not None and "waited at 'backward: dispatch'" in message, message
-    assert seconds < 10 * TIMEOUT_MS / 1000
+    assert "missing rank(s) [0]" in message, message
+    assert seconds < ERROR_WITHIN_S, f"rank 1 waited {seconds:.1f} s for the stalled rank 0"
     assert later < 1e-12, later
     record_property("seconds_to_error", f"{seconds:.3f}")

@@ -9,7 +9,8 @@ oracle's within bf16 tolerance token by token (a dropped row would be that token
 contribution), or raises MoKCapacityError on every rank naming the knob; and the peak memory of
 a pass (a second, unpoisoned one: the poisoning itself fills free memory) above what was
 allocated before it does not grow with the skew (the workspace and its saved rows are sized by
-the knobs, not by the routing). Both outcomes occur in the sweep."""
+the knobs, not by the routing). At EP 1 every point runs (a multiplier >= the EP size never
+overflows); on 4 virtual ranks both outcomes occur (asserted); on 2 whatever occurs is checked."""
 
 from __future__ import annotations
 
