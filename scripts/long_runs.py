@@ -31,11 +31,11 @@ def planned_runs(args, cuda: bool) -> list[tuple[str, dict]]:
     """(function name, keyword arguments) of every run for this machine, in order."""
     runs = []
     if cuda:
-        from mok_megatron import ops
+        from mok_megatron.functional.cuda.mega import unavailable_here
 
         runs += [("repeat_passes", {"num_passes": args.gpu_passes, "cuda_forward": "stage1",
                                     "fused_gate_up": fused}) for fused in (False, True)]  # fmt: skip
-        if ops.has_op("moe_mega_forward") and _is_hopper():
+        if unavailable_here() is None:
             runs.append(("repeat_passes", {"num_passes": args.gpu_passes,
                                            "cuda_forward": "megakernel"}))  # fmt: skip
         runs.append(("train_steps", {"config_path": _config("tiny_gpu_ep1.yaml"),
@@ -52,12 +52,6 @@ def planned_runs(args, cuda: bool) -> list[tuple[str, dict]]:
 def _config(name: str) -> str:
     """configs/NAME, relative to the working directory (as the record shows it)."""
     return os.path.relpath(ROOT / "configs" / name)
-
-
-def _is_hopper() -> bool:
-    import torch
-
-    return torch.cuda.get_device_capability() == (9, 0)
 
 
 def run_one(name: str, kwargs: dict) -> dict:

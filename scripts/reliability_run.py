@@ -134,7 +134,6 @@ def bad_input_kinds(tests: list[dict]) -> dict[str, dict[str, int]]:
 
 def merge(tests_record: str, long_runs: str | None) -> dict:
     record = json.load(open(tests_record))
-    record.pop("bad_input_kinds", None)
     if long_runs:
         runs = json.load(open(long_runs))
         for key in ("gpu", "torch", "commit"):

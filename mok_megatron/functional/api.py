@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .config import MoKConfig
 from .schedule import MoKSchedule
@@ -315,12 +316,9 @@ def _check_fp8_block_parts(name: str, w) -> None:
     scales as given (the dense copy the other checks see is fresh; an MXFP8 weight is only ever
     read through such a copy)."""
     for field, t in zip(w._fields, w):
-        if isinstance(t, torch.Tensor) and _misaligned(t):
-            raise ValueError(
-                f"{name}.{field} starts at an address that is not {TENSOR_ALIGN_BYTES}-byte "
-                f"aligned ({_ALIGN_WHY}); quantise a fresh tensor, or pass "
-                f"{field}.clone()"
-            )
+        if isinstance(t, torch.Tensor):
+            _check_aligned(f"{name}.{field}", t, _ALIGN_WHY,
+                           f"quantise a fresh tensor, or pass {field}.clone()")  # fmt: skip
 
 
 def _dense_shape(w) -> tuple[int, ...]:
@@ -388,8 +386,12 @@ def _check_tensor(name: str, t, ws: MoKWorkspace, *, dtypes, ndim: int, why: str
         raise ValueError(f"{name} is on {t.device} but the workspace is on {ws.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
+    _check_aligned(name, t, why, fix or f"pass {name.split(' (')[0]}.clone() (a fresh tensor)")
+
+
+def _check_aligned(name: str, t: torch.Tensor, why: str, fix: str) -> None:
+    """The alignment rule (TENSOR_ALIGN_BYTES), its error naming ``why`` and ``fix``."""
     if _misaligned(t):
-        fix = fix or f"pass {name.split(' (')[0]}.clone() (a fresh tensor)"
         per = TENSOR_ALIGN_BYTES // t.element_size()
         raise ValueError(
             f"{name} starts at an address that is not {TENSOR_ALIGN_BYTES}-byte aligned ({why}); "
@@ -408,8 +410,6 @@ def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _misaligned(t: torch.Tensor) -> bool:
     """Whether ``t`` holds elements and starts off a TENSOR_ALIGN_BYTES boundary (never for a
     fake tensor, which has no address: torch.compile's tracing of a call)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     return bool(t.numel()) and not is_fake(t) and t.data_ptr() % TENSOR_ALIGN_BYTES != 0
 
 

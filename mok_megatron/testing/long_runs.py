@@ -18,6 +18,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
@@ -271,22 +272,13 @@ def train_steps(config_path: str, steps: int, *, warmup: int = 20) -> dict:
     return record
 
 
-@contextlib.contextmanager
 def _gpus_hidden(hide: bool):
     """A CPU config's ranks see no GPU, as on a CPU machine (the spawned ranks read
     CUDA_VISIBLE_DEVICES when they start): Megatron's CPU path (``megatron.cpu_shim``) stands in
     for torch.cuda only where CUDA is unavailable, and a GPU machine's demo trains the GPU config."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hide:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if hide:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    if not hide:
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": ""})
 
 
 # ---------------------------------------------------------------------------------- checks

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from test_cuda_backend import dist_group  # noqa: F401 (the fixture of the EP 2 test)
 
 from mok_megatron import functional as F
-from mok_megatron import ops
+from mok_megatron.functional.cuda.mega import unavailable_here
 from mok_megatron.testing import bad_input, random_moe_problem
 from mok_megatron.testing.virtual import rank_streams, run_ranks
 
@@ -56,18 +56,10 @@ VIRTUAL_CONFIGS = {  # as test_cuda_backend's and test_megakernel's virtual rank
 VARIANTS = (("stage1", "split"), ("stage1", "fused"), ("megakernel", "fused"))
 
 
-def _megakernel_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    if not ops.has_op("moe_mega_forward") or torch.cuda.get_device_capability() != (9, 0):
-        return "needs an sm_90 GPU and mok_megatron._C with the megakernel"
-    return None
-
-
 def _params(calls=bad_input.CALLS) -> list:
     params = []
     for path, form in VARIANTS:
-        missing = _megakernel_missing() if path == "megakernel" else None
+        missing = unavailable_here() if path == "megakernel" else None
         marks = [pytest.mark.skip(reason=missing)] if missing else []
         for kind, _ in bad_input.cases(path, (form,), calls):
             params.append(pytest.param(kind, path, form, marks=marks,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mok_megatron import ops
+from mok_megatron.functional.cuda.mega import unavailable_here
 from mok_megatron.testing import long_runs
 
 pytestmark = [
@@ -28,12 +29,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _megakernel_missing() -> bool:
-    if not torch.cuda.is_available() or not ops.has_op("moe_mega_forward"):
-        return True
-    return torch.cuda.get_device_capability() != (9, 0)
 
 
 def _assert_repeats_flat(record: dict) -> None:
@@ -52,7 +47,7 @@ def test_stage1_1000_passes_bitwise_with_flat_reserved_memory(fused_gate_up):
     _assert_repeats_flat(record)
 
 
-@pytest.mark.skipif(_megakernel_missing(), reason="needs sm_90 and the megakernel ops")
+@pytest.mark.skipif(bool(unavailable_here()), reason=f"megakernel: {unavailable_here()}")
 def test_megakernel_200_passes_bitwise_with_flat_reserved_memory():
     """The megakernel forward (fused gate/up weights; a shared expert and top-4 are fine for it:
     test_megakernel.py runs deepseek-v3's shape, top-8 with a shared expert), stage 1's backward."""

@@ -46,17 +46,12 @@ from test_cuda_backend import (
 )
 
 from mok_megatron import functional as F
-from mok_megatron import ops
+from mok_megatron.functional.cuda.mega import unavailable_here
 from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available()
-        or not ops.has_op("moe_mega_forward")
-        or torch.cuda.get_device_capability() != (9, 0),
-        reason="needs an sm_90 GPU and mok_megatron._C with the megakernel",
-    ),
+    pytest.mark.skipif(bool(unavailable_here()), reason=f"megakernel: {unavailable_here()}"),
 ]
 
 MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8)

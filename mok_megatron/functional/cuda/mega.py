@@ -35,6 +35,16 @@ def unsupported_reasons(device: torch.device | None) -> list[str]:
     return reasons + [r for r in (not_hopper(device),) if r]
 
 
+def unavailable_here() -> str | None:
+    """Why the megakernel cannot run on this process's current GPU (None when it can): the
+    skip reason of the tests and scripts that need it."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    reasons = unsupported_reasons(device)
+    return "; ".join(reasons) if reasons else None
+
+
 def wanted(config, device: torch.device | None) -> bool:
     """Whether a workspace of ``config`` on ``device`` is laid out for the megakernel:
     cuda_forward='megakernel' (which raises at allocation where it cannot run), or 'auto' where
