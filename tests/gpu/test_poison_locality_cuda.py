@@ -3,7 +3,8 @@ half is tests/cpu/test_poison_locality.py, the check is testing.locality's): a N
 token's x, or in one expert's W_down, makes exactly what depends on it non-finite and leaves
 every other output and gradient bitwise equal to the clean run. EP 1: stage 1 (the default
 cuda_forward) with the split and the fused gate/up weights, and the megakernel (fused weights,
-cuda_forward="megakernel"; its backward is stage 1's)."""
+cuda_forward="megakernel"; its backward is stage 1's). Outputs and gradients are allocated from
+poisoned memory (testing.poison), so a value the kernels never wrote cannot pass as clean."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mok_megatron import functional as F
 from mok_megatron.ops import interleave_gate_up
 from mok_megatron.testing import random_moe_problem
 from mok_megatron.testing.locality import ROUTED_GRADS, assert_poison_local
+from mok_megatron.testing.poison import poisoned_memory
 from mok_megatron.testing.runs import global_d_out
 
 pytestmark = pytest.mark.gpu
@@ -38,12 +40,16 @@ def run(problem, path: str) -> dict:
         backend="cuda",
     )  # fmt: skip
     assert ws.backend.path(ws) == cuda_forward
-    sched = F.build_schedule(ws, config, topk, ws.num_local_experts, router_weights=rw)
     weights = (*(shared or (None, None, None)), *routed)
-    out, ctx = F.forward(config, ws, sched, x, rw, *weights)
     d_out = global_d_out(problem, 1).to("cuda", torch.bfloat16)
-    grads = F.backward(config, ws, sched, ctx, d_out, x, rw, *weights)._asdict()
-    return {k: v.cpu() for k, v in {"out": out, **grads}.items() if v is not None}
+    with poisoned_memory(large_bytes=1 << 30) as mem:  # outputs start as NaN in every size class
+        sched = F.build_schedule(ws, config, topk, ws.num_local_experts, router_weights=rw)
+        out, ctx = F.forward(config, ws, sched, x, rw, *weights)
+        grads = F.backward(config, ws, sched, ctx, d_out, x, rw, *weights)._asdict()
+    result = {k: v for k, v in {"out": out, **grads}.items() if v is not None}
+    torch.cuda.synchronize()
+    mem.assert_covers(**result)
+    return {k: v.cpu() for k, v in result.items()}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
