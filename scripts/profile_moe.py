@@ -29,6 +29,12 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--top", type=int, default=25, help="kernels kept per profile")
     p.add_argument("--mok-cuda-forward", default=None, choices=("stage1", "megakernel", "auto"))
+    p.add_argument(
+        "--host",
+        action="store_true",
+        help="also the host side of one forward: seconds until the call returns, "
+        "and cProfile's top functions",
+    )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -67,6 +73,49 @@ def profile(layer, sets, iters: int, top: int, backward: bool = True) -> dict:
     }
 
 
+def host_profile(layer, sets, iters: int, top: int) -> dict:
+    """The host side of a forward started from an idle GPU (as bench_moe times it): how long the
+    call takes to return (host_ms), the event-timed call (call_ms, bench_moe's measure), and
+    cProfile's top functions by own time and by cumulative time over ``iters`` calls."""
+    import cProfile
+    import pstats
+    import statistics
+    import time
+
+    for i in range(3):
+        bench_moe.run_layer(layer, sets[i % len(sets)], backward=False)
+    host, call = [], []
+    for i in range(iters):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        bench_moe.run_layer(layer, sets[i % len(sets)], backward=False)
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        call.append(start.elapsed_time(end))
+    prof = cProfile.Profile()
+    for i in range(iters):
+        torch.cuda.synchronize()
+        prof.enable()
+        bench_moe.run_layer(layer, sets[i % len(sets)], backward=False)
+        prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+
+    def rows(key: int) -> list[dict]:
+        ranked = sorted(stats.items(), key=lambda kv: kv[1][key], reverse=True)[:top]
+        return [{"function": f"{os.path.relpath(f) if f.startswith('/') else f}:{line}({name})",
+                 "calls_per_iter": nc / iters, "own_us_per_iter": tt * 1e6 / iters,
+                 "cum_us_per_iter": ct * 1e6 / iters}
+                for (f, line, name), (_, nc, tt, ct, _) in ranked]  # fmt: skip
+
+    return {"host_ms_median": statistics.median(host), "host_ms": host,
+            "call_ms_median": statistics.median(call), "call_ms": call,
+            "by_own_time": rows(2), "by_cumulative_time": rows(3)}  # fmt: skip
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     bench_args = bench_moe.parse_args([])
@@ -79,6 +128,25 @@ def main(argv=None) -> None:
         sets = bench_moe.make_inputs(2, args.tokens, shape, args.routing, "cuda",
                                      config.params_dtype, 1234, rank)  # fmt: skip
         case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing, "ep": world}
+        if args.host:
+            case["mok_fwd_host"] = host_profile(layer, sets, max(args.iters, 10), args.top)
+            case["baseline_fwd_host"] = host_profile(base, sets, max(args.iters, 10), args.top)
+            if rank == 0:
+                for who in ("mok", "baseline"):
+                    h = case[f"{who}_fwd_host"]
+                    print(
+                        f"{name}: {who} forward: host {h['host_ms_median']:.3f} ms until the "
+                        f"call returns, {h['call_ms_median']:.3f} ms event-timed; top own time:"
+                    )
+                    for r in h["by_own_time"][:12]:
+                        print(f"    {r['own_us_per_iter']:8.1f} us {r['cum_us_per_iter']:8.1f} us "
+                              f"x{r['calls_per_iter']:.0f} {r['function']}")  # fmt: skip
+                    print("  top cumulative:")
+                    for r in h["by_cumulative_time"][:25]:
+                        print(
+                            f"    {r['cum_us_per_iter']:8.1f} us x{r['calls_per_iter']:.0f} "
+                            f"{r['function']}"
+                        )
         case["mok_fwd"] = profile(layer, sets, args.iters, args.top, backward=False)
         case["baseline_fwd"] = profile(base, sets, args.iters, args.top, backward=False)
         case["mok"] = profile(layer, sets, args.iters, args.top)
