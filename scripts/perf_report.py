@@ -191,6 +191,39 @@ def profile_tables(path, top: int = 10):
             yield ""
 
 
+def host_tables(paths):
+    """scripts/profile_moe.py --host: the host side of a forward from an idle GPU, per record."""
+    yield "## The host side of a forward\n"
+    yield (
+        "From `scripts/profile_moe.py --host` records (one H200, EP 1, uniform routing): the "
+        "median over calls, each started from an idle GPU as the bench times it, of the time "
+        "until the layer's call returns on the host, and of the event-timed call (what the "
+        "bench reports). Until the megakernel is launched, near the end of the host's work, the "
+        "GPU has only the small schedule kernels to run: the host's time is mostly time the GPU "
+        "waits. The host's speed differs from machine to machine, so each row is also given "
+        "against the baseline's host time in the same record.\n"
+    )
+    yield ("| record | shape | tokens/rank | layer | host until return (ms) | call (ms) | "
+           "host / baseline's host |")  # fmt: skip
+    yield "|---|---|---|---|---|---|---|"
+    for path in paths:
+        record = json.load(open(path))
+        commit = (record["environment"].get("commit") or "unknown")[:7]
+        for case in record["cases"]:
+            base = case.get("baseline_fwd_host")
+            for who in ("mok", "baseline"):
+                host = case.get(f"{who}_fwd_host")
+                if host is None:
+                    continue
+                ratio = host["host_ms_median"] / base["host_ms_median"] if base else float("nan")
+                yield (
+                    f"| `{os.path.basename(path)}` (`{commit}`) | {case['shape']} | "
+                    f"{case['tokens_per_rank']} | {who} | {host['host_ms_median']:.3f} | "
+                    f"{host['call_ms_median']:.3f} | {ratio:.2f} |"
+                )
+    yield ""
+
+
 def breakdown_tables(path):
     """scripts/megakernel_breakdown.py: the megakernel's forward with and without the
     activations kept for a backward, at several fwd_num_comm_sms, beside stage 1 and the
@@ -285,6 +318,12 @@ def main(argv=None) -> None:
     p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
     p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
     p.add_argument("--trace", default=None, help="a scripts/megakernel_trace.py JSON")
+    p.add_argument(
+        "--host",
+        nargs="*",
+        default=[],
+        help="scripts/profile_moe.py --host JSONs (the host side of a forward)",
+    )
     args = p.parse_args(argv)
     records = load(args.records)
     parts = [HEADER, "## Records\n", *[env_line(p, r) for p, r in records], ""]
@@ -308,6 +347,8 @@ def main(argv=None) -> None:
         parts += ["", *breakdown_tables(args.breakdown)]
     if args.trace:
         parts += ["", *trace_tables(args.trace)]
+    if args.host:
+        parts += ["", *host_tables(args.host)]
     if args.profile:
         parts += ["", *profile_tables(args.profile)]
     if args.notes:

@@ -113,7 +113,44 @@ def host_profile(layer, sets, iters: int, top: int) -> dict:
 
     return {"host_ms_median": statistics.median(host), "host_ms": host,
             "call_ms_median": statistics.median(call), "call_ms": call,
-            "by_own_time": rows(2), "by_cumulative_time": rows(3)}  # fmt: skip
+            "by_own_time": rows(2), "by_cumulative_time": rows(3),
+            **host_timeline(layer, sets[0], top)}  # fmt: skip
+
+
+def host_timeline(layer, inputs, top: int) -> dict:
+    """One forward under torch.profiler (CPU and CUDA): the host ops by own CPU time (CUDA runtime
+    calls included), and the GPU's kernels and copies on the call's clock (us from the call's
+    start: when each starts and ends, so the idle time before and between them shows)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("host_timeline_call"):
+            bench_moe.run_layer(layer, inputs, backward=False)
+        torch.cuda.synchronize()
+    events = prof.events()
+    call = next(e for e in events if e.name == "host_timeline_call")
+    t0 = call.time_range.start
+    gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)  # fmt: skip
+    cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)[:top]  # fmt: skip
+    return {
+        "call_host_us": call.time_range.end - t0,
+        "gpu_events": [
+            {
+                "name": e.name[:120],
+                "start_us": e.time_range.start - t0,
+                "end_us": e.time_range.end - t0,
+            }
+            for e in gpu
+        ],  # fmt: skip
+        "cpu_self": [
+            {"name": e.key[:120], "calls": e.count, "self_us": e.self_cpu_time_total} for e in cpu
+        ],  # fmt: skip
+    }
 
 
 def main(argv=None) -> None:
@@ -141,6 +178,15 @@ def main(argv=None) -> None:
                     for r in h["by_own_time"][:12]:
                         print(f"    {r['own_us_per_iter']:8.1f} us {r['cum_us_per_iter']:8.1f} us "
                               f"x{r['calls_per_iter']:.0f} {r['function']}")  # fmt: skip
+                    print(
+                        f"  one call under torch.profiler: host {h['call_host_us']:.0f} us; "
+                        "GPU events (start-end us from the call's start):"
+                    )
+                    for e in h["gpu_events"]:
+                        print(f"    {e['start_us']:8.1f} {e['end_us']:8.1f} {e['name'][:70]}")
+                    print("  host self time:")
+                    for e in h["cpu_self"][:30]:
+                        print(f"    {e['self_us']:8.1f} us x{e['calls']} {e['name'][:70]}")
                     print("  top cumulative:")
                     for r in h["by_cumulative_time"][:25]:
                         print(

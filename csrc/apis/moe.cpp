@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "apis/comm.h"
+#include "apis/tensor_arena.h"
 #include "apis/tensor_checks.h"
 #include "launch/moe.h"
 #include "mok/layout/mega.cuh"
@@ -72,7 +73,6 @@ ScheduleTensors make_schedule(const at::Tensor& global_topk, int64_t rank, int64
                   token_capacity >= 0 && w * t_max * k < (int64_t{1} << 30),
               "mok::moe_build_schedule: bad arguments");
   c10::cuda::CUDAGuard guard(global_topk.device());
-  const auto i64 = opts(global_topk, at::kLong), i32 = opts(global_topk, at::kInt);
   scheduler::ScheduleParams p{};
   p.global_topk = global_topk.data_ptr<int64_t>();
   p.rank = static_cast<int>(rank);
@@ -84,23 +84,28 @@ ScheduleTensors make_schedule(const at::Tensor& global_topk, int64_t rank, int64
   p.row_capacity = static_cast<int>(row_capacity);
   p.token_capacity = static_cast<int>(token_capacity);
   const int64_t chunks = p.num_chunks(), e_l = p.num_local_experts;
-  const int64_t slot_row_at = chunks * e_l + chunks * w + chunks;
-  auto scratch = at::empty({slot_row_at + w * t_max * k + w * t_max + p.num_token_chunks()}, i32);
-  int* s = scratch.data_ptr<int>();
+  const int64_t scratch_ints = chunks * e_l + chunks * w + chunks;
+  // One allocation for the schedule's tensors and its scratch (apis/tensor_arena.h).
+  TensorArena arena(global_topk);
+  for (const int64_t n : {row_capacity, row_capacity, row_capacity, row_capacity, row_capacity,
+                          e_l + 1, int64_t{1}, token_capacity, w * t_max, int64_t{1}}) {
+    arena.add({n}, at::kLong);
+  }
+  arena.add({token_capacity, k}, at::kLong);
+  arena.add({t_max, w}, at::kBool);
+  arena.add({}, at::kInt);  // 0-dim, as the reference
+  const int slot_row_index = arena.add({w * t_max * k}, at::kInt);
+  const int scratch_index = arena.add({scratch_ints + w * t_max + p.num_token_chunks()}, at::kInt);
+  std::vector<at::Tensor> out = arena.make();
+  const at::Tensor slot_row = out[slot_row_index];
+  int* s = out[scratch_index].data_ptr<int>();
+  out.resize(slot_row_index);  // the schedule's fields
   p.chunk_expert_rows = s;
   p.chunk_rank_slots = s + chunks * e_l;
   p.chunk_bad = p.chunk_rank_slots + chunks * w;
-  p.slot_row = p.chunk_bad + chunks;
-  p.token_pos = p.slot_row + w * t_max * k;
+  p.token_pos = p.chunk_bad + chunks;
   p.chunk_tokens = p.token_pos + w * t_max;
-  std::vector<at::Tensor> out{
-      at::empty({row_capacity}, i64),      at::empty({row_capacity}, i64),
-      at::empty({row_capacity}, i64),      at::empty({row_capacity}, i64),
-      at::empty({row_capacity}, i64),      at::empty({e_l + 1}, i64),
-      at::empty({1}, i64),                 at::empty({token_capacity}, i64),
-      at::empty({w * t_max}, i64),         at::empty({1}, i64),
-      at::empty({token_capacity, k}, i64), at::empty({t_max, w}, opts(global_topk, at::kBool)),
-      at::empty({}, opts(global_topk, at::kInt))};  // 0-dim, as the reference
+  p.slot_row = slot_row.data_ptr<int>();
   p.row_expert = out[0].data_ptr<int64_t>();
   p.row_src_rank = out[1].data_ptr<int64_t>();
   p.row_src_token = out[2].data_ptr<int64_t>();
@@ -115,7 +120,7 @@ ScheduleTensors make_schedule(const at::Tensor& global_topk, int64_t rank, int64
   p.send_to = out[11].data_ptr<bool>();
   p.error_flags = out[12].data_ptr<int32_t>();
   launch::moe_build_schedule(p, stream_of(global_topk));
-  return {out, scratch.narrow(0, slot_row_at, w * t_max * k)};
+  return {out, slot_row};
 }
 
 std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_t rank,

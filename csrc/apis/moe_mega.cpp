@@ -6,6 +6,7 @@
 
 #include "apis/comm.h"
 #include "apis/moe.h"
+#include "apis/tensor_arena.h"
 #include "apis/tensor_checks.h"
 #include "launch/moe_mega.h"
 #include "launch/moe_megakernel.h"
@@ -43,22 +44,27 @@ layout::MegaShape mega_shape(const launch::MoeComm& comm, int64_t row_capacity,
 // The plan tensors from a schedule (the plan kernels, scheduler/plan.cuh).
 void add_plan(std::vector<at::Tensor>& t, const layout::MegaShape& s, const launch::MoeComm& comm,
               int64_t token_capacity, cudaStream_t stream) {
-  const auto i64 = opts(t[kPlan_global_topk], at::kLong);
-  const auto i32 = opts(t[kPlan_global_topk], at::kInt);
   const int64_t e_l = s.num_local_experts, padded = s.num_rounds() * s.ring_rows();
-  t[kPlan_pad_start] = at::empty({e_l}, i64);
-  t[kPlan_offs] = at::empty({e_l}, i32);
-  t[kPlan_expert_rows] = at::empty({e_l}, i64);
-  t[kPlan_first_round] = at::empty({e_l}, i32);
-  t[kPlan_prow] = at::empty({s.row_capacity}, i64);
-  t[kPlan_row_tok] = at::empty({padded}, i64);
-  t[kPlan_w_rows] = at::empty({padded}, opts(t[kPlan_global_topk], at::kFloat));
-  t[kPlan_row_src] = at::empty({padded}, i64);
-  t[kPlan_row_dst] = at::empty({padded}, i64);
-  t[kPlan_token_rows_padded] = at::empty({token_capacity, comm.lay.topk}, i64);
-  t[kPlan_tile_count] = at::empty({s.num_rounds()}, i32);
   static_assert(sizeof(layout::MegaTile) == 16);
-  t[kPlan_tiles] = at::empty({s.num_rounds(), s.max_tiles(), 4}, i32);
+  // One allocation for the plan's tensors (apis/tensor_arena.h): kept together, by the schedule.
+  const std::pair<int, std::pair<std::vector<int64_t>, at::ScalarType>> specs[] = {
+      {kPlan_pad_start, {{e_l}, at::kLong}},
+      {kPlan_offs, {{e_l}, at::kInt}},
+      {kPlan_expert_rows, {{e_l}, at::kLong}},
+      {kPlan_first_round, {{e_l}, at::kInt}},
+      {kPlan_prow, {{s.row_capacity}, at::kLong}},
+      {kPlan_row_tok, {{padded}, at::kLong}},
+      {kPlan_w_rows, {{padded}, at::kFloat}},
+      {kPlan_row_src, {{padded}, at::kLong}},
+      {kPlan_row_dst, {{padded}, at::kLong}},
+      {kPlan_token_rows_padded, {{token_capacity, comm.lay.topk}, at::kLong}},
+      {kPlan_tile_count, {{s.num_rounds()}, at::kInt}},
+      {kPlan_tiles, {{s.num_rounds(), s.max_tiles(), 4}, at::kInt}},
+  };
+  TensorArena arena(t[kPlan_global_topk]);
+  for (const auto& [field, spec] : specs) arena.add(spec.first, spec.second);
+  const std::vector<at::Tensor> made = arena.make();
+  for (size_t i = 0; i < made.size(); ++i) t[specs[i].first] = made[i];
   scheduler::PlanParams p;
   p.shape = s;
   p.num_ranks = static_cast<int>(comm.lay.num_ranks);
@@ -189,16 +195,34 @@ std::vector<at::Tensor> moe_mega_forward(
   const int64_t ring = shape.ring_rows(), rounds = shape.num_rounds();
   const auto bf16 = x.options();
   std::vector<at::Tensor> out(kForwardNumFields);
-  out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
-  out[kForward_act_ring] = at::empty({ring, inter}, bf16);
   const bool keep_rows = save && rounds == 1, keep_tokens = save && rounds > 1;
-  out[kForward_h_ring] = at::empty({keep_rows ? ring : 0, 2 * inter}, bf16);
-  out[kForward_y_rows] = at::empty({keep_rows ? ring : 0, lay.hidden}, bf16);
+  if (keep_rows) {  // the backward keeps all four rings: one allocation (apis/tensor_arena.h)
+    TensorArena arena(x);
+    arena.add({ring, lay.hidden}, at::kBFloat16);
+    arena.add({ring, inter}, at::kBFloat16);
+    arena.add({ring, 2 * inter}, at::kBFloat16);
+    arena.add({ring, lay.hidden}, at::kBFloat16);
+    const std::vector<at::Tensor> rings = arena.make();
+    out[kForward_x_ring] = rings[0];
+    out[kForward_act_ring] = rings[1];
+    out[kForward_h_ring] = rings[2];
+    out[kForward_y_rows] = rings[3];
+  } else {  // x_ring and act_ring are dropped after the pass: not in one storage with x_recv
+    out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
+    out[kForward_act_ring] = at::empty({ring, inter}, bf16);
+    out[kForward_h_ring] = at::empty({0, 2 * inter}, bf16);
+    out[kForward_y_rows] = at::empty({0, lay.hidden}, bf16);
+  }
   out[kForward_x_recv] = at::empty({keep_tokens ? token_capacity : 0, lay.hidden}, bf16);
   const auto i64 = opts(x, at::kLong);
-  out[kForward_trace_ctas] = at::zeros({trace ? grid : 0, layout::kTraceCtaWords}, i64);
+  const auto trace_buffer = [&](std::vector<int64_t> sizes) {  // [0, ...] when not tracing
+    if (trace) return at::zeros(sizes, i64);  // zeros: the kernel adds into them
+    sizes[0] = 0;
+    return at::empty(sizes, i64);
+  };
+  out[kForward_trace_ctas] = trace_buffer({grid, layout::kTraceCtaWords});
   out[kForward_trace_tasks] =
-      at::zeros({trace ? rounds : 0, shape.max_tasks(), layout::kTraceTaskWords}, i64);
+      trace_buffer({rounds, shape.max_tasks(), layout::kTraceTaskWords});
   const int num_tokens = static_cast<int>(x.size(0));
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens,

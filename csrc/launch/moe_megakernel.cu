@@ -3,6 +3,7 @@
 // persistent grid. The kernel: include/mok/kernels/moe_forward.cuh.
 #include "launch/moe_megakernel.h"
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -160,9 +161,9 @@ int megakernel_threads() { return kernels::kMegaThreads; }
 
 size_t megakernel_smem_bytes() { return kernels::kMegaSmemBytes; }
 
-int megakernel_ctas_per_sm() {
-  int device = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
+namespace {
+
+int query_ctas_per_sm(int device) {
   int major = 0, minor = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
@@ -177,6 +178,24 @@ int megakernel_ctas_per_sm() {
   MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel_ptr(),
                                                                megakernel_threads(), smem));
   return ctas;
+}
+
+}  // namespace
+
+int megakernel_ctas_per_sm() {
+  int device = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  // Once per device (the answer and the shared-memory attribute the query sets do not change):
+  // the launch asks on every pass, and the query costs host time the GPU waits out.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // 1 + the answer; 0: not asked yet
+  if (device >= kMaxDevices) return query_ctas_per_sm(device);
+  int k = known[device].load(std::memory_order_acquire);
+  if (k == 0) {
+    k = 1 + query_ctas_per_sm(device);
+    known[device].store(k, std::memory_order_release);
+  }
+  return k - 1;
 }
 
 void moe_forward_megakernel(const MegaForwardArgs& args, cudaStream_t stream) {

@@ -410,7 +410,16 @@ def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _misaligned(t: torch.Tensor) -> bool:
     """Whether ``t`` holds elements and starts off a TENSOR_ALIGN_BYTES boundary (never for a
     fake tensor, which has no address: torch.compile's tracing of a call)."""
-    return bool(t.numel()) and not is_fake(t) and t.data_ptr() % TENSOR_ALIGN_BYTES != 0
+    if not t.numel():
+        return False
+    # NOTE: is_fake walks the tensor's subclass structure (microseconds per call, on every pass);
+    # a FakeTensor is a subclass, so a plain tensor or parameter needs no such test.
+    if type(t) not in _PLAIN_TENSOR_TYPES and is_fake(t):
+        return False
+    return t.data_ptr() % TENSOR_ALIGN_BYTES != 0
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _check_tokens(name: str, t: torch.Tensor, ws: MoKWorkspace) -> None:

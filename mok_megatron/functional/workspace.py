@@ -62,6 +62,9 @@ class ErrorMonitor:
             # would deadlock ranks whose passes wait for each other (virtual ranks) or a capture.
             self._accum = torch.zeros(1, dtype=torch.int32, device=device)
             self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            # poll() reads the word through numpy: a tensor index + int() is microseconds of
+            # host time on every pass; the array shares the pinned memory.
+            self._host_word = self._host.numpy()
 
     def submit(self, flags: torch.Tensor, where: str) -> None:
         if flags.device.type != "cuda":
@@ -69,13 +72,16 @@ class ErrorMonitor:
             return
         if self._accum is None:
             raise RuntimeError("ErrorMonitor got CUDA flags but was made for a CPU workspace")
-        self._accum.bitwise_or_(flags.max().reshape(1).to(torch.int32))
+        # NOTE: the schedules' flags are one int32 word: OR-ed in as they are (two ops a pass,
+        # where max / reshape / to were three more of host time before the forward's kernels).
+        word = flags if flags.numel() == 1 and flags.dtype == torch.int32 else flags.max()
+        self._accum.bitwise_or_(word.to(torch.int32))
         self._host.copy_(self._accum, non_blocking=True)
 
     def poll(self) -> None:
         """Raise if a finished copy brought back an error bit; never blocks."""
         if self._host is not None:
-            bits = int(self._host[0])
+            bits = int(self._host_word[0])
             if bits:
                 self._clear()
                 self._raise_for(bits, "an earlier MoK pass")

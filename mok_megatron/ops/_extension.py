@@ -44,11 +44,21 @@ def extension_error() -> str | None:
     return _error
 
 
+#: has_op's answers once the extension is loaded (its registrations do not change after that;
+#: the layer asks on every pass, and the dispatcher lookup is microseconds of host time).
+_has_op: dict[str, bool] = {}
+
+
 def has_op(name: str) -> bool:
     """True when ``torch.ops.mok.<name>`` exists and has a CUDA kernel."""
+    known = _has_op.get(name)
+    if known is not None:
+        return known
     if not _load():
         return False
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"mok::{name}", "CUDA")
+        found = torch._C._dispatch_has_kernel_for_dispatch_key(f"mok::{name}", "CUDA")
     except RuntimeError:  # no such operator
-        return False
+        found = False
+    _has_op[name] = found
+    return found

@@ -48,6 +48,7 @@ from test_cuda_backend import (
 from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
 from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
+from mok_megatron.functional.schedule import MoKSchedule
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,6 +105,30 @@ def test_device_plan_equals_stage1_torch_plan(routing, macrobatch):
     for name, expected in pairs.items():
         assert torch.equal(plan[name], expected), name
     _assert_tiles(plan, rounds, want)
+
+
+def test_plan_and_rings_come_from_few_allocations_aligned_and_disjoint():
+    """The op makes the schedule's, the plan's and (when kept) the rings' tensors from one
+    allocation each (apis/tensor_arena.h): every tensor starts on a 256-byte boundary, none
+    overlaps another, and the output the caller keeps has a storage of its own."""
+    problem = _problem([300], (128, 64, 16, 4, 0), seed=5)
+    run = Run(problem, "cuda", config=MEGA, form="fused")
+    sched = run.schedule()
+    out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights)
+    plan = sched.device_plan
+    rings = [ctx.saved.x_rows, ctx.saved.a, ctx.saved.h, ctx.saved.y]
+    schedule = [getattr(sched, name) for name in MoKSchedule.INTEGER_FIELDS]
+    tensors = [t for t in (*plan.values(), *schedule, *rings) if t.numel()]
+    spans = sorted({(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors})
+    assert all(begin % 256 == 0 for begin, _ in spans)
+    assert all(a_end <= b_begin for (_, a_end), (b_begin, _) in zip(spans, spans[1:]))
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    # one each: the plan's tensors, the schedule's (with its scratch), the rings; the gathered
+    # routing and router weights: at most one each
+    assert len({t.untyped_storage().data_ptr() for t in rings}) == 1
+    assert len(storages) <= 5, len(storages)
+    assert out.untyped_storage().data_ptr() not in storages
+    assert out.untyped_storage().nbytes() == out.nbytes
 
 
 def _assert_tiles(plan, rounds, cplan):
