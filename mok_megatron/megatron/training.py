@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mok_megatron import functional
-from mok_megatron.testing.long_runs import memory_sample
+from mok_megatron.memory import memory_sample
 
 from . import cpu_shim
 from .yaml_config import MoKRunConfig
@@ -46,7 +46,7 @@ class MockBatch:
 @dataclass
 class RunResult:
     """Per-step losses (averaged over data-parallel ranks), the wall time of the loop and this
-    rank's memory after every step (``testing.long_runs.memory_sample``): memory_kind
+    rank's memory after every step (``mok_megatron.memory.memory_sample``): memory_kind
     "cuda_reserved" (memory_bytes the caching allocator's reserved bytes, memory_allocated_bytes
     its allocated bytes) or "rss" (memory_bytes the process's resident set; no allocated)."""
 

@@ -24,6 +24,7 @@ import torch
 
 from mok_megatron import functional as F
 from mok_megatron.functional.workspace import backend_path
+from mok_megatron.memory import MemorySample, memory_sample, process_rss_bytes
 from mok_megatron.ops import interleave_gate_up
 
 from .oracles import random_moe_problem
@@ -60,33 +61,6 @@ CUDA_RESERVED_SPREAD_BOUND = 0
 #: still grows: 32 MiB catches a leak of 1.6 MiB a step over the 20 steps of the CI run (a
 #: step's activations kept alive), of 128 KiB a step over the 250 of the long run.
 CPU_RSS_TAIL_DRIFT_BOUND = 32 << 20
-
-
-@dataclass(frozen=True)
-class MemorySample:
-    """One memory reading. kind: "cuda_reserved" (the caching allocator's reserved bytes,
-    ``bytes``, and allocated bytes, ``allocated_bytes``) or "rss" (the process's resident set,
-    ``bytes``; ``allocated_bytes`` None)."""
-
-    kind: str
-    bytes: int
-    allocated_bytes: int | None
-
-
-def process_rss_bytes() -> int:
-    """This process's resident set size in bytes (/proc/self/statm's second field)."""
-    with open("/proc/self/statm") as f:
-        resident_pages = int(f.read().split()[1])
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def memory_sample(device: torch.device | str) -> MemorySample:
-    """The allocator's reserved and allocated bytes on a CUDA ``device`` (no sync), else RSS."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return MemorySample("cuda_reserved", torch.cuda.memory_reserved(device),
-                            torch.cuda.memory_allocated(device))  # fmt: skip
-    return MemorySample("rss", process_rss_bytes(), None)
 
 
 def _memory_figures(values: list[int], warmup: int, prefix: str = "memory") -> dict:
