@@ -8,6 +8,8 @@ test_configs_that_differ_across_ranks_are_rejected (gloo, EP 2).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -44,6 +46,31 @@ def test_every_kind_of_the_table_runs_here():
     assert {k.name for k, _ in CASES} == {k.name for k in bad_input.kinds("reference")}
     count = len(bad_input.kinds("reference")) + len(bad_input.ELSEWHERE)
     assert bad_input.kinds_line("reference").startswith(f"{count} kinds tried")
+
+
+#: Issue 17's kinds of bad input (item 3), and the kind names of the table that show each.
+CATEGORIES = {
+    "dtype": r"_int32$|^x_int$|float16|float64|bfloat16|other_float|float32_activations",
+    "shape": r"_1d$|_2d$|_3d$|_shape$|transposed|wrong_number|tokens_differ|hidden_size_differs",
+    "device": r"other_device",
+    "expert id out of range": r"^expert_id_(out_of_range|below_minus_one)$",
+    "K > E": r"^topk_larger_than_num_experts$",
+    "router-weight shape": r"^(schedule_)?router_weights_shape$",
+    "non-contiguous": r"non_contiguous",
+    "misaligned": r"misaligned",
+    "a workspace used with another shape": r"more_tokens_than_workspace|differs_from_workspace|"
+    r"of_another_intermediate_size|for_another_number_of_experts",
+}
+
+
+@pytest.mark.parametrize("path", bad_input.PATHS)
+def test_every_category_of_bad_input_has_kinds_on_every_path(path):
+    """Each kind of bad input the issue names is in the table for every backend path (configs
+    that differ across ranks need real ranks: ELSEWHERE names their tests)."""
+    names = [k.name for k in bad_input.kinds(path)]
+    missing = [c for c, rx in CATEGORIES.items() if not any(re.search(rx, n) for n in names)]
+    assert not missing, f"{path}: no kind of the table shows {missing}"
+    assert "config_differs_across_ranks" in bad_input.ELSEWHERE
 
 
 def _empty_at_an_odd_offset(cols: int, dtype: torch.dtype) -> torch.Tensor:
