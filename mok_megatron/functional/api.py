@@ -361,7 +361,10 @@ def _dequantize_if_quantized(w, dtype: torch.dtype):
         return w
     from mok_megatron.ops import mxfp8_dequantize
 
-    return mxfp8_dequantize(_mxfp8_parts(w), dtype=dtype).contiguous()
+    from .fp8_weights import attach_mxfp8_source
+
+    mx = _mxfp8_parts(w)  # an FP8 forward runs on mx requantised (fp8_weights), not this copy
+    return attach_mxfp8_source(mxfp8_dequantize(mx, dtype=dtype).contiguous(), mx)
 
 
 def _check_config(ws: MoKWorkspace, config: MoKConfig) -> None:

@@ -7,7 +7,9 @@ write through autograd, ``load_state_dict``), its storage, or a ``torch.optim`` 
 anywhere in the process (the step hook below) says. A write none of these see (``p.data.copy_``
 outside an optimizer step) needs :func:`invalidate_fp8_weight_cache`. A weight passed already
 quantised (an ``FP8BlockTensor`` to ``functional.forward``) is used as given
-(:func:`attach_fp8_weight`).
+(:func:`attach_fp8_weight`). A weight passed in MXFP8 (``ops.mxfp8_quantize``'s) runs as its
+requantisation to (128, 128) blocks (``ops.requantize_mxfp8``, with its error bound), kept on
+the MXFP8 data and made again when that changes (:func:`attach_mxfp8_source`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["attach_fp8_weight", "check_fp8_sizes", "fp8_weight", "invalidate_fp8_weight_cache"]
+__all__ = ["attach_fp8_weight", "attach_mxfp8_source", "check_fp8_sizes", "fp8_weight",
+           "invalidate_fp8_weight_cache"]  # fmt: skip
 
 _CACHE_ATTR = "_mok_fp8_blocks"
+_SOURCE_ATTR = "_mok_mxfp8_source"  # on a dense copy: the MXFP8 weight it was dequantised from
 _epoch = 0  # bumped by every optimizer step and by invalidate_fp8_weight_cache()
 
 
@@ -55,6 +59,9 @@ def fp8_weight(w: torch.Tensor):
     update (module docstring); the CUDA quantiser for CUDA tensors, the reference on CPU."""
     from mok_megatron.ops.grouped_gemm_fp8 import fp8_gemm_weight
 
+    source = getattr(w, _SOURCE_ATTR, None)
+    if source is not None:
+        return _requantized(source)
     cached = getattr(w, _CACHE_ATTR, None)
     if cached is not None and cached[0] == _key(w):
         return cached[1]
@@ -62,6 +69,30 @@ def fp8_weight(w: torch.Tensor):
         q = fp8_gemm_weight(w.detach())
     setattr(w, _CACHE_ATTR, (_key(w), q))
     return q
+
+
+def _requantized(mx):
+    """The (128, 128)-block copy of the MXFP8 tensor ``mx``, kept on its data tensor and made
+    again when its data or scales change (as :func:`fp8_weight` does for a dense weight)."""
+    from mok_megatron.ops.fp8_blockwise import requantize_mxfp8
+    from mok_megatron.ops.grouped_gemm_fp8 import fp8_gemm_weight
+
+    key = (_key(mx.data), mx.scales._version, mx.scales.data_ptr())
+    cached = getattr(mx.data, _CACHE_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        q = fp8_gemm_weight(requantize_mxfp8(mx))
+    setattr(mx.data, _CACHE_ATTR, (key, q))
+    return q
+
+
+def attach_mxfp8_source(dense: torch.Tensor, mx) -> torch.Tensor:
+    """Mark ``dense`` (the dequantised copy of the MXFP8 tensor ``mx``) so that
+    :func:`fp8_weight` returns ``mx`` requantised, made once per change of ``mx``, rather than a
+    quantisation of this fresh copy on every pass. Returns ``dense``."""
+    setattr(dense, _SOURCE_ATTR, mx)
+    return dense
 
 
 def attach_fp8_weight(dense: torch.Tensor, q) -> torch.Tensor:

@@ -17,6 +17,7 @@ from mok_megatron.ops.fp8_blockwise import (  # Hopper's blockwise FP8 recipe (i
     fp8_blockwise_dequantize,
     fp8_blockwise_quantize,
     fp8_blockwise_quantize_reference,
+    requantize_mxfp8,
 )
 from mok_megatron.ops.grouped_gemm import (  # expert GEMM engine (issue 7)
     GemmTuning,
@@ -55,6 +56,7 @@ __all__ = [
     "fp8_blockwise_dequantize",
     "fp8_blockwise_quantize",
     "fp8_blockwise_quantize_reference",
+    "requantize_mxfp8",
     "fp8_gemm_weight",
     "grouped_gemm_fp8_available",
     "grouped_gemm_fp8_l1_swiglu",

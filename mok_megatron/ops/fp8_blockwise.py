@@ -46,6 +46,7 @@ __all__ = [
     "fp8_blockwise_dequantize_exact",
     "fp8_blockwise_quantize",
     "fp8_blockwise_quantize_reference",
+    "requantize_mxfp8",
 ]
 
 BLOCK = 128
@@ -223,3 +224,28 @@ def fp8_blockwise_dequantize_exact(t: FP8BlockTensor) -> torch.Tensor:
     *batch, rows, cols = t.data.shape
     blocks = t.data.to(torch.float64).reshape(*batch, rows // br, br, cols // bc, bc)
     return (blocks * t.scales.to(torch.float64)[..., :, None, :, None]).reshape(t.data.shape)
+
+
+def requantize_mxfp8(w, block: tuple[int, int] = (BLOCK, BLOCK), pow2_scales: bool = False,
+                     backend: Backend = "auto") -> FP8BlockTensor:  # fmt: skip
+    """An MXFP8 weight (``ops.mxfp8_quantize``'s ``MXFP8Weight`` or one ``MXFP8Tensor``; the
+    rowwise part when both are there) in this recipe's blocks: its exact value, float32
+    ``data * 2^(scale - 127)``, quantised by :func:`fp8_blockwise_quantize` (``backend`` as
+    there). The Hopper FP8 GEMMs take no MXFP8 (a scale per 32 elements would need a promotion
+    every 32 of K), so an MXFP8 weight runs as this copy (``functional.fp8_weights`` makes it
+    once per weight update).
+
+    Error: the requantised value ``q`` of an element whose MXFP8 value is ``v`` obeys the
+    module's round-trip bound with ``x = v``: ``|v - q| <= max(2^-4 |v|, 2^-10 s) * (1 + 2^-20)``,
+    ``s`` the new block's scale; against the weight ``w`` MXFP8 quantised, add MXFP8's own
+    rounding (half an e4m3 step at its 32-element block's power-of-two scale, ``ops.mxfp8``).
+    """
+    from mok_megatron.ops.mxfp8 import MXFP8Tensor, mxfp8_dequantize
+
+    part = w if isinstance(w, MXFP8Tensor) else (w[0] if w[0] is not None else w[1])
+    if not isinstance(part, MXFP8Tensor):
+        raise TypeError(
+            f"requantize_mxfp8: expected an MXFP8Tensor or MXFP8Weight, got {type(w).__name__}"
+        )
+    return fp8_blockwise_quantize(mxfp8_dequantize(part, torch.float32).contiguous(), block,
+                                  pow2_scales, backend)  # fmt: skip

@@ -232,3 +232,66 @@ def test_prequantised_weights_are_used_as_given():
     as_dense = tuple(None if q is None else fp8_blockwise_dequantize(q, torch.bfloat16)
                      for q in quantised)  # fmt: skip
     assert torch.equal(forward(bf16, quantised), forward(bf16, as_dense))
+
+
+def _mxfp8(w: torch.Tensor):
+    from mok_megatron.ops import mxfp8_quantize
+
+    return mxfp8_quantize(w, rowwise=True, colwise=False)
+
+
+def test_requantised_mxfp8_is_the_exact_value_quantised_within_the_stated_bound():
+    """ops.requantize_mxfp8: the (128, 128)-block quantisation of the MXFP8 weight's exact value
+    (bitwise), each element within max(2^-4 |v|, 2^-10 s) * (1 + 2^-20) of that value."""
+    from mok_megatron.ops import mxfp8_dequantize, requantize_mxfp8
+    from mok_megatron.ops.fp8_blockwise import fp8_blockwise_dequantize, fp8_blockwise_quantize
+
+    w = torch.randn(2, 256, 384) * torch.logspace(-3, 2, 384)  # blocks of unlike magnitudes
+    mx = _mxfp8(w.bfloat16())
+    v = mxfp8_dequantize(mx.rowwise, torch.float32)
+    q = requantize_mxfp8(mx)
+    want = fp8_blockwise_quantize(v, (128, 128))
+    assert q.block == (128, 128)
+    assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(q.scales, want.scales)
+    err = (fp8_blockwise_dequantize(q) - v).abs()
+    s = q.scales.repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)
+    bound = torch.maximum(v.abs() * 2.0**-4, s * 2.0**-10) * (1 + 2.0**-20)
+    assert (err <= bound).all()
+    assert err.max() > 0  # it rounds: the bound is what is checked, not a copy
+    colwise_only = (None, mx.rowwise)  # an MXFP8Weight's other slot works the same
+    assert torch.equal(requantize_mxfp8(colwise_only).scales, q.scales)
+    with pytest.raises(TypeError, match="MXFP8Tensor or MXFP8Weight"):
+        requantize_mxfp8(w)
+
+
+def test_fp8_forward_runs_mxfp8_weights_requantised_once_per_update(monkeypatch):
+    """MXFP8 weights (the fused form's gate_up and down) in an fp8_blockwise forward: the output
+    is that of their requantisation passed as FP8BlockTensors, and the requantisation runs once
+    per weight (kept across passes) until the weights change (an optimizer step, or
+    invalidate_fp8_weight_cache)."""
+    import mok_megatron.ops.fp8_blockwise as fb
+    from mok_megatron.functional.fp8_weights import invalidate_fp8_weight_cache
+
+    problem = _problem()
+    x, topk, rw, (wg, wu, wd), _ = problem.local(0, dtype=torch.bfloat16)
+    mx = (_mxfp8(interleave_gate_up(wg, wu)), None, _mxfp8(wd))
+    requantised = (fb.requantize_mxfp8(mx[0]), None, fb.requantize_mxfp8(mx[2]))
+    calls = []
+    real = fb.requantize_mxfp8
+    monkeypatch.setattr(
+        fb, "requantize_mxfp8", lambda w, *a, **k: calls.append(1) or real(w, *a, **k)
+    )
+    fp8 = F.MoKConfig(expert_precision="fp8_blockwise")
+    ws = problem_workspace(problem, dtype=torch.bfloat16, config=fp8)
+
+    def forward(routed):
+        sched = F.build_schedule(ws, fp8, topk, ws.num_local_experts)
+        return F.forward(fp8, ws, sched, x, rw, None, None, None, *routed)[0]
+
+    first = forward(mx)
+    assert len(calls) == 2  # gate_up and down
+    assert torch.equal(forward(mx), first) and len(calls) == 2  # kept
+    assert torch.equal(forward(requantised), first)
+    invalidate_fp8_weight_cache()
+    assert torch.equal(forward(mx), first) and len(calls) == 4

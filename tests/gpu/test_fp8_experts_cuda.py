@@ -167,3 +167,27 @@ def test_prequantised_weights_are_used_as_given():
     got = run(problem, FP8, "cuda", "cuda", weights=quantised)
     assert torch.equal(got["out"], want["out"])
     assert got["d_w_routed_gate"].dtype == torch.bfloat16  # the gradients in x's dtype
+
+
+def test_mxfp8_weights_run_as_their_requantisation():
+    """MXFP8 weights (ops.mxfp8_quantize's) in the FP8 forward: the output of their (128, 128)
+    requantisation (ops.requantize_mxfp8, the CUDA quantiser) passed as FP8BlockTensors, and
+    the reference backend's on the same MXFP8 weights within FP8_VS_REFERENCE."""
+    from mok_megatron.ops import mxfp8_quantize, requantize_mxfp8
+
+    problem = random_moe_problem([160], 256, 128, 8, 4, seed=9)
+    _, _, _, (gate, up, down), _ = problem.local(0, dtype=torch.bfloat16, device="cuda")
+    mx = (mxfp8_quantize(interleave_gate_up(gate, up), rowwise=True, colwise=False), None,
+          mxfp8_quantize(down, rowwise=True, colwise=False))  # fmt: skip
+    requantised = (requantize_mxfp8(mx[0]), None, requantize_mxfp8(mx[2]))
+    got = run(problem, FP8, "cuda", "cuda", weights=mx)
+    assert torch.equal(got["out"], run(problem, FP8, "cuda", "cuda", weights=requantised)["out"])
+    want = run(problem, FP8, "reference", "cpu", weights=tuple(map(_mxfp8_on_cpu, mx)))["out"]
+    assert relative_error(got["out"].cpu().float(), want.float()) < FP8_VS_REFERENCE
+
+
+def _mxfp8_on_cpu(w):
+    """An MXFP8Weight (or None) with its tensors copied to the CPU."""
+    if w is None:
+        return None
+    return type(w)(*(None if t is None else type(t)(t.data.cpu(), t.scales.cpu()) for t in w))
