@@ -62,13 +62,7 @@ def fp8_weight(w: torch.Tensor):
     source = getattr(w, _SOURCE_ATTR, None)
     if source is not None:
         return _requantized(source)
-    cached = getattr(w, _CACHE_ATTR, None)
-    if cached is not None and cached[0] == _key(w):
-        return cached[1]
-    with torch.no_grad():
-        q = fp8_gemm_weight(w.detach())
-    setattr(w, _CACHE_ATTR, (_key(w), q))
-    return q
+    return _kept(w, _key(w), lambda: fp8_gemm_weight(w.detach()))
 
 
 def _requantized(mx):
@@ -78,12 +72,17 @@ def _requantized(mx):
     from mok_megatron.ops.grouped_gemm_fp8 import fp8_gemm_weight
 
     key = (_key(mx.data), mx.scales._version, mx.scales.data_ptr())
-    cached = getattr(mx.data, _CACHE_ATTR, None)
+    return _kept(mx.data, key, lambda: fp8_gemm_weight(requantize_mxfp8(mx)))
+
+
+def _kept(holder: torch.Tensor, key: tuple, make):
+    """The FP8 copy kept on ``holder`` while its key is ``key``, else ``make()``'s, kept."""
+    cached = getattr(holder, _CACHE_ATTR, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
-        q = fp8_gemm_weight(requantize_mxfp8(mx))
-    setattr(mx.data, _CACHE_ATTR, (key, q))
+        q = make()
+    setattr(holder, _CACHE_ATTR, (key, q))
     return q
 
 

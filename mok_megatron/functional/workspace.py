@@ -74,8 +74,9 @@ class ErrorMonitor:
             raise RuntimeError("ErrorMonitor got CUDA flags but was made for a CPU workspace")
         # NOTE: the schedules' flags are one int32 word: OR-ed in as they are (two ops a pass,
         # where max / reshape / to were three more of host time before the forward's kernels).
-        word = flags if flags.numel() == 1 and flags.dtype == torch.int32 else flags.max()
-        self._accum.bitwise_or_(word.to(torch.int32))
+        if flags.numel() != 1 or flags.dtype != torch.int32:
+            flags = flags.max().to(torch.int32)
+        self._accum.bitwise_or_(flags)
         self._host.copy_(self._accum, non_blocking=True)
 
     def poll(self) -> None:
