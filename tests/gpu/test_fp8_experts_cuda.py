@@ -180,8 +180,9 @@ def test_mxfp8_weights_run_as_their_requantisation():
     mx = (mxfp8_quantize(interleave_gate_up(gate, up), rowwise=True, colwise=False), None,
           mxfp8_quantize(down, rowwise=True, colwise=False))  # fmt: skip
     requantised = (requantize_mxfp8(mx[0]), None, requantize_mxfp8(mx[2]))
-    got = run(problem, FP8, "cuda", "cuda", weights=mx)
-    assert torch.equal(got["out"], run(problem, FP8, "cuda", "cuda", weights=requantised)["out"])
+    got = run(problem, FP8, "cuda", "cuda", weights=mx, poison=True)
+    again = run(problem, FP8, "cuda", "cuda", weights=requantised, poison=True)
+    assert torch.equal(got["out"], again["out"])
     want = run(problem, FP8, "reference", "cpu", weights=tuple(map(_mxfp8_on_cpu, mx)))["out"]
     assert relative_error(got["out"].cpu().float(), want.float()) < FP8_VS_REFERENCE
 
