@@ -86,6 +86,13 @@ def parse_args(argv=None):
         "quantised once, as between optimizer steps), as 'mok_fp8', in the same process",
     )
     p.add_argument(
+        "--mok-graph",
+        action="store_true",
+        help="also time MoK's forward replayed from CUDA graphs (one captured per input set, "
+        "autograd recording as in the fwd row), as 'mok_graph', in the same process: the GPU's "
+        "time for the layer with no host work before its launches (the baseline is not captured)",
+    )
+    p.add_argument(
         "--main-grad",
         action="store_true",
         help="give the expert weights fp32 main_grad buffers and DDP's accumulate hook, with "
@@ -269,6 +276,50 @@ def measure(layer, sets, args, backward: bool) -> dict:
             "peak_mem_bytes": int(peak)}  # fmt: skip
 
 
+def measure_graphed(layer, sets, args) -> dict:
+    """The MoK layer's forward on each input set captured in a CUDA graph (after a warm-up pass
+    on the capture stream), then the replays timed as ``measure`` times calls: each replay is one
+    forward's kernels with no host work between them. Peak memory: the graphs' pools."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = [run_layer(layer, inputs, backward=False).detach() for inputs in sets]
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base_mem = torch.cuda.memory_allocated()
+    graphs, outs = [], []
+    for inputs in sets:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(run_layer(layer, inputs, backward=False).detach())
+        graphs.append(graph)
+    timing = time_fn(lambda i: graphs[i % len(graphs)].replay(), warmup=args.warmup,
+                     iters=args.iters, device="cuda")  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() - base_mem
+    torch.cuda.synchronize()
+    layer.experts._layer_runtime.last_workspace.check_errors()
+    for i, (a, b) in enumerate(zip(outs, eager)):  # each graph's last replay against eager
+        if not torch.equal(a, b):
+            raise AssertionError(f"--mok-graph: input set {i}'s replay differs from eager")
+    graphs.clear()  # the graphs and their pools go before the next contender
+    outs.clear()
+    worst = torch.tensor([timing.median_ms], device="cuda")
+    if dist.get_world_size() > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {**timing.as_dict(), "median_ms_all_ranks_max": float(worst.item()),
+            "peak_mem_bytes": int(peak)}  # fmt: skip
+
+
+def _rates(t: dict, cost: dict) -> dict:
+    """``t`` with its TFLOP/s, NVLink GB/s and fraction of the floor added."""
+    ms = t["median_ms_all_ranks_max"]
+    t["tflops"] = cost["flops"] / (ms * 1e-3) / 1e12
+    t["nvlink_gbps"] = cost["link_bytes"] / (ms * 1e-3) / 1e9
+    t["fraction_of_floor"] = cost["floor_ms"] / ms
+    return t
+
+
 def compare_outputs(base, layer, inputs) -> float:
     from mok_megatron.testing import relative_error
 
@@ -325,11 +376,10 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             with _mok_knobs(module, **knobs):
                 t = measure(module, sets, args, backward)
             module.zero_grad(set_to_none=True)  # one layer's gradients in memory at a time
-            ms = t["median_ms_all_ranks_max"]
-            t["tflops"] = cost["flops"] / (ms * 1e-3) / 1e12
-            t["nvlink_gbps"] = cost["link_bytes"] / (ms * 1e-3) / 1e9
-            t["fraction_of_floor"] = cost["floor_ms"] / ms
-            result[who] = t
+            result[who] = _rates(t, cost)
+        if args.mok_graph and not backward:
+            result["mok_graph"] = _rates(measure_graphed(layer, sets, args), cost)
+            layer.zero_grad(set_to_none=True)
         result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
                              / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
         if args.mok_fp8:  # > 1: the FP8 experts beat MoK's default (BF16) layer
@@ -427,6 +477,8 @@ def _report(case, name, tokens, routing) -> None:
         stage1 = (f", vs stage 1: fwd {case['fwd']['stage1_speedup']:.2f}x fwd+bwd "
                   f"{fb['stage1_speedup']:.2f}x")  # fmt: skip
     floor = f", fwd at {case['fwd']['mok']['fraction_of_floor']:.2f} of the floor"
+    if "mok_graph" in case["fwd"]:
+        floor += f" ({case['fwd']['mok_graph']['fraction_of_floor']:.2f} replayed from a graph)"
     tqdm.write(
         f"{name} T={tokens} {routing}: fwd speedup {case['fwd']['speedup']:.2f}x, "
         f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}"
@@ -447,6 +499,8 @@ def _write(record, path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.mok_graph and args.device != "cuda":
+        raise SystemExit("--mok-graph captures CUDA graphs: it needs --device cuda")
     rank, world = init_distributed(args.device)
     shapes = TINY_SHAPES if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
     tokens = [64] if args.tiny else [int(t) for t in args.tokens.split(",")]

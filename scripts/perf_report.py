@@ -108,6 +108,39 @@ STAGE1_HEAD = (
 )
 
 
+def graph_rows(records):
+    """MoK's forward as timed (each call from an idle GPU, the layer's host work included)
+    against the same forward replayed from a CUDA graph (bench_moe.py --mok-graph), where a
+    record has both."""
+    for _, record in records:
+        for case in record["cases"]:
+            r = case.get("fwd", {})
+            if "mok_graph" not in r:
+                continue
+            m, g = r["mok"], r["mok_graph"]
+            yield (
+                f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
+                f"| {case['routing']} | {case['mok_backend']} "
+                f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
+                f"| {g['median_ms_all_ranks_max']:.3f} ({g['p10_ms']:.3f}-{g['p90_ms']:.3f}) "
+                f"| {r['cost']['floor_ms']:.3f} | {m['fraction_of_floor']:.2f} "
+                f"| {g['fraction_of_floor']:.2f} |"
+            )
+
+
+GRAPH_HEAD = (
+    "## MoK's forward replayed from a CUDA graph\n\n"
+    "The MoK layer's forward as in the results (each call from an idle GPU, so the host's work "
+    "before the launches counts) against the same forward captured in a CUDA graph, one per "
+    "input set, and replayed (the kernels alone; the replay's outputs are checked bitwise "
+    "against eager). MoK's layer is sync-free, so it can be captured whole; the baseline is not "
+    "captured.\n\n"
+    "| shape | EP | tokens/rank | routing | mok backend | mok ms (p10-p90) "
+    "| graphed ms (p10-p90) | floor ms | mok of floor | graphed of floor |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def engine_rows(records):
     """MoK with its default expert GEMMs against MoK under other MoKConfig.expert_gemm settings
     (bench_moe.py --mok-expert-gemm), where a record has them."""
@@ -334,6 +367,9 @@ def main(argv=None) -> None:
     stage1 = list(stage1_rows(records))
     if stage1:
         parts += ["", STAGE1_HEAD, *stage1]
+    graphed = list(graph_rows(records))
+    if graphed:
+        parts += ["", GRAPH_HEAD, *graphed]
     engine = list(engine_rows(records))
     if engine:
         settings = sorted(

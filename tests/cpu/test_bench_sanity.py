@@ -68,3 +68,25 @@ def test_bench_with_main_grad_runs_on_cpu(tmp_path):
     (case,) = record["cases"]
     assert case["mok_into_main_grad"] is True
     assert case["fwd_bwd"]["mok"]["median_ms"] > 0 and case["fwd_bwd"]["baseline"]["median_ms"] > 0
+
+
+def test_graph_rows_render_and_need_a_gpu(tmp_path):
+    """--mok-graph refuses a CPU run by name; perf_report renders a case's 'mok' and 'mok_graph'
+    timings (a synthetic record) into the graph table's row, and skips a case without them."""
+    run = subprocess.run([sys.executable, *BENCH, "--mok-graph"], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode != 0 and "--mok-graph captures CUDA graphs" in run.stderr
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+    mok = {"median_ms_all_ranks_max": 2.0, "p10_ms": 1.9, "p90_ms": 2.1, "fraction_of_floor": 0.4}
+    graphed = {**mok, "median_ms_all_ranks_max": 1.0, "p10_ms": 0.95, "p90_ms": 1.05,
+               "fraction_of_floor": 0.8}  # fmt: skip
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
+            "mok_backend": "cuda/megakernel",
+            "fwd": {"cost": {"floor_ms": 0.8}, "mok": mok, "mok_graph": graphed}}  # fmt: skip
+    (row,) = perf_report.graph_rows([("r.json", {"cases": [case, {**case, "fwd": {}}]})])
+    assert row == ("| s | 1 | 64 | uniform | cuda/megakernel | 2.000 (1.900-2.100) "
+                   "| 1.000 (0.950-1.050) | 0.800 | 0.40 | 0.80 |")  # fmt: skip
