@@ -322,9 +322,11 @@ def _check_fp8_block_parts(name: str, w) -> None:
 
 
 def _dense_shape(w) -> tuple[int, ...]:
+    from mok_megatron.ops.mxfp8 import mxfp8_part
+
     if _is_fp8_blocks(w):
         return tuple(w.data.shape)
-    return tuple(_mxfp8_parts(w).data.shape if _is_quantized(w) else w.shape)
+    return tuple(mxfp8_part(w).data.shape if _is_quantized(w) else w.shape)
 
 
 def _is_quantized(w) -> bool:
@@ -336,16 +338,6 @@ def _is_fp8_blocks(w) -> bool:
     from mok_megatron.ops.fp8_blockwise import FP8BlockTensor
 
     return isinstance(w, FP8BlockTensor)
-
-
-def _mxfp8_parts(w):
-    """The quantized tensor to use from an MXFP8 weight: rowwise when present."""
-    from mok_megatron.ops import MXFP8Tensor
-
-    if isinstance(w, MXFP8Tensor):
-        return w
-    rowwise, colwise = w
-    return rowwise if rowwise is not None else colwise
 
 
 def _dequantize_if_quantized(w, dtype: torch.dtype):
@@ -360,10 +352,11 @@ def _dequantize_if_quantized(w, dtype: torch.dtype):
     if not _is_quantized(w):
         return w
     from mok_megatron.ops import mxfp8_dequantize
+    from mok_megatron.ops.mxfp8 import mxfp8_part
 
     from .fp8_weights import attach_mxfp8_source
 
-    mx = _mxfp8_parts(w)  # an FP8 forward runs on mx requantised (fp8_weights), not this copy
+    mx = mxfp8_part(w)  # an FP8 forward runs on mx requantised (fp8_weights), not this copy
     return attach_mxfp8_source(mxfp8_dequantize(mx, dtype=dtype).contiguous(), mx)
 
 

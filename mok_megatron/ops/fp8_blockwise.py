@@ -240,12 +240,11 @@ def requantize_mxfp8(w, block: tuple[int, int] = (BLOCK, BLOCK), pow2_scales: bo
     ``s`` the new block's scale; against the weight ``w`` MXFP8 quantised, add MXFP8's own
     rounding (half an e4m3 step at its 32-element block's power-of-two scale, ``ops.mxfp8``).
     """
-    from mok_megatron.ops.mxfp8 import MXFP8Tensor, mxfp8_dequantize
+    from mok_megatron.ops.mxfp8 import mxfp8_dequantize, mxfp8_part
 
-    part = w if isinstance(w, MXFP8Tensor) else (w[0] if w[0] is not None else w[1])
-    if not isinstance(part, MXFP8Tensor):
-        raise TypeError(
-            f"requantize_mxfp8: expected an MXFP8Tensor or MXFP8Weight, got {type(w).__name__}"
-        )
+    try:
+        part = mxfp8_part(w)
+    except TypeError as e:
+        raise TypeError(f"requantize_mxfp8: {e}") from None
     return fp8_blockwise_quantize(mxfp8_dequantize(part, torch.float32).contiguous(), block,
                                   pow2_scales, backend)  # fmt: skip

@@ -77,6 +77,19 @@ class MXFP8Weight(NamedTuple):
     colwise: MXFP8Tensor | None
 
 
+def mxfp8_part(w: MXFP8Tensor | MXFP8Weight) -> MXFP8Tensor:
+    """The quantised direction an MXFP8 weight is used through: an MXFP8Tensor itself, or of a
+    (rowwise, colwise) pair (an MXFP8Weight) the rowwise part when there is one, else the
+    colwise part."""
+    if isinstance(w, MXFP8Tensor):
+        return w
+    # NOTE: any (rowwise, colwise) pair, as the functional API takes them, not only MXFP8Weight.
+    parts = tuple(w) if isinstance(w, tuple) and len(w) == 2 else ()
+    if all(p is None or isinstance(p, MXFP8Tensor) for p in parts) and any(parts):
+        return parts[0] if parts[0] is not None else parts[1]
+    raise TypeError(f"expected an MXFP8Tensor or MXFP8Weight (one part not None), got {w!r:.80}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation (shared by both backends)
 # ---------------------------------------------------------------------------------------------

@@ -359,3 +359,18 @@ def test_meta_tensors_use_fake_impl():
     assert row_scales.shape == (2, 96, 2) and col_scales.shape == (2, 3, 64)
     assert row_data.shape == col_data.shape == w.shape
     torch.ops.mok.mxfp8_quantize_out(w, True, True, row_data, row_scales, col_data, col_scales)
+
+
+def test_mxfp8_part_picks_rowwise_first_and_refuses_what_is_not_mxfp8():
+    """mxfp8_part: the part an MXFP8 weight is read through (the functional API and
+    requantize_mxfp8 both use it): rowwise when there, else colwise; an MXFP8Tensor itself."""
+    from mok_megatron.ops.mxfp8 import mxfp8_part
+
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(5))
+    both = mxfp8_quantize(w, rowwise=True, colwise=True)
+    assert mxfp8_part(both) is both.rowwise
+    assert mxfp8_part((None, both.colwise)) is both.colwise  # a plain pair, as the API takes
+    assert mxfp8_part(both.colwise) is both.colwise
+    for bad in ((None, None), (w, w), w, (both.rowwise,)):
+        with pytest.raises(TypeError, match="MXFP8Tensor or MXFP8Weight"):
+            mxfp8_part(bad)
