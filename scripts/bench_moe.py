@@ -400,6 +400,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             for v in variants
         }
         case[label] = result
+    if args.device == "cuda":  # what the clocks were, for reading the spread
+        case["gpu_state_after"] = _gpu_state()
     if args.main_grad and not args.no_backward:  # did MoK's backward take the fused path?
         experts = layer.experts
         case["mok_into_main_grad"] = all(
@@ -464,6 +466,31 @@ def _driver_version() -> str | None:
         return out.splitlines()[0].strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+#: nvidia-smi fields sampled after each case (the last is dropped where the driver lacks it).
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "temperature.gpu",
+                    "clocks_event_reasons.active")  # fmt: skip
+
+
+def _gpu_state() -> dict | None:
+    """This GPU's SM clock, its maximum, power draw, temperature and active clock-event
+    (throttle) reasons from nvidia-smi, or None where nvidia-smi cannot say."""
+    import subprocess
+
+    index = str(torch.cuda.current_device())
+    for fields in (GPU_STATE_FIELDS, GPU_STATE_FIELDS[:-1]):
+        try:
+            out = subprocess.check_output(
+                ["nvidia-smi", "-i", index, f"--query-gpu={','.join(fields)}",
+                 "--format=csv,noheader,nounits"], text=True, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        values = [v.strip() for v in out.splitlines()[0].split(",")]
+        if len(values) == len(fields):
+            return dict(zip(fields, values))
+    return None
 
 
 def _report(case, name, tokens, routing) -> None:

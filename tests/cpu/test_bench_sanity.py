@@ -90,3 +90,31 @@ def test_graph_rows_render_and_need_a_gpu(tmp_path):
     (row,) = perf_report.graph_rows([("r.json", {"cases": [case, {**case, "fwd": {}}]})])
     assert row == ("| s | 1 | 64 | uniform | cuda/megakernel | 2.000 (1.900-2.100) "
                    "| 1.000 (0.950-1.050) | 0.800 | 0.40 | 0.80 |")  # fmt: skip
+
+
+def test_gpu_state_reads_nvidia_smi_and_falls_back_without_the_reasons_field(tmp_path, monkeypatch):
+    """bench_moe's per-case GPU state: nvidia-smi's fields by name; a driver that refuses the
+    clock-event field gives the other four; no nvidia-smi gives None."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import bench_moe
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(bench_moe.torch.cuda, "current_device", lambda: 0)
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *clocks_event_reasons*) [ -n "$OLD_DRIVER" ] && exit 2;'
+        ' echo "1755, 1980, 612.40, 57, 0x0000000000000004";; *) echo "1755, 1980, 612.40, 57";;'
+        " esac\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    state = bench_moe._gpu_state()
+    assert state == dict(zip(bench_moe.GPU_STATE_FIELDS,
+                             ["1755", "1980", "612.40", "57", "0x0000000000000004"]))  # fmt: skip
+    monkeypatch.setenv("OLD_DRIVER", "1")
+    assert bench_moe._gpu_state() == dict(zip(bench_moe.GPU_STATE_FIELDS[:-1],
+                                              ["1755", "1980", "612.40", "57"]))  # fmt: skip
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert bench_moe._gpu_state() is None
