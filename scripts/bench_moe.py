@@ -268,7 +268,12 @@ def measure(layer, sets, args, backward: bool) -> dict:
     timing = time_fn(lambda i: run_layer(layer, sets[i % len(sets)], backward),
                      warmup=args.warmup, iters=args.iters, device=device)  # fmt: skip
     peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else 0
-    # the slowest rank sets the step time
+    return _measured(timing, peak, device)
+
+
+def _measured(timing, peak: int, device: str) -> dict:
+    """A contender's entry: the timing, its median over ranks' worst (the slowest rank sets the
+    step time) and the peak memory."""
     worst = torch.tensor([timing.median_ms], device=device if device == "cuda" else "cpu")
     if dist.get_world_size() > 1:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -309,11 +314,7 @@ def measure_graphed(layer, sets, args) -> dict:
             raise AssertionError(f"--mok-graph: input set {i}'s replay differs from eager")
     graphs.clear()  # the graphs and their pools go before the next contender
     outs.clear()
-    worst = torch.tensor([timing.median_ms], device="cuda")
-    if dist.get_world_size() > 1:
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {**timing.as_dict(), "median_ms_all_ranks_max": float(worst.item()),
-            "peak_mem_bytes": int(peak)}  # fmt: skip
+    return _measured(timing, peak, "cuda")
 
 
 def _rates(t: dict, cost: dict) -> dict:
@@ -457,15 +458,26 @@ def _git_commit() -> str | None:
         return None
 
 
-def _driver_version() -> str | None:
+def _query_gpu(fields, index: str | None = None) -> list[str] | None:
+    """nvidia-smi's values of ``fields`` (no units) for GPU ``index`` (the first if None), or
+    None where nvidia-smi is missing, refuses a field or answers in another shape."""
     import subprocess
 
+    where = [] if index is None else ["-i", index]
     try:
-        out = subprocess.check_output(["nvidia-smi", "--query-gpu=driver_version",
-                                       "--format=csv,noheader"], text=True)  # fmt: skip
-        return out.splitlines()[0].strip()
+        out = subprocess.check_output(
+            ["nvidia-smi", *where, f"--query-gpu={','.join(fields)}",
+             "--format=csv,noheader,nounits"], text=True, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return None
+    values = [v.strip() for v in out.splitlines()[0].split(",")] if out.strip() else []
+    return values if len(values) == len(fields) else None
+
+
+def _driver_version() -> str | None:
+    values = _query_gpu(["driver_version"])
+    return values[0] if values else None
 
 
 #: nvidia-smi fields sampled after each case (the last is dropped where the driver lacks it).
@@ -476,19 +488,10 @@ GPU_STATE_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "temperature.gpu
 def _gpu_state() -> dict | None:
     """This GPU's SM clock, its maximum, power draw, temperature and active clock-event
     (throttle) reasons from nvidia-smi, or None where nvidia-smi cannot say."""
-    import subprocess
-
     index = str(torch.cuda.current_device())
     for fields in (GPU_STATE_FIELDS, GPU_STATE_FIELDS[:-1]):
-        try:
-            out = subprocess.check_output(
-                ["nvidia-smi", "-i", index, f"--query-gpu={','.join(fields)}",
-                 "--format=csv,noheader,nounits"], text=True, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        except (OSError, subprocess.CalledProcessError):
-            continue
-        values = [v.strip() for v in out.splitlines()[0].split(",")]
-        if len(values) == len(fields):
+        values = _query_gpu(fields, index)
+        if values is not None:
             return dict(zip(fields, values))
     return None
 
