@@ -196,17 +196,13 @@ std::vector<at::Tensor> moe_mega_forward(
   const auto bf16 = x.options();
   std::vector<at::Tensor> out(kForwardNumFields);
   const bool keep_rows = save && rounds == 1, keep_tokens = save && rounds > 1;
-  if (keep_rows) {  // the backward keeps all four rings: one allocation (apis/tensor_arena.h)
-    TensorArena arena(x);
-    arena.add({ring, lay.hidden}, at::kBFloat16);
-    arena.add({ring, inter}, at::kBFloat16);
-    arena.add({ring, 2 * inter}, at::kBFloat16);
-    arena.add({ring, lay.hidden}, at::kBFloat16);
-    const std::vector<at::Tensor> rings = arena.make();
-    out[kForward_x_ring] = rings[0];
-    out[kForward_act_ring] = rings[1];
-    out[kForward_h_ring] = rings[2];
-    out[kForward_y_rows] = rings[3];
+  if (keep_rows) {
+    // NOTE: one allocation each, not an arena: the backward lets each ring go after its last
+    // read (y and act in its first step, h and x_rows in its second), which lowers its peak.
+    out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
+    out[kForward_act_ring] = at::empty({ring, inter}, bf16);
+    out[kForward_h_ring] = at::empty({ring, 2 * inter}, bf16);
+    out[kForward_y_rows] = at::empty({ring, lay.hidden}, bf16);
   } else {  // x_ring and act_ring are dropped after the pass: not in one storage with x_recv
     out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);

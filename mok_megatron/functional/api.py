@@ -10,6 +10,7 @@ boundary; x in the workspace's dtype), checked before any work, so a rejected ca
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,8 +23,8 @@ from .workspace import MoKWorkspace, check_all_errors
 from .workspace import poll_errors as poll_all_errors
 
 __all__ = [
-    "build_schedule", "forward", "backward", "recompute_forward_context", "check_errors",
-    "poll_errors", "check_wgrad_accumulators", "TENSOR_ALIGN_BYTES",
+    "build_schedule", "forward", "backward", "backward_steps", "recompute_forward_context",
+    "check_errors", "poll_errors", "check_wgrad_accumulators", "TENSOR_ALIGN_BYTES",
 ]  # fmt: skip
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -157,14 +158,59 @@ def backward(
     """
     shared_in = (w_shared_gate, w_shared_up, w_shared_down)
     routed_in = (w_routed_gate, w_routed_up, w_routed_down)
+    shared, routed, accumulators = _check_backward(
+        config, ws, sched, d_out, x, router_weights, shared_in, routed_in, wgrad_accumulators
+    )
+    grads = ws.backend.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                                wgrad_acc=accumulators)  # fmt: skip
+    return _cast_weight_grads(grads, shared_in, routed_in, x.dtype)
+
+
+def backward_steps(config, ws, sched, ctx, d_out, x, router_weights, *weights,
+                   wgrad_accumulators=None) -> Iterator:  # fmt: skip
+    """``backward`` in two steps, for autograd (``functional.moe``): an iterator whose first
+    ``next`` gives the routed down weight's gradient (None where ``backward`` has None there)
+    and whose second gives every other gradient (``MoKGradients``, d_w_routed_down None).
+
+    Autograd can then add the down gradient into its ``.grad`` and let it go before the gate/up
+    gradient is made, so the two weight-sized gradients never exist at once. The arguments are
+    ``backward``'s, checked now. ``ctx`` serves this one backward: the CUDA backend lets each
+    kept activation go after its last read. A backend without such steps runs its whole
+    ``backward`` at the first ``next``.
+    """
+    shared_in, routed_in = weights[:3], weights[3:]
+    shared, routed, accumulators = _check_backward(
+        config, ws, sched, d_out, x, router_weights, shared_in, routed_in, wgrad_accumulators
+    )
+    args = (ws, sched, ctx, d_out, x, router_weights, shared, routed)
+    if hasattr(ws.backend, "backward_steps"):
+        steps = ws.backend.backward_steps(*args, wgrad_acc=accumulators)
+    else:
+        steps = _all_at_once(ws.backend, args, accumulators)
+    return _cast_steps(steps, shared_in, routed_in, x.dtype)
+
+
+def _all_at_once(backend, args, accumulators) -> Iterator:
+    grads = backend.backward(*args, wgrad_acc=accumulators)
+    yield grads.d_w_routed_down
+    yield grads._replace(d_w_routed_down=None)
+
+
+def _cast_steps(steps, shared_in, routed_in, x_dtype) -> Iterator:
+    d_w_down = next(steps)
+    yield None if d_w_down is None else _cast_weight_grad(d_w_down, routed_in[2], x_dtype)
+    yield _cast_weight_grads(next(steps), shared_in, routed_in, x_dtype)
+
+
+def _check_backward(config, ws, sched, d_out, x, router_weights, shared_in, routed_in,
+                    wgrad_accumulators):  # fmt: skip
+    """``backward``'s arguments checked: (shared, routed, accumulators) in the backend's forms."""
     shared, routed = _check_call(config, ws, sched, x, router_weights, shared_in, routed_in)
     _check_tensor("d_out", d_out, ws, dtypes=(x.dtype,), ndim=2)
     if d_out.shape != x.shape:
         raise ValueError(f"d_out has shape {tuple(d_out.shape)}, expected x's {tuple(x.shape)}")
     accumulators = check_wgrad_accumulators(wgrad_accumulators, ws, x.dtype, routed_in)
-    grads = ws.backend.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed,
-                                wgrad_acc=accumulators)  # fmt: skip
-    return _cast_weight_grads(grads, shared_in, routed_in, x.dtype)
+    return shared, routed, accumulators
 
 
 def check_wgrad_accumulators(accumulators, ws: MoKWorkspace, dtype: torch.dtype, routed_in):
@@ -426,15 +472,17 @@ def _check_tokens(name: str, t: torch.Tensor, ws: MoKWorkspace) -> None:
         )
 
 
-def _cast_weight_grads(grads: MoKGradients, shared_in, routed_in, x_dtype) -> MoKGradients:
-    def cast(g, w):
-        if g is None:
-            return None
-        return g.to(x_dtype if _is_quantized(w) else w.dtype)
+def _cast_weight_grad(g, w, x_dtype):
+    """A weight's gradient in the weight's dtype (x's for a quantised weight); None stays None."""
+    if g is None:
+        return None
+    return g.to(x_dtype if _is_quantized(w) else w.dtype)
 
+
+def _cast_weight_grads(grads: MoKGradients, shared_in, routed_in, x_dtype) -> MoKGradients:
     return MoKGradients(
         grads.d_x,
         grads.d_router_weights,
-        *(cast(g, w) for g, w in zip(grads[2:5], routed_in)),
-        *(cast(g, w) for g, w in zip(grads[5:8], shared_in)),
+        *(_cast_weight_grad(g, w, x_dtype) for g, w in zip(grads[2:5], routed_in)),
+        *(_cast_weight_grad(g, w, x_dtype) for g, w in zip(grads[5:8], shared_in)),
     )

@@ -35,39 +35,98 @@ class _WgradAccumulation:
         return self.accumulated_grad(weight, buffer)
 
 
+class _Backward:
+    """One ``moe`` call's backward, split over its two autograd nodes (``api.backward_steps``).
+
+    ``_DownGrad`` (the output's node, so autograd runs it first) begins it and hands autograd the
+    routed down weight's gradient, which autograd adds into ``.grad`` and lets go; then
+    ``_MoKFunction``'s node finishes the rest. The down and gate/up gradients, each the size of
+    its weight, never both exist (deepseek-v3 at EP 1: 7.5 and 15 GB).
+    """
+
+    def __init__(self, accumulation: _WgradAccumulation | None):
+        self.accumulation = accumulation
+        self._call = None  # what the forward kept: the backward's arguments but d_out, x, rw
+        self._steps = None  # the backward between its two steps
+
+    def keep(self, config, ws, sched, backend_ctx, weights) -> None:
+        self._call = (config, ws, sched, backend_ctx, weights)
+
+    def begin(self, d_out, x, router_weights, w_down):
+        """Step 1; returns what autograd gets for ``w_down`` (the routed down weight itself: the
+        forward had a detached alias)."""
+        if self._call is None:
+            raise RuntimeError(
+                "mok backward: this forward's backward already ran (a second backward through "
+                "one graph, retain_graph=True?) or it kept nothing (it ran without gradients); "
+                "its saved activations serve one backward: run the forward again"
+            )
+        config, ws, sched, backend_ctx, weights = self._call
+        self._call = None
+        acc = self.accumulation
+        self._steps = api.backward_steps(
+            config, ws, sched, backend_ctx, api._aligned_contiguous(d_out), x, router_weights,
+            *weights, wgrad_accumulators=acc.buffers if acc is not None else None,
+        )  # fmt: skip
+        d_w_down = next(self._steps)
+        if acc is not None:  # the gradient is in its buffer already
+            return acc.grad_for(w_down, acc.buffers[2])
+        return d_w_down if isinstance(w_down, torch.Tensor) else None
+
+    def finish(self):
+        """Step 2: the other gradients (``MoKGradients``)."""
+        if self._steps is None:
+            raise RuntimeError("mok backward: the layer's node ran before its output's (_DownGrad)")
+        steps, self._steps = self._steps, None
+        return next(steps)
+
+
 class _MoKFunction(torch.autograd.Function):
+    """The layer's forward (the routed down weight comes detached: ``_DownGrad`` has its edge)."""
+
     @staticmethod
-    def forward(fctx, config, ws, accumulation, x, topk_experts, router_weights, *weights):
+    def forward(fctx, config, ws, link, save, x, topk_experts, router_weights, *weights):
         sched = api.build_schedule(ws, config, topk_experts, router_weights=router_weights)
-        save = any(fctx.needs_input_grad)  # under torch.no_grad() nothing is kept for a backward
         out, backend_ctx = api.forward(
             config, ws, sched, x, router_weights, *weights, save_for_backward=save
         )
-        fctx.config, fctx.ws, fctx.sched, fctx.backend_ctx = config, ws, sched, backend_ctx
-        fctx.weights, fctx.accumulation = weights, accumulation
-        fctx.save_for_backward(x, router_weights)
+        if save:
+            link.keep(config, ws, sched, backend_ctx, weights)
+        fctx.link, fctx.weights = link, weights
         return out
 
     @staticmethod
     def backward(fctx, d_out):
-        x, router_weights = fctx.saved_tensors
-        accumulation = fctx.accumulation
-        grads = api.backward(
-            fctx.config, fctx.ws, fctx.sched, fctx.backend_ctx, api._aligned_contiguous(d_out), x,
-            router_weights, *fctx.weights,
-            wgrad_accumulators=accumulation.buffers if accumulation is not None else None,
-        )  # fmt: skip
-        fctx.backend_ctx = None
-        shared = grads[5:8]
-        routed = grads[2:5]
+        del d_out  # _DownGrad's step 1 took it
+        grads = fctx.link.finish()
+        accumulation = fctx.link.accumulation
+        shared, routed = grads[5:8], grads[2:4]
         if accumulation is not None:  # those gradients are in the buffers already
             routed = [accumulation.grad_for(w, buf)
-                      for w, buf in zip(fctx.weights[3:], accumulation.buffers)]  # fmt: skip
+                      for w, buf in zip(fctx.weights[3:5], accumulation.buffers[:2])]  # fmt: skip
         weight_grads = [
             g if isinstance(w, torch.Tensor) else None
-            for g, w in zip((*shared, *routed), fctx.weights)
+            for g, w in zip((*shared, *routed), fctx.weights[:5])
         ]
-        return (None, None, None, grads.d_x, None, grads.d_router_weights, *weight_grads)
+        return (None, None, None, None, grads.d_x, None, grads.d_router_weights,
+                *weight_grads, None)  # fmt: skip
+
+
+class _DownGrad(torch.autograd.Function):
+    """The identity on the layer's output; its backward is the layer's step 1 (``_Backward``) and
+    gives the routed down weight's gradient."""
+
+    @staticmethod
+    def forward(fctx, link, out, w_down, x, router_weights):
+        fctx.link, fctx.w_down = link, w_down
+        fctx.save_for_backward(x, router_weights)
+        return out.detach()  # not `out`: an input returned as is could not be modified in place
+
+    @staticmethod
+    def backward(fctx, d_out):
+        x, router_weights = fctx.saved_tensors
+        d_w_down = fctx.link.begin(d_out, x, router_weights, fctx.w_down)
+        return None, d_out, d_w_down, None, None
 
 
 def moe(
@@ -109,9 +168,19 @@ def moe(
     routed = (w_routed_gate, w_routed_up, w_routed_down)
     accumulation = _accumulation(wgrad_accumulators, accumulated_grad, workspace, x, routed)
     shared = shared if shared is not None else (None, None, None)
-    return _MoKFunction.apply(
-        config, workspace, accumulation, x, topk_experts, router_weights, *shared, *routed
-    )
+    inputs = (x, router_weights, *shared, *routed)
+    save = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs
+    )  # under torch.no_grad() (or with nothing to differentiate) nothing is kept for a backward
+    link = _Backward(accumulation)
+    down = routed[2]
+    detached = down.detach() if isinstance(down, torch.Tensor) else down
+    out = _MoKFunction.apply(
+        config, workspace, link, save, x, topk_experts, router_weights, *shared, *routed[:2],
+        detached,
+    )  # fmt: skip
+    # x and router_weights only kept for the backward (detached: no edges of _DownGrad's)
+    return _DownGrad.apply(link, out, down, x.detach(), router_weights.detach())
 
 
 def _accumulation(buffers, accumulated_grad, ws, x, routed) -> _WgradAccumulation | None:

@@ -150,6 +150,73 @@ def test_moe_autograd_takes_the_fused_gate_up_form():
     assert relative_error(down.grad, want["d_w_routed_down"]) < 1e-12
 
 
+def _leaves_of(node) -> set[int]:
+    """ids of the leaf tensors whose gradient ``node`` hands to autograd directly."""
+    return {id(f.variable) for f, _ in node.next_functions if hasattr(f, "variable")}
+
+
+def _moe_leaves(problem, requires=(True, True, True, True)):
+    from mok_megatron.ops import interleave_gate_up
+
+    x, topk, rw, (wg, wu, wd), _ = problem.local(0)
+    leaves = [t.clone().requires_grad_(r)
+              for t, r in zip((x, rw.double(), interleave_gate_up(wg, wu), wd), requires)]  # fmt: skip
+    return topk, leaves
+
+
+def _moe(topk, leaves):
+    x, rw, gate_up, down = leaves
+    return F.moe(x, topk, rw, gate_up, None, down, config=F.MoKConfig())
+
+
+def test_moe_autograd_hands_over_the_down_gradient_first():
+    """moe's graph has two nodes: the output's (its backward is the backward's first step) has
+    the edge of the routed down weight, the layer's the others, so autograd adds the down
+    gradient into .grad (and lets it go) before the gate/up gradient is made. The gradients are
+    the oracle's; the output can be modified in place; a second backward says why it cannot."""
+    from mok_megatron.ops import deinterleave_gate_up
+
+    problem = random_moe_problem([33], 16, 24, 4, 2, dtype=torch.float64, seed=11)
+    topk, leaves = _moe_leaves(problem)
+    x, rw, gate_up, down = leaves
+    out = _moe(topk, leaves)
+    first = out.grad_fn
+    assert _leaves_of(first) == {id(down)}
+    (layer,) = [f for f, _ in first.next_functions if f is not None and f.next_functions]
+    assert _leaves_of(layer) == {id(x), id(rw), id(gate_up)}
+    order = []
+    for name, p in (("down", down), ("gate_up", gate_up), ("x", x)):
+        p.register_post_accumulate_grad_hook(lambda _, name=name: order.append(name))
+    d_out = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    out.backward(d_out, retain_graph=True)
+    assert order[0] == "down" and set(order) == {"down", "gate_up", "x"}, order
+    want = run_oracle(problem, d_out)
+    d_gate, d_up = deinterleave_gate_up(gate_up.grad, dim=-2)
+    for got, name in ((x.grad, "d_x"), (rw.grad, "d_router_weights"), (d_gate, "d_w_routed_gate"),
+                      (d_up, "d_w_routed_up"), (down.grad, "d_w_routed_down")):  # fmt: skip
+        assert relative_error(got, want[name]) < 1e-12, name
+    with pytest.raises(RuntimeError, match="backward already ran .* run the forward again"):
+        out.backward(d_out)
+
+    _, again = _moe_leaves(problem)
+    doubled = _moe(topk, again)
+    doubled.mul_(2)  # in place on the output
+    doubled.backward(d_out)
+    assert relative_error(again[3].grad, 2 * want["d_w_routed_down"]) < 1e-12
+
+
+def test_moe_autograd_with_only_the_down_weight_to_train():
+    """Only the routed down weight requires grad: the output's node alone runs the backward."""
+    problem = random_moe_problem([21], 16, 24, 4, 2, dtype=torch.float64, seed=12)
+    topk, leaves = _moe_leaves(problem, requires=(False, False, False, True))
+    out = _moe(topk, leaves)
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    want = run_oracle(problem, d_out)
+    assert relative_error(leaves[3].grad, want["d_w_routed_down"]) < 1e-12
+    assert all(leaf.grad is None for leaf in leaves[:3])
+
+
 @pytest.mark.parametrize("inter,shape_fix,match", [
     (24, lambda w: w[:, :-8], r"w_routed_gate_up .* has shape \(4, 40, 16\), expected \(4, 48, 16\)"),
     (20, None, "multiple of 8"),

@@ -108,9 +108,10 @@ def test_device_plan_equals_stage1_torch_plan(routing, macrobatch):
 
 
 def test_plan_and_rings_come_from_few_allocations_aligned_and_disjoint():
-    """The op makes the schedule's, the plan's and (when kept) the rings' tensors from one
-    allocation each (apis/tensor_arena.h): every tensor starts on a 256-byte boundary, none
-    overlaps another, and the output the caller keeps has a storage of its own."""
+    """The op makes the schedule's and the plan's tensors from one allocation each
+    (apis/tensor_arena.h) and each kept ring from its own (the backward lets each go after its
+    last read): every tensor starts on a 256-byte boundary, none overlaps another, and the
+    output the caller keeps has a storage of its own."""
     problem = _problem([300], (128, 64, 16, 4, 0), seed=5)
     run = Run(problem, "cuda", config=MEGA, form="fused")
     sched = run.schedule()
@@ -123,10 +124,11 @@ def test_plan_and_rings_come_from_few_allocations_aligned_and_disjoint():
     assert all(begin % 256 == 0 for begin, _ in spans)
     assert all(a_end <= b_begin for (_, a_end), (b_begin, _) in zip(spans, spans[1:]))
     storages = {t.untyped_storage().data_ptr() for t in tensors}
-    # one each: the plan's tensors, the schedule's (with its scratch), the rings; the gathered
+    # one each: the plan's tensors, the schedule's (with its scratch), each ring; the gathered
     # routing and router weights: at most one each
-    assert len({t.untyped_storage().data_ptr() for t in rings}) == 1
-    assert len(storages) <= 5, len(storages)
+    assert len({t.untyped_storage().data_ptr() for t in rings}) == len(rings)
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in rings)
+    assert len(storages) <= 4 + len(rings), len(storages)
     assert out.untyped_storage().data_ptr() not in storages
     assert out.untyped_storage().nbytes() == out.nbytes
 
@@ -282,6 +284,61 @@ def test_forward_without_grad_keeps_nothing():
     with torch.no_grad():  # functional.moe under no_grad: the same
         y = F.moe(x, run.topk, run.rw, *run.routed, config=run.config, workspace=run.ws)
     assert torch.equal(y, out)
+
+
+@pytest.mark.parametrize("config", [MEGA, STAGE1], ids=["megakernel", "stage1"])
+def test_moe_autograd_gives_the_backward_bitwise_and_frees_as_it_goes(config):
+    """functional.moe's backward runs in two autograd nodes (functional/autograd.py): its
+    gradients equal functional.backward's bit for bit, and with .grad already there (a second
+    step, as in training) its peak memory stays under both routed weights' gradients at once:
+    the down gradient is added into .grad and let go before gate_up's is made. The outputs'
+    blocks are poisoned first, each in its own size (autograd allocates on its device thread, so
+    poisoned_memory's pool would not reach them)."""
+    from mok_megatron.ops import interleave_gate_up
+    from mok_megatron.testing.poison import assert_fully_written, poison_
+
+    problem = _problem([256], (2048, 1024, 8, 2, 0), seed=21)
+    run = Run(problem, "cuda", config=config, form="fused")
+    _, want = run()
+    gate_up, _, down = run.routed
+    leaves = [t.detach().clone().requires_grad_() for t in (run.x, run.rw, gate_up, down)]
+
+    def step():
+        x, rw, w1, w2 = leaves
+        out = F.moe(x, run.topk, rw, w1, None, w2, config=run.config, workspace=run.ws)
+        out.backward(run.d_out)
+        return out
+
+    for t in [torch.empty_like(leaf) for leaf in leaves]:  # freed poisoned, reused by the grads
+        poison_(t)
+    torch.cuda.synchronize()
+    out = step()
+    grads = {
+        name: leaf.grad for name, leaf in zip(("d_x", "d_router_weights", "gu", "down"), leaves)
+    }
+    for name, g in grads.items():
+        assert_fully_written(name, g)
+    assert torch.equal(out, want["out"])
+    wanted_gu = interleave_gate_up(want["d_w_routed_gate"], want["d_w_routed_up"])
+    bad = _bitwise_equal(
+        {"d_x": grads["d_x"], "d_router_weights": grads["d_router_weights"],
+         "gu": grads["gu"], "down": grads["down"]},
+        {"d_x": want["d_x"], "d_router_weights": want["d_router_weights"], "gu": wanted_gu,
+         "down": want["d_w_routed_down"]},
+    )  # fmt: skip
+    assert not bad, f"autograd differs from functional.backward in {bad}"
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()  # .grad is there: autograd adds into it
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    gu_bytes, down_bytes = gate_up.nbytes, down.nbytes
+    assert gu_bytes <= peak < gu_bytes + down_bytes // 2, (
+        f"backward peak {peak / 2**20:.1f} MiB over what it held before; gate_up's gradient is "
+        f"{gu_bytes / 2**20:.1f} MiB, down's {down_bytes / 2**20:.1f} MiB"
+    )
 
 
 def test_split_weights_take_stage1_or_fail_clearly():

@@ -157,3 +157,9 @@ class CudaBackend:
 
     def backward(self, ws, sched, ctx, d_out, x, router_weights, shared, routed, wgrad_acc=None):
         return stage1.backward(ws, sched, ctx, d_out, x, router_weights, shared, routed, wgrad_acc)
+
+    def backward_steps(self, ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                       wgrad_acc=None):  # fmt: skip
+        """``backward`` in two steps (``api.backward_steps``); consumes ``ctx``."""
+        return stage1.backward_steps(ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                                     wgrad_acc)  # fmt: skip

@@ -24,14 +24,15 @@ The backward also serves the megakernel's forward: its context has the same fiel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .experts import ExpertRows, Experts, accumulate, grouped_mm
 from .plan import CudaPlan, Rounds, make_rounds, padded_plan, round_accumulator, window_offs
 
-__all__ = ["CudaContext", "forward", "backward", "shared_forward", "slot_weights_of"]
+__all__ = ["CudaContext", "forward", "backward", "backward_steps", "shared_forward",
+           "slot_weights_of"]  # fmt: skip
 
 
 @dataclass
@@ -132,18 +133,121 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
 
 def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
              wgrad_acc=None):  # fmt: skip
-    """``wgrad_acc``: the routed weights' fp32 accumulators in the weights' form
+    """Every gradient at once: ``backward_steps``' two steps run back to back (the context is
+    left as it was, so it can serve another backward).
+
+    ``wgrad_acc``: the routed weights' fp32 accumulators in the weights' form
     (``ExpertWeights`` / ``FusedExpertWeights``; api.backward's wgrad_accumulators) or None."""
-    from mok_megatron.ops import moe as mops
+    steps = backward_steps(ws, sched, ctx, d_out, x, router_weights, shared, routed, wgrad_acc,
+                           consume=False)  # fmt: skip
+    d_w_down = next(steps)
+    return next(steps)._replace(d_w_routed_down=d_w_down)
 
-    from ..types import MoKGradients
 
-    comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
+def backward_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
+                   wgrad_acc=None, *, consume: bool = True):  # fmt: skip
+    """The backward in two steps, a generator (``api.backward_steps``): the first ``next`` gives
+    the routed down projection's weight gradient (None when it went into its accumulator), the
+    second every other gradient (``MoKGradients``, its ``d_w_routed_down`` None).
+
+    One round: step 1 is the down projection's side (d_out pulled to the rows, the router-weight
+    gradient, dy, the down weight's gradient), step 2 the rest, so autograd can add the down
+    gradient into ``.grad`` and drop it before the gate/up gradient is made. ``consume``: this
+    backward is the context's last use, and each kept activation is let go after its last read.
+    With rounds, the down gradient is summed over rounds that each recompute gate/up, so step 1
+    does all the work.
+    """
     if ctx.saved is None and ctx.x_recv is None:
         raise RuntimeError(
             "mok backward: the forward kept nothing for a backward (save_for_backward=False, "
             "e.g. it ran under torch.no_grad()); run the forward with gradients enabled"
         )
+    if ctx.saved is None:
+        grads = _backward_rounds(ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                                 wgrad_acc)  # fmt: skip
+        yield grads.d_w_routed_down
+        yield grads._replace(d_w_routed_down=None)
+        return
+    yield from _one_round_steps(ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                                wgrad_acc, consume)  # fmt: skip
+
+
+def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
+                     wgrad_acc, consume: bool):  # fmt: skip
+    from mok_megatron.ops import moe as mops
+
+    from ..types import MoKGradients
+
+    comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
+    act = replace(ctx.saved)  # our own references, dropped after each one's last use
+    if consume:  # then nothing else holds the activations
+        ctx.saved = None
+    experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None,
+                      precision=ws.config.expert_precision)  # fmt: skip
+    acc_w = _accumulator_slots(wgrad_acc)  # the caller's buffers in d_w's slots, or None
+    window = rounds.window(0)
+    offs = window_offs(plan, window)
+    row_tok, w_rows = rounds.row_tok[window], rounds.w_rows[window]
+
+    # step 1: the down projection's side
+    d_rows = mops.moe_gather_rows(mops.moe_dispatch(d_out, sched.recv_token_src, comm), row_tok)
+    d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
+    # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding), dy = w * d_rows
+    d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
+    del d_rows
+    act.y = None
+    d_rw = mops.moe_combine_slots(
+        d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
+    )
+    d_w_down = _weight_grad(experts, dy, act.a, offs, rounds, acc_w, 2)
+    act.a = None
+    yield d_w_down
+
+    # step 2: the SwiGLU backward, the gate/up dgrad and weight gradient, the shared expert
+    d_shared, shared_dx = (None, None, None), None
+    if shared is not None:
+        d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
+    d_pre = experts.pre_grads_from_dy(dy, act, offs)
+    del dy
+    act.g = act.u = act.h = None
+    # dx = Σ d_pre @ W_pre: with separate gate and up, each term rounded to bf16 once and summed
+    # in float32 by the combine (rows2), so no add pass over [rows, H]
+    dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
+    d_x = mops.moe_combine(
+        dx[0], plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
+        sched.num_tokens, comm, None, window.start, True, True, dx[1] if len(dx) > 1 else None,
+    )  # fmt: skip
+    del dx, shared_dx
+    d_w = [None, None, None]  # gate (or fused gate_up), up, down
+    for slot, d in zip(experts.grad_slots, d_pre):  # one at a time (each is weight-sized)
+        d_w[slot] = _weight_grad(experts, d, act.x_rows, offs, rounds, acc_w, slot)
+    del act, d_pre
+    yield MoKGradients(
+        d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
+        d_w_routed_gate=d_w[0], d_w_routed_up=d_w[1], d_w_routed_down=None,
+        d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1], d_w_shared_down=d_shared[2],
+    )  # fmt: skip
+
+
+def _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, slot):
+    """One routed weight's gradient over one round's rows (rounds' first), or None when it went
+    into the caller's buffer ``acc_w[slot]``."""
+    if acc_w is None:
+        return accumulate(None, experts.mm_tn(rows_t, rows, offs), offs, rounds, 0)
+    experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[slot])
+    return None
+
+
+def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
+                     wgrad_acc):  # fmt: skip
+    """More rounds than one: each recomputes gate/up and SwiGLU from the received tokens (not y:
+    <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down)); the weight gradients
+    add up round after round."""
+    from mok_megatron.ops import moe as mops
+
+    from ..types import MoKGradients
+
+    comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
     d_recv = mops.moe_dispatch(d_out, sched.recv_token_src, comm)
     d_shared, shared_dx = (None, None, None), None
     if shared is not None:
@@ -159,25 +263,14 @@ def backward(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, rout
         offs = window_offs(plan, window)
         row_tok, w_rows = rounds.row_tok[window], rounds.w_rows[window]
         d_rows = mops.moe_gather_rows(d_recv, row_tok)
-        if ctx.saved is not None:  # one round: the forward kept every activation
-            act = ctx.saved
-            # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding),
-            # dy = w * d_rows
-            d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
-            d_pre = experts.pre_grads_from_dy(dy, act, offs)
-            wgrad_down = (dy, act.a)
-        else:  # rounds: recompute gate/up and SwiGLU from the received tokens (not y:
-            # <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down))
-            x_rows = mops.moe_gather_rows(ctx.x_recv, row_tok)
-            act = experts.forward(x_rows, offs, save_pre=True, with_down=False)
-            d_row_w[window], da = mops.moe_row_grad(
-                experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
-            )
-            d_pre = experts.pre_grads_from_da(da, act)
-            del da
-            wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
-        # dx = Σ d_pre @ W_pre: with separate gate and up, each term rounded to bf16 once
-        # and summed in float32 by the combine (rows2), so no add pass over [rows, H]
+        x_rows = mops.moe_gather_rows(ctx.x_recv, row_tok)
+        act = experts.forward(x_rows, offs, save_pre=True, with_down=False)
+        d_row_w[window], da = mops.moe_row_grad(
+            experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
+        )
+        d_pre = experts.pre_grads_from_da(da, act)
+        del da
+        wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
         dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
         # weight gradients one at a time (each part is weight-sized)
         parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
