@@ -28,15 +28,15 @@ Gradient-accumulation fusion: with ``config.gradient_accumulation_fusion`` and a
 backward adds the weight gradients straight into ``main_grad`` (on the CUDA engine, inside the
 weight-gradient GEMM) and hands autograd Megatron's placeholder, as
 ``LinearWithGradAccumulationAndAsyncCommunication`` does: ``grad_added_to_main_grad`` set and a
-dummy gradient (zeros under ``zero_out_wgrad``; without TE both weights' dummies are views of
-one buffer, MainGradPlaceholders) where the weight has that attribute, else None.
+dummy gradient (zeros under ``zero_out_wgrad``) where the weight has that attribute, else None.
+The down weight's dummy comes from the backward's first step and gate_up's from its second
+(``functional.moe``), so DDP's hook drops the first before the second is made.
 Without main_grad, with the flag off, or with a main_grad MoK cannot add into (not float32, not
 16-byte aligned: said once in a warning), the gradients go through ``.grad`` as before.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from contextlib import nullcontext
 
@@ -59,13 +59,7 @@ from mok_megatron.ops.grouped_gemm import (
     interleave_gate_up,
 )
 
-__all__ = [
-    "INIT_ORDERS",
-    "MainGradPlaceholders",
-    "MoKExperts",
-    "check_mok_experts_config",
-    "main_grad_placeholder",
-]
+__all__ = ["INIT_ORDERS", "MoKExperts", "check_mok_experts_config", "main_grad_placeholder"]
 
 _GATE, _UP = 0, 1  # NOTE: Megatron's SwiGLU fc1 is [gate; up]: gate is chunk 0, up chunk 1.
 
@@ -175,10 +169,9 @@ class MoKExperts(MegatronModule):
                 "use SequentialMLP/TEGroupedMLP with another dispatcher"
             )
         weights = (self.weight_gate_up, None, self.weight_down)  # the fused gate/up form
-        main_grads = self._main_grads()
         out = self._layer_runtime.run(
-            x, topk_experts, router_weights, weights, wgrad_accumulators=main_grads,
-            accumulated_grad=MainGradPlaceholders(main_grads) if main_grads else None,
+            x, topk_experts, router_weights, weights, wgrad_accumulators=self._main_grads(),
+            accumulated_grad=main_grad_placeholder,
         )  # fmt: skip
         return out, None
 
@@ -226,16 +219,14 @@ class MoKExperts(MegatronModule):
         del state
 
 
-def main_grad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor,
-                          dummy=None) -> torch.Tensor | None:  # fmt: skip
+def main_grad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor | None:
     """The gradient autograd gets for ``weight`` once its gradient is in ``main_grad``: Megatron's
     contract (``LinearWithGradAccumulationAndAsyncCommunication.backward`` in
     megatron/core/tensor_parallel/layers.py). Where the weight has ``grad_added_to_main_grad``
     (DDP sets it), that becomes True and a dummy of main_grad's shape is returned, zeros under
     ``zero_out_wgrad`` (DDP's hook then adds it), so the hook runs on the main backward thread
     and skips its add; otherwise None. The dummy comes from Transformer Engine's reused buffer
-    when TE is installed, as in Megatron; else from ``dummy(shape, dtype, device, zero)`` when
-    given (MainGradPlaceholders), else a fresh tensor."""
+    when TE is installed, as in Megatron."""
     from megatron.core.tensor_parallel import layers as mcore_layers
 
     if not hasattr(weight, "grad_added_to_main_grad"):
@@ -245,48 +236,11 @@ def main_grad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor,
     # cast a dummy of another dtype, a pass over a weight-sized tensor.
     if mcore_layers.HAVE_TE:
         grad = mcore_layers.get_dummy_wgrad(shape, weight.dtype, zero=zero)
-    elif dummy is not None:
-        grad = dummy(shape, weight.dtype, weight.device, zero)
     else:
         make = torch.zeros if zero else torch.empty
         grad = make(shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
     weight.grad_added_to_main_grad = True
     return grad
-
-
-class MainGradPlaceholders:
-    """``main_grad_placeholder`` for one forward's expert weights, whose dummies (without
-    Transformer Engine) are views of one buffer, the size of the largest: the backward returns
-    both weights' dummies at once, and two fresh ones would hold both weights' size in memory
-    until DDP's hooks drop them (deepseek-v3 at EP 1: 15 + 7.5 GB). The buffer is let go once
-    every weight with a main_grad has had its dummy, so it lives as long as they do.
-    NOTE: the dummies alias each other; Megatron's contract only reads them (DDP's hook adds a
-    ``zero_out_wgrad`` dummy, all zeros, and drops ``.grad``)."""
-
-    def __init__(self, main_grads):
-        present = [m for m in main_grads if m is not None]
-        self._numel = max(m.numel() for m in present)
-        self._left = len(present)
-        self._flat = None  # the shared buffer, while dummies are still to come
-        self._zero = False
-
-    def __call__(self, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor | None:
-        try:
-            return main_grad_placeholder(weight, main_grad, self._dummy)
-        finally:
-            self._left -= 1
-            if self._left <= 0:
-                self._flat = None
-
-    def _dummy(self, shape, dtype, device, zero: bool) -> torch.Tensor:
-        numel = math.prod(shape)
-        flat = self._flat
-        if (flat is None or flat.dtype != dtype or flat.device != device
-                or flat.numel() < numel or self._zero != zero):  # fmt: skip
-            make = torch.zeros if zero else torch.empty
-            flat = make(max(numel, self._numel), dtype=dtype, device=device)
-            self._flat, self._zero = flat, zero
-        return flat[:numel].view(shape)
 
 
 def _unusable_main_grad(name: str, p: torch.Tensor) -> str | None:
