@@ -197,8 +197,8 @@ def _all_at_once(backend, args, accumulators) -> Iterator:
 
 
 def _cast_steps(steps, shared_in, routed_in, x_dtype) -> Iterator:
-    d_w_down = next(steps)
-    yield None if d_w_down is None else _cast_weight_grad(d_w_down, routed_in[2], x_dtype)
+    # NOTE: no local names the down gradient (this frame lives until the second step)
+    yield _cast_weight_grad(next(steps), routed_in[2], x_dtype)
     yield _cast_weight_grads(next(steps), shared_in, routed_in, x_dtype)
 
 

@@ -199,9 +199,10 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
     d_rw = mops.moe_combine_slots(
         d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
     )
-    d_w_down = _weight_grad(experts, dy, act.a, offs, rounds, acc_w, 2)
+    # NOTE: yielded unnamed: a local would keep the gradient alive in this generator's frame
+    # after autograd has added it into .grad
+    yield _weight_grad(experts, dy, act.a, offs, rounds, acc_w, 2)
     act.a = None
-    yield d_w_down
 
     # step 2: the SwiGLU backward, the gate/up dgrad and weight gradient, the shared expert
     d_shared, shared_dx = (None, None, None), None
