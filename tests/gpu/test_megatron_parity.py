@@ -213,6 +213,31 @@ def test_main_grad_fusion_under_ddp_bf16(ep, overlap):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("ep", _ep_sizes())
+def test_moe_recompute_is_bitwise_the_plain_layer(ep):
+    """Megatron's ``--recompute-granularity selective --recompute-modules moe`` (the MoE layer's
+    forward checkpointed: run without gradients, rerun in the backward) with the mok dispatcher,
+    bf16 on the CUDA backend: output and every gradient bitwise equal to the same layer's
+    without recompute, on the same weights and tokens."""
+    from mok_megatron.megatron import parity
+
+    _require(ep)
+    parity.init_megatron_parallel(ep, device=DEVICE)
+    case = parity.LayerCase(topk=2, shared_ffn=40, device=DEVICE, dtype=torch.bfloat16)
+    plain = parity.build_moe_layer(case, "mok_fused", ep)
+    recomputed = parity.build_moe_layer(case, "mok_fused", ep, recompute_granularity="selective",
+                                        recompute_modules=["moe"])  # fmt: skip
+    assert recomputed.moe_layer_recompute and not plain.moe_layer_recompute
+    parity.share_weights(plain, recomputed, os.path.join(_shared_dir(), "w"))
+    parity.assert_same_weights(recomputed, plain)
+    x, d_out = _tokens(case, seed=300)
+    want, got = (parity.layer_step(layer, x, d_out) for layer in (plain, recomputed))
+    if DEVICE == "cuda" and _cuda_backend_built():
+        assert recomputed.experts._layer_runtime.last_workspace.backend.name == "cuda"
+    bad = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not bad, f"recompute differs from the plain layer in {bad}"
+
+
 @pytest.mark.multigpu
 def test_gpt_training_matches_alltoall():
     from mok_megatron.megatron.training import replace_training, train
