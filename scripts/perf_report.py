@@ -141,6 +141,33 @@ GRAPH_HEAD = (
 )
 
 
+def gpu_state_rows(records):
+    """The GPU's state after each case's timings (bench_moe.py's ``gpu_state_after``, from
+    nvidia-smi), where a record has it: the clock the case ran near, and the power it drew."""
+    for path, record in records:
+        for case in record["cases"]:
+            state = case.get("gpu_state_after")
+            if not state:
+                continue
+            yield (
+                f"| {os.path.basename(path)} | {case['shape']} | {case['ep']} "
+                f"| {case['tokens_per_rank']} | {case['routing']} "
+                f"| {state.get('clocks.sm', '?')} / {state.get('clocks.max.sm', '?')} "
+                f"| {state.get('power.draw', '?')} | {state.get('temperature.gpu', '?')} "
+                f"| {state.get('clocks_event_reasons.active', 'n/a')} |"
+            )
+
+
+GPU_STATE_HEAD = (
+    "## The GPU's state after each case\n\n"
+    "Read from nvidia-smi after each case's timings (SM clock in MHz against its maximum, "
+    "power drawn in W, temperature in C, the active clock-event reasons as a bit mask: 0x4 is "
+    "the software power cap). The floor assumes the full clock.\n\n"
+    "| record | shape | EP | tokens/rank | routing | SM MHz / max | power W | temp C "
+    "| clock-event reasons |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def engine_rows(records):
     """MoK with its default expert GEMMs against MoK under other MoKConfig.expert_gemm settings
     (bench_moe.py --mok-expert-gemm), where a record has them."""
@@ -370,6 +397,9 @@ def main(argv=None) -> None:
     graphed = list(graph_rows(records))
     if graphed:
         parts += ["", GRAPH_HEAD, *graphed]
+    states = list(gpu_state_rows(records))
+    if states:
+        parts += ["", GPU_STATE_HEAD, *states]
     engine = list(engine_rows(records))
     if engine:
         settings = sorted(

@@ -92,6 +92,23 @@ def test_graph_rows_render_and_need_a_gpu(tmp_path):
                    "| 1.000 (0.950-1.050) | 0.800 | 0.40 | 0.80 |")  # fmt: skip
 
 
+def test_gpu_state_rows_render_each_case_that_has_one():
+    """perf_report's GPU-state table: one row per case with ``gpu_state_after`` (a synthetic
+    record), a missing field shown as such, a case without a state skipped."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+    state = {"clocks.sm": "1590", "clocks.max.sm": "1980", "power.draw": "687.42",
+             "temperature.gpu": "53"}  # fmt: skip
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "skewed",
+            "gpu_state_after": state}  # fmt: skip
+    record = {"cases": [case, {**case, "gpu_state_after": None}]}
+    (row,) = perf_report.gpu_state_rows([("/x/r.json", record)])
+    assert row == "| r.json | s | 1 | 64 | skewed | 1590 / 1980 | 687.42 | 53 | n/a |"
+
+
 def test_gpu_state_reads_nvidia_smi_and_falls_back_without_the_reasons_field(tmp_path, monkeypatch):
     """bench_moe's per-case GPU state: nvidia-smi's fields by name; a driver that refuses the
     clock-event field gives the other four; no nvidia-smi gives None."""

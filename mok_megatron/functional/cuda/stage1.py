@@ -14,6 +14,10 @@ megakernel.
              zeroed by ``moe_accumulate_groups``; or, given accumulators (gradient-accumulation
              fusion), each weight-gradient GEMM adds into the caller's fp32 buffer in its
              epilogue (``Experts.mm_tn_accumulate``), round after round
+  steps      ``backward_steps``: the backward as two steps for autograd (functional.moe's two
+             nodes): the down projection's side first, whose weight gradient autograd adds and
+             drops before the second step makes gate/up's; each kept activation is let go
+             after its last read
   rounds     more rows than ``macrobatch_size``: the padded rows run in fixed-size windows; each
              round adds its rows to a float32 per-token accumulator and the last pushes; the
              forward then keeps only the received tokens and the backward recomputes each
