@@ -341,6 +341,53 @@ def test_moe_autograd_gives_the_backward_bitwise_and_frees_as_it_goes(config):
     )
 
 
+@pytest.mark.parametrize("config", [MEGA, STAGE1], ids=["megakernel", "stage1"])
+def test_moe_autograd_forward_and_backward_replay_from_one_cuda_graph(config):
+    """functional.moe's forward and its autograd backward (both nodes), captured in one CUDA
+    graph as a training step is (the leaves' .grad set to None first, so the graph makes
+    them), replay into outputs filled with NaN bitwise equal to functional.backward's."""
+    from mok_megatron.ops import interleave_gate_up
+
+    problem = _problem([200], SHAPES["deepseek-v3"], seed=23)  # with its shared expert
+    run = Run(problem, "cuda", config=config, form="fused")
+    _, want = run()
+    gate_up, _, down = run.routed
+    leaves = [t.detach().clone().requires_grad_() for t in (run.x, run.rw, gate_up, down)]
+
+    def step():
+        x, rw, w1, w2 = leaves
+        out = F.moe(x, run.topk, rw, w1, None, w2, shared=run.shared, config=run.config,
+                    workspace=run.ws)  # fmt: skip
+        out.backward(run.d_out)
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on the capture stream
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    names = ("d_x", "d_router_weights", "gu", "down")
+    expected = {"out": want["out"], "d_x": want["d_x"],
+                "d_router_weights": want["d_router_weights"],
+                "gu": interleave_gate_up(want["d_w_routed_gate"], want["d_w_routed_up"]),
+                "down": want["d_w_routed_down"]}  # fmt: skip
+    for i in range(2):
+        replayed = {"out": out, **{n: leaf.grad for n, leaf in zip(names, leaves)}}
+        for t in replayed.values():
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        bad = _bitwise_equal(replayed, expected)
+        assert not bad, f"replay {i + 1} differs from functional.backward in {bad}"
+    run.ws.check_errors()
+
+
 def test_split_weights_take_stage1_or_fail_clearly():
     problem = _problem([100], (128, 64, 8, 2, 0), seed=2)
     auto = Run(problem, "cuda", config=F.MoKConfig(cuda_forward="auto", fwd_num_comm_sms=8),
