@@ -286,6 +286,40 @@ def test_forward_without_grad_keeps_nothing():
     assert torch.equal(y, out)
 
 
+#: The gradients functional.moe's autograd tests compare, in the leaves' order.
+_AUTOGRAD_GRADS = ("d_x", "d_router_weights", "gu", "down")
+
+
+def _moe_autograd_step(run):
+    """(leaves, step): copies of ``run``'s x, router weights, gate_up and down that require
+    grad, and ``step()``, one functional.moe forward (with run's shared expert, if any) and
+    autograd backward of run.d_out on them, returning the output."""
+    gate_up, _, down = run.routed
+    leaves = [t.detach().clone().requires_grad_() for t in (run.x, run.rw, gate_up, down)]
+
+    def step():
+        x, rw, w1, w2 = leaves
+        out = F.moe(x, run.topk, rw, w1, None, w2, shared=run.shared, config=run.config,
+                    workspace=run.ws)  # fmt: skip
+        out.backward(run.d_out)
+        return out
+
+    return leaves, step
+
+
+def _autograd_grads(leaves) -> dict:
+    return {name: leaf.grad for name, leaf in zip(_AUTOGRAD_GRADS, leaves)}
+
+
+def _autograd_expected(want) -> dict:
+    """functional.backward's results (``Run``'s) as the autograd tests name them."""
+    from mok_megatron.ops import interleave_gate_up
+
+    gate_up = interleave_gate_up(want["d_w_routed_gate"], want["d_w_routed_up"])
+    return {"out": want["out"], "d_x": want["d_x"], "d_router_weights": want["d_router_weights"],
+            "gu": gate_up, "down": want["d_w_routed_down"]}  # fmt: skip
+
+
 @pytest.mark.parametrize("config", [MEGA, STAGE1], ids=["megakernel", "stage1"])
 def test_moe_autograd_gives_the_backward_bitwise_and_frees_as_it_goes(config):
     """functional.moe's backward runs in two autograd nodes (functional/autograd.py): its
@@ -294,38 +328,25 @@ def test_moe_autograd_gives_the_backward_bitwise_and_frees_as_it_goes(config):
     the down gradient is added into .grad and let go before gate_up's is made. The outputs'
     blocks are poisoned first, each in its own size (autograd allocates on its device thread, so
     poisoned_memory's pool would not reach them)."""
-    from mok_megatron.ops import interleave_gate_up
     from mok_megatron.testing.poison import assert_fully_written, poison_
 
     problem = _problem([256], (2048, 1024, 8, 2, 0), seed=21)
     run = Run(problem, "cuda", config=config, form="fused")
     _, want = run()
-    gate_up, _, down = run.routed
-    leaves = [t.detach().clone().requires_grad_() for t in (run.x, run.rw, gate_up, down)]
-
-    def step():
-        x, rw, w1, w2 = leaves
-        out = F.moe(x, run.topk, rw, w1, None, w2, config=run.config, workspace=run.ws)
-        out.backward(run.d_out)
-        return out
+    leaves, step = _moe_autograd_step(run)
+    gate_up, down = leaves[2], leaves[3]
 
     for t in [torch.empty_like(leaf) for leaf in leaves]:  # freed poisoned, reused by the grads
         poison_(t)
     torch.cuda.synchronize()
     out = step()
-    grads = {
-        name: leaf.grad for name, leaf in zip(("d_x", "d_router_weights", "gu", "down"), leaves)
-    }
+    grads = _autograd_grads(leaves)
     for name, g in grads.items():
         assert_fully_written(name, g)
     assert torch.equal(out, want["out"])
-    wanted_gu = interleave_gate_up(want["d_w_routed_gate"], want["d_w_routed_up"])
-    bad = _bitwise_equal(
-        {"d_x": grads["d_x"], "d_router_weights": grads["d_router_weights"],
-         "gu": grads["gu"], "down": grads["down"]},
-        {"d_x": want["d_x"], "d_router_weights": want["d_router_weights"], "gu": wanted_gu,
-         "down": want["d_w_routed_down"]},
-    )  # fmt: skip
+    expected = _autograd_expected(want)
+    del expected["out"]
+    bad = _bitwise_equal(grads, expected)
     assert not bad, f"autograd differs from functional.backward in {bad}"
 
     torch.cuda.synchronize()
@@ -346,20 +367,10 @@ def test_moe_autograd_forward_and_backward_replay_from_one_cuda_graph(config):
     """functional.moe's forward and its autograd backward (both nodes), captured in one CUDA
     graph as a training step is (the leaves' .grad set to None first, so the graph makes
     them), replay into outputs filled with NaN bitwise equal to functional.backward's."""
-    from mok_megatron.ops import interleave_gate_up
-
     problem = _problem([200], SHAPES["deepseek-v3"], seed=23)  # with its shared expert
     run = Run(problem, "cuda", config=config, form="fused")
     _, want = run()
-    gate_up, _, down = run.routed
-    leaves = [t.detach().clone().requires_grad_() for t in (run.x, run.rw, gate_up, down)]
-
-    def step():
-        x, rw, w1, w2 = leaves
-        out = F.moe(x, run.topk, rw, w1, None, w2, shared=run.shared, config=run.config,
-                    workspace=run.ws)  # fmt: skip
-        out.backward(run.d_out)
-        return out
+    leaves, step = _moe_autograd_step(run)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -372,13 +383,9 @@ def test_moe_autograd_forward_and_backward_replay_from_one_cuda_graph(config):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    names = ("d_x", "d_router_weights", "gu", "down")
-    expected = {"out": want["out"], "d_x": want["d_x"],
-                "d_router_weights": want["d_router_weights"],
-                "gu": interleave_gate_up(want["d_w_routed_gate"], want["d_w_routed_up"]),
-                "down": want["d_w_routed_down"]}  # fmt: skip
+    expected = _autograd_expected(want)
     for i in range(2):
-        replayed = {"out": out, **{n: leaf.grad for n, leaf in zip(names, leaves)}}
+        replayed = {"out": out, **_autograd_grads(leaves)}
         for t in replayed.values():
             t.fill_(float("nan"))
         graph.replay()
