@@ -1,7 +1,9 @@
 """Backend selection: ``"auto" | "reference" | "cuda"``.
 
 Every backend offers the same methods (see ``ReferenceBackend``): ``allocate``,
-``workspace_bytes``, ``build_schedule``, ``forward``, ``backward``. ``"auto"`` picks the CUDA
+``workspace_bytes``, ``build_schedule``, ``forward``, ``backward``; and optionally
+``backward_steps`` (``api.backward_steps``: the backward in two steps for autograd; the CUDA
+backend's frees as it goes, and without it the whole ``backward`` runs at the first step). ``"auto"`` picks the CUDA
 backend only where the compiled extension has every op a call needs; where it does not on a GPU,
 it says so in a warning that names the missing ops, and never pretends the reference is fast.
 """
