@@ -145,7 +145,7 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& shared_out, at::TensorList given_plan,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    int64_t stall_minibatch, bool trace) {
+    bool keep_y, int64_t stall_minibatch, bool trace) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(x, "x", at::kBFloat16, 2);
@@ -202,7 +202,7 @@ std::vector<at::Tensor> moe_mega_forward(
     out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({ring, 2 * inter}, bf16);
-    out[kForward_y_rows] = at::empty({ring, lay.hidden}, bf16);
+    out[kForward_y_rows] = at::empty({keep_y ? ring : 0, lay.hidden}, bf16);
   } else {  // x_ring and act_ring are dropped after the pass: not in one storage with x_recv
     out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);
@@ -246,7 +246,7 @@ std::vector<at::Tensor> moe_mega_forward(
   a.x_ring = out[kForward_x_ring].data_ptr();
   a.act_ring = out[kForward_act_ring].data_ptr();
   a.h_ring = keep_rows ? out[kForward_h_ring].data_ptr() : nullptr;
-  a.y_rows = keep_rows ? out[kForward_y_rows].data_ptr() : nullptr;
+  a.y_rows = keep_rows && keep_y ? out[kForward_y_rows].data_ptr() : nullptr;
   a.row_src = plan[kPlan_row_src].data_ptr<int64_t>();
   a.row_dst = plan[kPlan_row_dst].data_ptr<int64_t>();
   a.tile_count = plan[kPlan_tile_count].data_ptr<int32_t>();

@@ -242,3 +242,23 @@ def test_expert_gemm_setting_is_checked():
         engine_steps("l1,fp8", torch.device("cpu"))
     with pytest.raises(RuntimeError, match="expert_gemm='l1\\+l2' but the expert GEMM engine"):
         engine_steps("l1+l2", torch.device("cpu"))  # asked for explicitly where it can't run
+
+
+@pytest.mark.parametrize("hidden, inter", [(128, 64), (128, 128), (64, 128)])
+def test_backward_reads_y_where_it_is_the_narrower_choice(hidden, inter):
+    """The forward keeps the L2 output rows y [M, H] only where the backward reads them: with
+    the engine's fused L2 dgrad + dSwiGLU, or where the rows replacing them ([M, I] each) are
+    wider (I > H)."""
+    from mok_megatron.functional.cuda.experts import Experts
+    from mok_megatron.functional.types import ExpertWeights, FusedExpertWeights
+
+    gen = torch.Generator().manual_seed(hidden + inter)
+    down = torch.randn(4, hidden, inter, generator=gen)
+    fused = FusedExpertWeights(torch.randn(4, 2 * inter, hidden, generator=gen), down)
+    split = ExpertWeights(*torch.randn(2, 4, inter, hidden, generator=gen), down)
+    for routed in (fused, split):
+        experts = Experts(routed, "torch", torch.device("cpu"))
+        assert experts.backward_reads_y == (inter > hidden)
+    experts = Experts(fused, "torch", torch.device("cpu"))
+    experts.engine = ("l1", "dswiglu")  # as on Hopper with expert_gemm="l1,dswiglu"
+    assert experts.backward_reads_y

@@ -603,19 +603,41 @@ def _saved_bytes(run: Run) -> int:
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["split", "fused"])
 def test_macrobatch_rounds_bound_saved_memory(form):
-    """Qwen3 widths, 2000 tokens: one round keeps x, gate|up, act and y for every routed row;
-    rounds of 2048 rows keep only the received tokens (the rows are recomputed)."""
+    """Qwen3 widths, 2000 tokens: one round keeps x, gate|up and act for every routed row (not
+    y: I <= H, test_forward_keeps_y_only_where_the_backward_reads_it); rounds of 2048 rows keep
+    only the received tokens (the rows are recomputed)."""
     problem = _problem([2000], (2048, 768, 64, 8, 0), seed=31)
     one = Run(problem, "cuda", form=form)
     rounds = Run(problem, "cuda", config=F.MoKConfig(macrobatch_size=2048), form=form)
     one_bytes, rounds_bytes = _saved_bytes(one), _saved_bytes(rounds)
     rows = one.ws.row_capacity
-    per_row = 2 * (2048 + 2 * 768 + 768 + 2048)  # bf16 x_rows, gu, a, y
+    per_row = 2 * (2048 + 2 * 768 + 768)  # bf16 x_rows, gu, a
     assert one_bytes >= rows * per_row, (one_bytes, rows * per_row)
+    assert one_bytes < rows * (per_row + 2 * 2048), (one_bytes, "y [rows, H] was kept")
     tokens_bytes = 2000 * 2048 * 2
     assert rounds_bytes < 3 * tokens_bytes, (rounds_bytes, one_bytes)
     _, got = rounds()
     assert rounds.rounds == 8
+    failures = _check_accuracy(problem, got, oracle_device=_device())
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("widths", [(128, 64), (128, 256)], ids=["inter<hidden", "inter>hidden"])
+def test_forward_keeps_y_only_where_the_backward_reads_it(form, widths):
+    """A one-round forward keeps the L2 output rows y only where the backward reads them
+    (Experts.backward_reads_y): for the engine's L2 dgrad with the SwiGLU backward fused (the
+    'fused' form runs every engine step) and where I > H; elsewhere the router-weight gradient
+    is <d_rows @ W_down, a>. Either way, every output and gradient matches the float64 oracle."""
+    hidden, inter = widths
+    problem = _problem([300], (hidden, inter, 16, 4, 0), seed=13)
+    run = Run(problem, "cuda", form=form)
+    _, ctx = F.forward(run.config, run.ws, run.schedule(), run.x, run.rw, *run.weights)
+    assert ctx.rounds.count == 1
+    assert (ctx.saved.y is not None) == (form == "fused" or inter > hidden)
+    del ctx
+    _, got = run()
     failures = _check_accuracy(problem, got, oracle_device=_device())
     assert not failures, failures
 

@@ -12,7 +12,7 @@ from ..config import ENGINE_STEPS, engine_step_list
 from ..types import FusedExpertWeights
 
 __all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "AUTO_ACCUMULATE_STEPS", "ExpertRows", "Experts",
-           "engine_steps", "grouped_mm", "accumulate", "not_hopper"]  # fmt: skip
+           "engine_steps", "grouped_mm", "accumulate", "weighted_rows", "not_hopper"]  # fmt: skip
 
 #: What MoKConfig.expert_gemm="auto" picks on Hopper. "l2": its engine GEMM beat
 #: torch._grouped_mm on all six points of the same-process micro-benchmark (docs/GEMM.md). "l1"
@@ -33,7 +33,7 @@ AUTO_ACCUMULATE_STEPS = ("wgrad",)
 @dataclass
 class ExpertRows:
     """One round's expert activations, bf16: x_rows [M, H], a [M, I], y [M, H] (None when the
-    backward recomputes a round: it needs only the others) and the pre-activation: g, u [M, I]
+    backward does not read it: ``Experts.backward_reads_y``) and the pre-activation: g, u [M, I]
     (separate gate and up weights) or h [M, 2I] (fused form: gate and up columns interleaved in
     blocks of 8; None when only the forward of a round needs it)."""
 
@@ -83,6 +83,19 @@ class Experts:
         else:
             self.pre_weights = (routed.gate, routed.up)
             self.grad_slots = (0, 1, 2)
+
+    @property
+    def backward_reads_y(self) -> bool:
+        """Whether a one-round backward reads the L2 output rows y (so the forward keeps them).
+
+        The router-weight gradient of a row is <d_rows, y> = <d_rows @ W_down, a>. The engine's
+        L2 dgrad with the SwiGLU backward fused (step "dswiglu") never makes d_rows @ W_down, so
+        it takes <d_rows, y>. Otherwise y is read only where it is narrower than what replaces
+        it: the backward then holds d_rows @ W_down and w * a ([M, I] each) where it would hold
+        y and w * d_rows ([M, H] each), so y is kept when I > H (mixtral-8x7b), dropped when
+        I <= H (qwen3-30b-a3b, deepseek-v3: the forward keeps [M, H] less)."""
+        hidden, inter = self.routed.down.shape[1:]
+        return "dswiglu" in self.engine or inter > hidden
 
     def forward(self, x_rows, offs, *, save_pre: bool, with_down: bool = True) -> ExpertRows:
         """x_rows [M, H] → ExpertRows; the pre-activation is kept only when ``save_pre`` (the
@@ -235,6 +248,15 @@ def accumulate(total, part: torch.Tensor, offs: torch.Tensor, rounds, r: int):
     total = part if total is None else total
     mops.moe_accumulate_groups(total, part, offs, rounds.first_round, r)
     return total
+
+
+def weighted_rows(rows: torch.Tensor, w_rows: torch.Tensor, row_tok: torch.Tensor) -> torch.Tensor:
+    """bf16(rows * w_rows[:, None]) [M, N], the product in float32 rounded once: the weighted SwiGLU output the down weight's gradient reduces, (w * a)^T d_rows
+    = a^T (w * d_rows). One pass, ``moe_row_grad``'s weighted output (its dot product unused),
+    without the float32 [M, N] temporary of the torch expression."""
+    from mok_megatron.ops import moe as mops
+
+    return mops.moe_row_grad(rows, rows, w_rows, row_tok)[1]
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

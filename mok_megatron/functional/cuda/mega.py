@@ -18,7 +18,7 @@ import torch
 from ..schedule import MoKSchedule
 from ..types import FusedExpertWeights
 from . import stage1
-from .experts import ExpertRows
+from .experts import ExpertRows, Experts
 from .plan import CudaPlan, Rounds
 
 __all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "can_run", "forward"]
@@ -118,13 +118,15 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         sched.weights_source = (router_weights, router_weights._version)
     shared_out, shared_gu, shared_a = stage1.shared_forward(x, shared)
     c = ws.config
+    keep_y = Experts(routed, c.expert_gemm, x.device).backward_reads_y
     outs, plan = mops.moe_mega_forward(
         x, topk, weights, routed.gate_up, routed.down, shared_out,
         None if sched.is_pending() else sched.device_plan, ws.buffers.comm,
         num_experts=ws.num_experts, row_capacity=ws.row_capacity,
         token_capacity=ws.token_capacity, minibatch=c.minibatch_size,
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
-        num_sms=ws.buffers.num_sms, save=save, stall_minibatch=ws.buffers.stall_minibatch,
+        num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
+        stall_minibatch=ws.buffers.stall_minibatch,
         trace=ws.buffers.trace,
     )  # fmt: skip
     if ws.buffers.trace:
@@ -143,7 +145,8 @@ def _context(ws, sched, plan, outs, save, shared_gu, shared_a) -> stage1.CudaCon
                     plan["first_round"])  # fmt: skip
     saved = x_recv = None
     if save and shape.num_rounds == 1:
-        saved = ExpertRows(outs["x_ring"], outs["act_ring"], outs["y_rows"], h=outs["h_ring"])
+        y = outs["y_rows"] if outs["y_rows"].shape[0] else None  # not kept: [0, H]
+        saved = ExpertRows(outs["x_ring"], outs["act_ring"], y, h=outs["h_ring"])
     elif save:
         x_recv = outs["x_recv"]
     return stage1.CudaContext(cplan, rounds, saved, x_recv, shared_gu, shared_a)

@@ -9,7 +9,8 @@ megakernel.
   combine    per received token, a slot-ordered float32 sum on the expert side, one row per
              (token, rank) pushed to the source, a rank-ordered float32 sum there (+ shared)
   backward   the same moves in reverse; the per-row router-weight gradient and weighted d_out
-             in one kernel (``moe_row_grad``); weight gradients are grouped GEMMs that reduce
+             in one kernel (``moe_row_grad``): <d_rows, y>, or, where the forward did not keep
+             y (``Experts.backward_reads_y``), <d_rows @ W_down, a>; weight gradients are grouped GEMMs that reduce
              over each expert's rows in one fixed order (no atomics), experts without rows
              zeroed by ``moe_accumulate_groups``; or, given accumulators (gradient-accumulation
              fusion), each weight-gradient GEMM adds into the caller's fp32 buffer in its
@@ -32,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .experts import ExpertRows, Experts, accumulate, grouped_mm
+from .experts import ExpertRows, Experts, accumulate, grouped_mm, weighted_rows
 from .plan import CudaPlan, Rounds, make_rounds, padded_plan, round_accumulator, window_offs
 
 __all__ = ["CudaContext", "forward", "backward", "backward_steps", "shared_forward",
@@ -130,6 +131,8 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
             r == rounds.count - 1,
         )  # fmt: skip
     one = rounds.count == 1
+    if save and one and not experts.backward_reads_y:
+        act.y = None  # the backward takes the router-weight gradient from a instead
     ctx = CudaContext(plan, rounds, act if save and one else None,
                       recv if save and not one else None, shared_gu, shared_a)  # fmt: skip
     return out, ctx
@@ -196,24 +199,36 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
     # step 1: the down projection's side
     d_rows = mops.moe_gather_rows(mops.moe_dispatch(d_out, sched.recv_token_src, comm), row_tok)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
-    # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding), dy = w * d_rows
-    d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
+    dy = da = None  # the gradient of y's weighted rows, or of a (the dgrad taken here)
+    if act.y is not None:
+        # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding), dy = w * d_rows
+        d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
+        act.y = None
+        down_rows = (dy, act.a)
+    else:  # y was not kept: <d_rows, y> = <d_rows @ W_down, a>, d_a = w * (d_rows @ W_down)
+        d_row_w[window], da = mops.moe_row_grad(
+            experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
+        )
+        down_rows = (d_rows, weighted_rows(act.a, w_rows, row_tok))
     del d_rows
-    act.y = None
+    act.a = None
     d_rw = mops.moe_combine_slots(
         d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
     )
     # NOTE: yielded unnamed: a local would keep the gradient alive in this generator's frame
     # after autograd has added it into .grad
-    yield _weight_grad(experts, dy, act.a, offs, rounds, acc_w, 2)
-    act.a = None
+    yield _weight_grad(experts, *down_rows, offs, rounds, acc_w, 2)
+    del down_rows
 
     # step 2: the SwiGLU backward, the gate/up dgrad and weight gradient, the shared expert
     d_shared, shared_dx = (None, None, None), None
     if shared is not None:
         d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
-    d_pre = experts.pre_grads_from_dy(dy, act, offs)
-    del dy
+    if da is None:
+        d_pre = experts.pre_grads_from_dy(dy, act, offs)
+    else:
+        d_pre = experts.pre_grads_from_da(da, act)
+    del dy, da
     act.g = act.u = act.h = None
     # dx = Σ d_pre @ W_pre: with separate gate and up, each term rounded to bf16 once and summed
     # in float32 by the combine (rows2), so no add pass over [rows, H]
@@ -275,7 +290,7 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         )
         d_pre = experts.pre_grads_from_da(da, act)
         del da
-        wgrad_down = (d_rows, (act.a.float() * w_rows[:, None]).to(torch.bfloat16))
+        wgrad_down = (d_rows, weighted_rows(act.a, w_rows, row_tok))
         dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
         # weight gradients one at a time (each part is weight-sized)
         parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
