@@ -90,12 +90,14 @@ class Experts:
 
         The router-weight gradient of a row is <d_rows, y> = <d_rows @ W_down, a>. The engine's
         L2 dgrad with the SwiGLU backward fused (step "dswiglu") never makes d_rows @ W_down, so
-        it takes <d_rows, y>. Otherwise y is read only where it is narrower than what replaces
-        it: the backward then holds d_rows @ W_down and w * a ([M, I] each) where it would hold
-        y and w * d_rows ([M, H] each), so y is kept when I > H (mixtral-8x7b), dropped when
-        I <= H (qwen3-30b-a3b, deepseek-v3: the forward keeps [M, H] less)."""
+        it takes <d_rows, y>; so does an FP8 forward, whose y came from the FP8 GEMM (the bf16
+        d_rows @ W_down is not the derivative of what it computed). Otherwise y is read only
+        where it is narrower than what replaces it: the backward then holds d_rows @ W_down and
+        w * a ([M, I] each) where it would hold y and w * d_rows ([M, H] each), so y is kept
+        when I > H (mixtral-8x7b), dropped when I <= H (qwen3-30b-a3b, deepseek-v3: the forward
+        keeps [M, H] less)."""
         hidden, inter = self.routed.down.shape[1:]
-        return "dswiglu" in self.engine or inter > hidden
+        return self.fp8 or "dswiglu" in self.engine or inter > hidden
 
     def forward(self, x_rows, offs, *, save_pre: bool, with_down: bool = True) -> ExpertRows:
         """x_rows [M, H] → ExpertRows; the pre-activation is kept only when ``save_pre`` (the
