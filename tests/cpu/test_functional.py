@@ -244,6 +244,13 @@ def test_expert_gemm_setting_is_checked():
         engine_steps("l1+l2", torch.device("cpu"))  # asked for explicitly where it can't run
 
 
+def test_one_round_keeps_the_tokens_where_there_are_fewer_than_rows():
+    from mok_megatron.functional.cuda.plan import keeps_x_rows
+
+    assert not keeps_x_rows(row_capacity=2048, token_capacity=256)  # top-k 8: an eighth
+    assert keeps_x_rows(row_capacity=256, token_capacity=256)  # top-k 1 at EP 1, no slack
+
+
 @pytest.mark.parametrize("hidden, inter", [(128, 64), (128, 128), (64, 128)])
 def test_backward_reads_y_where_it_is_the_narrower_choice(hidden, inter):
     """The forward keeps the L2 output rows y [M, H] only where the backward reads them: with

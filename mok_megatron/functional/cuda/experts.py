@@ -32,12 +32,13 @@ AUTO_ACCUMULATE_STEPS = ("wgrad",)
 
 @dataclass
 class ExpertRows:
-    """One round's expert activations, bf16: x_rows [M, H], a [M, I], y [M, H] (None when the
+    """One round's expert activations, bf16: x_rows [M, H] (None in a saved context that keeps
+    the received tokens instead: ``plan.keeps_x_rows``), a [M, I], y [M, H] (None when the
     backward does not read it: ``Experts.backward_reads_y``) and the pre-activation: g, u [M, I]
     (separate gate and up weights) or h [M, 2I] (fused form: gate and up columns interleaved in
     blocks of 8; None when only the forward of a round needs it)."""
 
-    x_rows: torch.Tensor
+    x_rows: torch.Tensor | None
     a: torch.Tensor
     y: torch.Tensor | None
     g: torch.Tensor | None = None

@@ -23,6 +23,10 @@ megakernel.
              round adds its rows to a float32 per-token accumulator and the last pushes; the
              forward then keeps only the received tokens and the backward recomputes each
              round's gate/up and SwiGLU (not the down projection)
+  saved      one round keeps its activations but not all of them: y only where the backward
+             reads it (``Experts.backward_reads_y``), and the received tokens instead of the
+             routed rows x_rows where there are fewer of them (``plan.keeps_x_rows``: top-k > 1;
+             the backward gathers the rows again before the gate/up weight gradient)
 
 The backward also serves the megakernel's forward: its context has the same fields.
 """
@@ -34,7 +38,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from .experts import ExpertRows, Experts, accumulate, grouped_mm, weighted_rows
-from .plan import CudaPlan, Rounds, make_rounds, padded_plan, round_accumulator, window_offs
+from .plan import (
+    CudaPlan,
+    Rounds,
+    keeps_x_rows,
+    make_rounds,
+    padded_plan,
+    round_accumulator,
+    window_offs,
+)
 
 __all__ = ["CudaContext", "forward", "backward", "backward_steps", "shared_forward",
            "slot_weights_of"]  # fmt: skip
@@ -44,9 +56,10 @@ __all__ = ["CudaContext", "forward", "backward", "backward_steps", "shared_forwa
 class CudaContext:
     """What the forward keeps for its backward.
 
-    One round: ``saved`` holds its activations. More rounds: ``x_recv`` [C_tok, H] holds the
-    received tokens and the backward recomputes each round. shared_gu / shared_a: [T, 2I_s] /
-    [T, I_s] or None.
+    One round: ``saved`` holds its activations, and ``x_recv`` [C_tok, H] the received tokens
+    where ``saved.x_rows`` is None (the backward gathers the rows from them). More rounds:
+    ``saved`` is None, ``x_recv`` holds the received tokens and the backward recomputes each
+    round. shared_gu / shared_a: [T, 2I_s] / [T, I_s] or None.
     """
 
     plan: CudaPlan
@@ -131,10 +144,14 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
             r == rounds.count - 1,
         )  # fmt: skip
     one = rounds.count == 1
-    if save and one and not experts.backward_reads_y:
-        act.y = None  # the backward takes the router-weight gradient from a instead
+    keep_tokens = save and not (one and keeps_x_rows(sched.row_capacity, sched.token_capacity))
+    if save and one:
+        if not experts.backward_reads_y:
+            act.y = None  # the backward takes the router-weight gradient from a instead
+        if keep_tokens:
+            act.x_rows = None  # gathered again from recv by the backward
     ctx = CudaContext(plan, rounds, act if save and one else None,
-                      recv if save and not one else None, shared_gu, shared_a)  # fmt: skip
+                      recv if keep_tokens else None, shared_gu, shared_a)  # fmt: skip
     return out, ctx
 
 
@@ -187,8 +204,9 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
 
     comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
     act = replace(ctx.saved)  # our own references, dropped after each one's last use
+    x_recv = ctx.x_recv  # where act.x_rows is None: the tokens they are gathered from
     if consume:  # then nothing else holds the activations
-        ctx.saved = None
+        ctx.saved = ctx.x_recv = None
     experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None,
                       precision=ws.config.expert_precision)  # fmt: skip
     acc_w = _accumulator_slots(wgrad_acc)  # the caller's buffers in d_w's slots, or None
@@ -238,10 +256,12 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         sched.num_tokens, comm, None, window.start, True, True, dx[1] if len(dx) > 1 else None,
     )  # fmt: skip
     del dx, shared_dx
+    x_rows = act.x_rows if act.x_rows is not None else mops.moe_gather_rows(x_recv, row_tok)
+    del act, x_recv
     d_w = [None, None, None]  # gate (or fused gate_up), up, down
     for slot, d in zip(experts.grad_slots, d_pre):  # one at a time (each is weight-sized)
-        d_w[slot] = _weight_grad(experts, d, act.x_rows, offs, rounds, acc_w, slot)
-    del act, d_pre
+        d_w[slot] = _weight_grad(experts, d, x_rows, offs, rounds, acc_w, slot)
+    del x_rows, d_pre
     yield MoKGradients(
         d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
         d_w_routed_gate=d_w[0], d_w_routed_up=d_w[1], d_w_routed_down=None,
