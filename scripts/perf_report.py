@@ -168,6 +168,49 @@ GPU_STATE_HEAD = (
 )
 
 
+def compare_rows(before_path, after_path):
+    """MoK (and the baseline, the same code in both: how the GPU's state moved between the two
+    runs) in two records of the same cases, a change's record against the one before it."""
+    with open(before_path) as f:
+        before = {
+            (c["shape"], c["tokens_per_rank"], c["routing"]): c for c in json.load(f)["cases"]
+        }
+    with open(after_path) as f:
+        after = json.load(f)["cases"]
+    gib = 2**30
+    for case in after:
+        old = before.get((case["shape"], case["tokens_per_rank"], case["routing"]))
+        if old is None or "skipped" in case or "skipped" in old:
+            continue
+        for label in ("fwd", "fwd_bwd"):
+            a, b = old[label], case[label]
+            yield (
+                f"| {case['shape']} | {case['tokens_per_rank']} | {case['routing']} "
+                f"| {label.replace('_', '+')} | {_ms(a['mok'])} | {_ms(b['mok'])} "
+                f"| {a['mok']['peak_mem_bytes'] / gib:.2f} | {b['mok']['peak_mem_bytes'] / gib:.2f} "
+                f"| {_ms(a['baseline'])} | {_ms(b['baseline'])} |"
+            )
+
+
+def _ms(t) -> str:
+    return f"{t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f})"
+
+
+def compare_tables(pairs):
+    for before, after in pairs:
+        yield (
+            f"## `{os.path.basename(after)}` against `{os.path.basename(before)}`\n\n"
+            "The same cases in the two records: MoK's median ms (p10-p90) and peak GiB before "
+            "and after the change, and the baseline's median, which ran the same code in both "
+            "(how far the GPU's state moved between the two runs).\n\n"
+            "| shape | tokens/rank | routing | pass | mok ms before | mok ms after "
+            "| mok peak GiB before | mok peak GiB after | baseline ms before | baseline ms after "
+            "|\n|---|---|---|---|---|---|---|---|---|---|"
+        )
+        yield from compare_rows(before, after)
+        yield ""
+
+
 def engine_rows(records):
     """MoK with its default expert GEMMs against MoK under other MoKConfig.expert_gemm settings
     (bench_moe.py --mok-expert-gemm), where a record has them."""
@@ -379,6 +422,14 @@ def main(argv=None) -> None:
     p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
     p.add_argument("--trace", default=None, help="a scripts/megakernel_trace.py JSON")
     p.add_argument(
+        "--compare",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("BEFORE", "AFTER"),
+        help="two bench_moe.py JSONs of the same cases: a change's record against the one before",
+    )
+    p.add_argument(
         "--host",
         nargs="*",
         default=[],
@@ -409,6 +460,8 @@ def main(argv=None) -> None:
         head = ENGINE_HEAD.format(settings=", ".join(f"`{v}`" for v in settings))
         parts += ["", head, *engine, "", "Summary of the ratios:", "",
                   *engine_summary(records)]  # fmt: skip
+    if args.compare:
+        parts += ["", *compare_tables(args.compare)]
     if args.breakdown:
         parts += ["", *breakdown_tables(args.breakdown)]
     if args.trace:

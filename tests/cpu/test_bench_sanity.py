@@ -109,6 +109,38 @@ def test_gpu_state_rows_render_each_case_that_has_one():
     assert row == "| r.json | s | 1 | 64 | skewed | 1590 / 1980 | 687.42 | 53 | n/a |"
 
 
+def test_compare_rows_pair_the_same_cases_of_two_records(tmp_path):
+    """perf_report --compare: one row per pass of each case the two records share (synthetic
+    records), MoK's medians and peaks before and after beside the baseline's; a case only in
+    one record, or skipped, gives no row."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+
+    def timing(ms, peak_gib):
+        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+                "peak_mem_bytes": int(peak_gib * 2**30)}  # fmt: skip
+
+    def case(tokens, mok_ms, peak, base_ms):
+        passes = {"mok": timing(mok_ms, peak), "baseline": timing(base_ms, 2.0)}
+        return {"shape": "s", "tokens_per_rank": tokens, "routing": "uniform",
+                "fwd": passes, "fwd_bwd": passes}  # fmt: skip
+
+    before, after = tmp_path / "a.json", tmp_path / "b.json"
+    before.write_text(json.dumps({"cases": [case(64, 2.0, 1.5, 3.0), case(128, 1.0, 1.0, 1.0)]}))
+    after.write_text(json.dumps({"cases": [case(64, 1.0, 0.5, 3.5), case(256, 1.0, 1.0, 1.0),
+                                           {"shape": "s", "tokens_per_rank": 128,
+                                            "routing": "uniform", "skipped": "why"}]}))  # fmt: skip
+    rows = list(perf_report.compare_rows(before, after))
+    assert rows == [
+        f"| s | 64 | uniform | {p} | 2.000 (1.900-2.100) | 1.000 (0.900-1.100) | 1.50 | 0.50 "
+        "| 3.000 (2.900-3.100) | 3.500 (3.400-3.600) |"
+        for p in ("fwd", "fwd+bwd")
+    ]
+
+
 def test_gpu_state_reads_nvidia_smi_and_falls_back_without_the_reasons_field(tmp_path, monkeypatch):
     """bench_moe's per-case GPU state: nvidia-smi's fields by name; a driver that refuses the
     clock-event field gives the other four; no nvidia-smi gives None."""
