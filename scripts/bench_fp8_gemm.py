@@ -121,7 +121,8 @@ def render(record: dict) -> str:
 
 def render_layer(record: dict) -> str:
     """The layer table of a ``bench_moe.py --mok-fp8`` record: per case and pass, the baseline,
-    MoK (BF16 experts) and MoK with FP8 experts, and the FP8 speedup over MoK."""
+    MoK (BF16 experts) and MoK with FP8 experts, and the FP8 speedup over MoK; in forward +
+    backward also FP8 with FP8 data gradients (``mok_fp8_dgrad``), where the record has it."""
     env = record["environment"]
     lines = [
         f"Record: {env['gpu']}, torch {env['torch']}, commit `{env['commit'][:7]}`, EP "
@@ -139,11 +140,18 @@ def render_layer(record: dict) -> str:
             r = case[label]
             ms = {who: r[who]["median_ms_all_ranks_max"] for who in ("baseline", "mok", "mok_fp8")}
             target = LAYER_TARGETS[label] if case["shape"] == "deepseek-v3" else None
+            target = f"{target:.1f}x" if target else "-"
             lines.append(
                 f"| {case['shape']} | {case['tokens_per_rank']} | {label} | {ms['baseline']:.2f} | "
-                f"{ms['mok']:.2f} | {ms['mok_fp8']:.2f} | {r['fp8_speedup']:.2f}x | "
-                f"{f'{target:.1f}x' if target else '-'} |"
+                f"{ms['mok']:.2f} | {ms['mok_fp8']:.2f} | {r['fp8_speedup']:.2f}x | {target} |"
             )
+            if "mok_fp8_dgrad" in r:
+                dgrad = r["mok_fp8_dgrad"]["median_ms_all_ranks_max"]
+                lines.append(
+                    f"| {case['shape']} | {case['tokens_per_rank']} | {label} (FP8 dgrads) | "
+                    f"{ms['baseline']:.2f} | {ms['mok']:.2f} | {dgrad:.2f} | "
+                    f"{r['fp8_dgrad_speedup']:.2f}x | {target} |"
+                )
     return "\n".join(lines)
 
 

@@ -83,7 +83,9 @@ def parse_args(argv=None):
         "--mok-fp8",
         action="store_true",
         help="also time MoK with MoKConfig.expert_precision='fp8_blockwise' (stage 1; weights "
-        "quantised once, as between optimizer steps), as 'mok_fp8', in the same process",
+        "quantised once, as between optimizer steps), as 'mok_fp8', and in forward + backward "
+        "with its data gradients in FP8 too (fp8_backward='dgrad') as 'mok_fp8_dgrad', in the "
+        "same process",
     )
     p.add_argument(
         "--mok-graph",
@@ -378,6 +380,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_fp8:
             fp8 = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
             contenders.append(("mok_fp8", layer, fp8))
+            if backward:  # the forward is mok_fp8's
+                contenders.append(("mok_fp8_dgrad", layer, {**fp8, "fp8_backward": "dgrad"}))
         for who, module, knobs in contenders:
             with _mok_knobs(module, **knobs):
                 t = measure(module, sets, args, backward)
@@ -391,6 +395,11 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_fp8:  # > 1: the FP8 experts beat MoK's default (BF16) layer
             result["fp8_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
                                      / result["mok_fp8"]["median_ms_all_ranks_max"])  # fmt: skip
+            if backward:
+                result["fp8_dgrad_speedup"] = (
+                    result["mok"]["median_ms_all_ranks_max"]
+                    / result["mok_fp8_dgrad"]["median_ms_all_ranks_max"]
+                )
         if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
             result["stage1_speedup"] = (result["mok_stage1"]["median_ms_all_ranks_max"]
                                         / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
            "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS",
-           "MOK_ROW_ALIGN", "KNOB_USERS", "engine_step_list", "tuned_table_path",
+           "FP8_BACKWARDS", "MOK_ROW_ALIGN", "KNOB_USERS", "engine_step_list", "tuned_table_path",
            "warn_ignored_knobs"]  # fmt: skip
 
 #: A knob left "auto" takes its value from the tuned table of the GPU and EP size the workspace
@@ -54,6 +54,9 @@ EXPERT_GEMMS = ("auto", "torch", "engine")
 #: the Hopper FP8 recipe (ops.fp8_blockwise: E4M3, (1, 128) activation and (128, 128) weight
 #: blocks with float32 scales) for the forward's expert GEMMs.
 EXPERT_PRECISIONS = ("bf16", "fp8_blockwise")
+#: What of the backward runs in blockwise FP8 under expert_precision="fp8_blockwise"
+#: (MoKConfig.fp8_backward): nothing ("bf16"), or the two data-gradient GEMMs ("dgrad").
+FP8_BACKWARDS = ("bf16", "dgrad")
 #: Device waits give up after this long unless MoKConfig.wait_timeout_ms says otherwise.
 DEFAULT_WAIT_TIMEOUT_MS = 10_000
 #: Every backward schedule the design names (flags accept these; MoKConfig says which run).
@@ -69,6 +72,7 @@ KNOB_USERS = {
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
     "expert_precision": ("reference", "cuda/stage1"),  # the megakernel refuses fp8_blockwise
+    "fp8_backward": ("reference", "cuda/stage1"),
     "wait_timeout_ms": ("reference", "cuda/stage1", "cuda/megakernel"),
 }
 
@@ -124,9 +128,18 @@ class MoKConfig:
         "bf16",
         "The routed experts' forward GEMMs: 'bf16', or 'fp8_blockwise' (the Hopper FP8 recipe of "
         "Megatron's --fp8-recipe blockwise: E4M3 with (1, 128) activation and (128, 128) weight "
-        "blocks, float32 scales; weights quantised once per weight update). The backward stays "
-        "BF16 (docs/FP8.md). fp8_blockwise runs on the reference backend and the CUDA backend's "
-        "stage 1 (the megakernel has no FP8 mainloop yet).",
+        "blocks, float32 scales; weights quantised once per weight update). The backward is "
+        "BF16 unless fp8_backward says otherwise (docs/FP8.md). fp8_blockwise runs on the "
+        "reference backend and the CUDA backend's stage 1 (the megakernel has no FP8 mainloop "
+        "yet).",
+    )
+    fp8_backward: str = _knob(
+        "bf16",
+        "With expert_precision='fp8_blockwise', what of the backward runs in FP8: 'bf16' "
+        "(nothing: the gradient of the BF16 layer at the FP8 forward's activations) or 'dgrad' "
+        "(the two data-gradient GEMMs: the weighted output rows and the gate/up gradients "
+        "quantised in (1, 128) blocks, the weights' FP8 copies transposed; the weight gradients "
+        "stay BF16). Any value but 'bf16' needs fp8_blockwise.",
     )
     wait_timeout_ms: int = _knob(
         DEFAULT_WAIT_TIMEOUT_MS,
@@ -184,6 +197,17 @@ class MoKConfig:
             raise ValueError(
                 f"MoKConfig.expert_precision={self.expert_precision!r} must be one of "
                 f"{EXPERT_PRECISIONS}; 'bf16' is the default"
+            )
+        if self.fp8_backward not in FP8_BACKWARDS:
+            raise ValueError(
+                f"MoKConfig.fp8_backward={self.fp8_backward!r} must be one of {FP8_BACKWARDS}; "
+                "'bf16' is the default"
+            )
+        if self.fp8_backward != "bf16" and self.expert_precision != "fp8_blockwise":
+            raise ValueError(
+                f"MoKConfig.fp8_backward={self.fp8_backward!r} needs "
+                f"expert_precision='fp8_blockwise' (it is {self.expert_precision!r}): the FP8 "
+                "backward reads the FP8 forward's weight copies; set both, or fp8_backward='bf16'"
             )
         if self.expert_precision != "bf16" and self.cuda_forward == "megakernel":
             raise ValueError(

@@ -18,10 +18,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["attach_fp8_weight", "attach_mxfp8_source", "check_fp8_sizes", "fp8_weight",
-           "invalidate_fp8_weight_cache"]  # fmt: skip
+           "fp8_weight_transposed", "invalidate_fp8_weight_cache"]  # fmt: skip
 
 _CACHE_ATTR = "_mok_fp8_blocks"
 _SOURCE_ATTR = "_mok_mxfp8_source"  # on a dense copy: the MXFP8 weight it was dequantised from
+_TRANSPOSED_ATTR = "_mok_fp8_blocks_t"  # (the FP8 copy it was made from, its transpose)
 _epoch = 0  # bumped by every optimizer step and by invalidate_fp8_weight_cache()
 
 
@@ -63,6 +64,26 @@ def fp8_weight(w: torch.Tensor):
     if source is not None:
         return _requantized(source)
     return _kept(w, _key(w), lambda: fp8_gemm_weight(w.detach()))
+
+
+def fp8_weight_transposed(w: torch.Tensor):
+    """``w: [G, N, K]``'s FP8 copy transposed, ``[G, K, N]`` (the data gradients' B operand),
+    kept beside it and made again with it. A (128, 128) block quantises the same values
+    transposed or not, so this is exactly the quantisation of ``w``'s transpose: data and
+    scales transposed, no new rounding."""
+    from mok_megatron.ops.fp8_blockwise import FP8BlockTensor
+
+    q = fp8_weight(w)
+    holder = getattr(w, _SOURCE_ATTR, None)
+    holder = w if holder is None else holder.data
+    cached = getattr(holder, _TRANSPOSED_ATTR, None)
+    if cached is not None and cached[0] is q:
+        return cached[1]
+    with torch.no_grad():
+        t = FP8BlockTensor(q.data.transpose(1, 2).contiguous(),
+                           q.scales.transpose(1, 2).contiguous(), tuple(q.block))  # fmt: skip
+    setattr(holder, _TRANSPOSED_ATTR, (q, t))
+    return t
 
 
 def _requantized(mx):

@@ -33,7 +33,9 @@ class ReferenceContext:
     x_rows: [C, H], g_rows / u_rows: [C, I], y_rows: [C, H] (unweighted expert outputs),
     w_rows: [C] router weight of each row; shared_g / shared_u: [T, I_s] or None. With
     expert_precision="fp8_blockwise", g / u / y are the FP8 forward's and x_rows stays
-    unquantised: the backward is the BF16 one at the FP8 forward's activations.
+    unquantised: the backward is the BF16 one at the FP8 forward's activations, except that with
+    fp8_backward="dgrad" its two data-gradient products are the CUDA path's FP8 ones
+    (``_fp8_dgrad_rows``).
     """
 
     x_rows: torch.Tensor
@@ -113,11 +115,16 @@ class ReferenceBackend:
         dy = d_rows * ctx.w_rows[:, None]
         silu_g = F.silu(ctx.g_rows)
         a = silu_g * ctx.u_rows
-        da = _grouped_linear(dy, wd.transpose(1, 2), sched.row_expert)
+        fp8_dgrad = ws.config.fp8_backward == "dgrad"
+        # the data gradients' operands: as they are, or (fp8_dgrad) through FP8 as on CUDA
+        dgrad_w = _fp8_weights(routed, cdt) if fp8_dgrad else (wg, wu, wd)
+        dy_in = _fp8_dgrad_rows(dy, cdt) if fp8_dgrad else dy
+        da = _grouped_linear(dy_in, dgrad_w[2].transpose(1, 2), sched.row_expert)
         d_wd = _grouped_wgrad(dy, a, sched.row_expert, ws.num_local_experts)
         dg, du = _swiglu_backward(da, ctx.g_rows, ctx.u_rows)
-        dx_rows = _grouped_linear(dg, wg.transpose(1, 2), sched.row_expert)
-        dx_rows = dx_rows + _grouped_linear(du, wu.transpose(1, 2), sched.row_expert)
+        dg_in, du_in = _fp8_dgrad_gate_up(dg, du, cdt) if fp8_dgrad else (dg, du)
+        dx_rows = _grouped_linear(dg_in, dgrad_w[0].transpose(1, 2), sched.row_expert)
+        dx_rows = dx_rows + _grouped_linear(du_in, dgrad_w[1].transpose(1, 2), sched.row_expert)
         d_wg = _grouped_wgrad(dg, ctx.x_rows, sched.row_expert, ws.num_local_experts)
         d_wu = _grouped_wgrad(du, ctx.x_rows, sched.row_expert, ws.num_local_experts)
         d_x = _push_and_sum(dx_rows, sched, ws, "backward: combine")[: sched.num_tokens]
@@ -202,6 +209,23 @@ def _fp8_weight(w: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     if w.dtype == torch.float64:
         return _fp8_round_trip(w, (BLOCK, BLOCK), cdt)
     return fp8_blockwise_dequantize_exact(fp8_weight(w)).to(cdt)
+
+
+def _fp8_dgrad_rows(rows: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """A data-gradient GEMM's rows as the CUDA path feeds them (``cuda.fp8.dgrad``): rounded to
+    bf16 (the tensor it quantises), then through FP8 in (1, 128) blocks."""
+    from mok_megatron.ops.fp8_blockwise import BLOCK
+
+    return _fp8_round_trip(rows.to(torch.bfloat16), (1, BLOCK), cdt)
+
+
+def _fp8_dgrad_gate_up(dg: torch.Tensor, du: torch.Tensor, cdt: torch.dtype):
+    """(d_g, d_u) [C, I] as the CUDA L1 dgrad reads them: d_h [C, 2I] interleaved (gate and up
+    columns in blocks of 8), bf16, through FP8 in (1, 128) blocks along 2I, split again."""
+    from mok_megatron.ops.grouped_gemm import deinterleave_gate_up, interleave_gate_up
+
+    d_h = interleave_gate_up(dg.T, du.T).T  # the weights' row interleave, on columns
+    return deinterleave_gate_up(_fp8_dgrad_rows(d_h, cdt), dim=-1)
 
 
 def _fp8_round_trip(t: torch.Tensor, block: tuple[int, int], cdt: torch.dtype) -> torch.Tensor:

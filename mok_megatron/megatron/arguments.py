@@ -164,6 +164,10 @@ def _known_choices(name: str) -> tuple | None:
         from mok_megatron.functional.config import EXPERT_PRECISIONS
 
         return EXPERT_PRECISIONS
+    if name == "fp8_backward":
+        from mok_megatron.functional.config import FP8_BACKWARDS
+
+        return FP8_BACKWARDS
     return None
 
 

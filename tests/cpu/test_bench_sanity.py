@@ -141,6 +141,31 @@ def test_compare_rows_pair_the_same_cases_of_two_records(tmp_path):
     ]
 
 
+def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
+    """bench_fp8_gemm's layer table from a synthetic ``bench_moe.py --mok-fp8`` record: one row
+    per pass, and a "(FP8 dgrads)" row for the forward + backward's ``mok_fp8_dgrad``."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import bench_fp8_gemm
+    finally:
+        sys.path.pop(0)
+
+    def ms(value):
+        return {"median_ms_all_ranks_max": value}
+
+    fwd = {"baseline": ms(4.0), "mok": ms(2.0), "mok_fp8": ms(1.0), "fp8_speedup": 2.0}
+    bwd = {**fwd, "mok_fp8_dgrad": ms(0.5), "fp8_dgrad_speedup": 4.0}
+    record = {"environment": {"gpu": "G", "torch": "t", "commit": "abcdef0123", "world_size": 1},
+              "cases": [{"shape": "deepseek-v3", "tokens_per_rank": 64, "fwd": fwd,
+                         "fwd_bwd": bwd}]}  # fmt: skip
+    rows = bench_fp8_gemm.render_layer(record).splitlines()[4:]
+    assert rows == [
+        "| deepseek-v3 | 64 | fwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.5x |",
+        "| deepseek-v3 | 64 | fwd_bwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.3x |",
+        "| deepseek-v3 | 64 | fwd_bwd (FP8 dgrads) | 4.00 | 2.00 | 0.50 | 4.00x | 1.3x |",
+    ]
+
+
 def test_gpu_state_reads_nvidia_smi_and_falls_back_without_the_reasons_field(tmp_path, monkeypatch):
     """bench_moe's per-case GPU state: nvidia-smi's fields by name; a driver that refuses the
     clock-event field gives the other four; no nvidia-smi gives None."""

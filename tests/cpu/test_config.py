@@ -16,7 +16,8 @@ def test_every_knob_is_documented_and_defaults_validate():
     names = [f.name for f in dataclasses.fields(MoKConfig)]
     assert names == ["fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
                      "schedule_capacity_multiplier", "cuda_forward", "expert_gemm",
-                     "expert_precision", "wait_timeout_ms", "bwd_schedule"]  # fmt: skip
+                     "expert_precision", "fp8_backward", "wait_timeout_ms",
+                     "bwd_schedule"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -38,6 +39,7 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"expert_gemm": "fast"}, ["expert_gemm='fast'", "'auto'", "'l1'", "joined by"]),
         ({"expert_gemm": "l1,fp8"}, ["expert_gemm='l1,fp8'", "'wgrad'"]),
         ({"expert_precision": "fp8"}, ["expert_precision='fp8'", "'fp8_blockwise'", "'bf16'"]),
+        ({"fp8_backward": "dgrad"}, ["fp8_backward='dgrad'", "expert_precision='fp8_blockwise'"]),
         (
             {"expert_precision": "fp8_blockwise", "cuda_forward": "megakernel"},
             ["no FP8 mainloop", "cuda_forward='stage1'"],

@@ -177,6 +177,72 @@ def test_fp8_backward_is_bf16_backward_at_the_fp8_activations(fused):
             assert relative_error(getattr(got, name), want[name]) < 1e-12, name
 
 
+def fp8_dgrad_oracle(problem, d_out):
+    """(d_x, d_w_gate, d_w_up) in float64, expert by expert over the slots routed to it, for
+    fp8_backward="dgrad": the data-gradient GEMMs read their rows rounded to bf16 and quantised
+    in (1, 128) blocks (d_h in the interleaved [n, 2I] layout, as the CUDA L1 dgrad reads it)
+    and the weights' (128, 128) FP8 values; SwiGLU's backward the FP8 forward's g and u; the
+    weight gradients the unquantised rows (they stay BF16)."""
+    x, wg, wu, wd = (getattr(problem, n).double() for n in ("x", "w_gate", "w_up", "w_down"))
+    topk, rw = problem.topk_experts, problem.router_weights.double()
+    qg, qu, qd = _fp8_weights(wg, wu, wd)
+    xq = _fp8(x, (1, 128))
+    gate, up = _gate_up_rows(wg.shape[1])
+    d_x, d_wg, d_wu = torch.zeros_like(x), torch.zeros_like(wg), torch.zeros_like(wu)
+    for e in range(wg.shape[0]):
+        tokens, slots = (topk == e).nonzero(as_tuple=True)
+        g8, u8 = xq[tokens] @ qg[e].T, xq[tokens] @ qu[e].T
+        dy = rw[tokens, slots, None] * d_out[tokens].double()
+        da = _fp8(dy.bfloat16(), (1, 128)) @ qd[e]
+        sig = torch.sigmoid(g8)
+        dg, du = da * u8 * sig * (1 + g8 * (1 - sig)), da * g8 * sig
+        d_h = torch.empty(len(tokens), 2 * wg.shape[1], dtype=torch.float64)
+        d_h[:, gate], d_h[:, up] = dg, du
+        d_hq = _fp8(d_h.bfloat16(), (1, 128))
+        d_x = d_x.index_add(0, tokens, d_hq[:, gate] @ qg[e] + d_hq[:, up] @ qu[e])
+        d_wg[e], d_wu[e] = dg.T @ x[tokens], du.T @ x[tokens]
+    return d_x, d_wg, d_wu
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_dgrad_matches_the_float64_oracle(fused):
+    # float64 backend against fp8_dgrad_oracle: the same roundings (bf16, then e4m3 in the same
+    # blocks) of values that differ by summation order only (~1e-16 relative, so a rounding
+    # lands on the other side with probability ~1e-13 per element), then linear: 1e-12. The
+    # other gradients are fp8_backward="bf16"'s, bit for bit.
+    problem = _problem()
+    d_out = torch.randn(problem.x.shape, dtype=torch.float64)
+    dgrad = dataclasses.replace(FP8, fp8_backward="dgrad")
+    _, got = _run(problem, dgrad, torch.float64, fused, d_out)
+    _, bf16_bwd = _run(problem, FP8, torch.float64, fused, d_out)
+    want_dx, want_wg, want_wu = fp8_dgrad_oracle(problem, d_out)
+    got_wg, got_wu = got.d_w_routed_gate, got.d_w_routed_up
+    if fused:
+        from mok_megatron.ops.grouped_gemm import deinterleave_gate_up
+
+        got_wg, got_wu = deinterleave_gate_up(got_wg, dim=-2)
+    assert relative_error(got.d_x, want_dx) < 1e-12
+    assert relative_error(got_wg, want_wg) < 1e-12
+    assert relative_error(got_wu, want_wu) < 1e-12
+    # Against the BF16 backward: each data-gradient GEMM now rounds two operands to e4m3 (~0.0265
+    # relative RMS each, test_fp8_differs_from_bf16_by_the_e4m3_rounding), and d_x takes both
+    # GEMMs' (d_h carries da's): ~sqrt(4) * 0.0265 ~ 0.053 (measured 0.050-0.051). Bounds:
+    # above 0.03 (the operands were quantised), below 0.1.
+    assert 0.03 < relative_error(got.d_x, bf16_bwd.d_x) < 0.1
+    for name in ("d_router_weights", "d_w_routed_down"):
+        assert torch.equal(getattr(got, name), getattr(bf16_bwd, name)), name
+
+
+def test_fp8_backward_values_are_checked():
+    with pytest.raises(ValueError, match="fp8_backward='wgrad' must be one of"):
+        F.MoKConfig(expert_precision="fp8_blockwise", fp8_backward="wgrad")
+    with pytest.raises(ValueError, match="needs expert_precision='fp8_blockwise'"):
+        F.MoKConfig(fp8_backward="dgrad")
+    assert F.MoKConfig(expert_precision="fp8_blockwise", fp8_backward="dgrad").fp8_backward == (
+        "dgrad"
+    )
+
+
 def test_fp8_backward_in_bf16_runs_and_is_finite():
     problem = _problem(dtype=torch.bfloat16)
     d_out = torch.randn(problem.x.shape, dtype=torch.bfloat16)

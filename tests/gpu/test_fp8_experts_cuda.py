@@ -1,5 +1,6 @@
-"""MoKConfig.expert_precision="fp8_blockwise" on the CUDA backend (stage 1, EP 1): forward and
-every gradient against the reference backend's FP8 emulation and near the BF16 path; bitwise run
+"""MoKConfig.expert_precision="fp8_blockwise" on the CUDA backend (stage 1, EP 1), with the
+backward in BF16 and with its data gradients in FP8 (fp8_backward="dgrad"): forward and every
+gradient against the reference backend's FP8 emulation and near the BF16 path; bitwise run
 to run; no host sync; the FP8 weight copies follow weight updates (in place, optimizer steps,
 explicit invalidation). The CUDA passes checked against the reference and run to run allocate
 their outputs from poisoned memory (``testing.poison.poisoned_memory``: every size class), so an
@@ -25,6 +26,7 @@ pytestmark = [
 ]
 
 FP8 = F.MoKConfig(expert_precision="fp8_blockwise", wait_timeout_ms=60_000)
+FP8_DGRAD = dataclasses.replace(FP8, fp8_backward="dgrad")  # the data gradients in FP8 too
 BF16 = dataclasses.replace(FP8, expert_precision="bf16")
 # Scaled-down benchmark shapes with H and I multiples of 128: (hidden, inter, experts, topk,
 # shared_inter).
@@ -103,8 +105,30 @@ def test_fp8_matches_the_reference_emulation_and_stays_near_bf16(shape):
     assert not torch.equal(got["out"], bf16["out"]), "expert_precision changed nothing"
 
 
-def test_fp8_bitwise_run_to_run_and_no_host_sync():
-    layer = Pass(problem_of("deepseek-v3", seed=3), FP8, "cuda", "cuda")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_dgrad_matches_the_reference_emulation_and_stays_near_bf16(shape):
+    """fp8_backward="dgrad": the two data-gradient GEMMs in FP8 (cuda.fp8.dgrad), against the
+    reference's emulation of them (tests/cpu/test_reference_fp8.py checks it against a float64
+    oracle) and near the BF16 layer; the data gradients differ from the BF16 backward's, what
+    does not depend on them (d_router_weights, d_w_routed_down) does not."""
+    problem = problem_of(shape)
+    got = run(problem, FP8_DGRAD, "cuda", "cuda", poison=True)
+    want = run(problem, FP8_DGRAD, "reference", "cuda")
+    bf16 = run(problem, BF16, "cuda", "cuda")
+    bf16_bwd = run(problem, FP8, "cuda", "cuda")
+    for name in NAMES:
+        err = relative_error(got[name].float(), want[name].float())
+        assert err < FP8_VS_REFERENCE, f"{shape} {name}: {err:.2e} from the reference's FP8"
+        drift = relative_error(got[name].float(), bf16[name].float())
+        assert drift < FP8_VS_BF16, f"{shape} {name}: {drift:.2e} from BF16"
+    assert not torch.equal(got["d_x"], bf16_bwd["d_x"]), "fp8_backward changed nothing"
+    for name in ("out", "d_router_weights", "d_w_routed_down"):
+        assert torch.equal(got[name], bf16_bwd[name]), name
+
+
+@pytest.mark.parametrize("config", [FP8, FP8_DGRAD], ids=["bf16_backward", "fp8_dgrad"])
+def test_fp8_bitwise_run_to_run_and_no_host_sync(config):
+    layer = Pass(problem_of("deepseek-v3", seed=3), config, "cuda", "cuda")
     layer()  # warm-up (lazy initialisation may sync)
     first = layer(poison=True)
     torch.cuda.synchronize()

@@ -61,16 +61,19 @@ class Experts:
     form, on the engine when its "wgrad" step is (AUTO_ACCUMULATE_STEPS), else by torch.
 
     ``precision`` (MoKConfig.expert_precision): "fp8_blockwise" runs the forward's L1 and L2 in
-    blockwise FP8 (``fp8.forward``; fused form only); the backward's GEMMs stay as above.
+    blockwise FP8 (``fp8.forward``; fused form only); the backward's GEMMs stay as above, unless
+    ``fp8_backward`` (MoKConfig.fp8_backward) is "dgrad": then the data gradients (``mm_nn``)
+    are FP8 GEMMs (``fp8.dgrad``), and the L2 dgrad is not fused with the SwiGLU backward.
     """
 
     def __init__(self, routed, expert_gemm: str, device: torch.device, accumulate: bool = False,
-                 precision: str = "bf16"):  # fmt: skip
+                 precision: str = "bf16", fp8_backward: str = "bf16"):  # fmt: skip
         from . import fp8
 
         self.routed = routed
         self.fused = isinstance(routed, FusedExpertWeights)
         self.fp8 = precision == "fp8_blockwise"
+        self.fp8_dgrad = self.fp8 and fp8_backward == "dgrad"
         if self.fp8:
             fp8.check_fp8_experts(routed, device)
         steps = engine_steps(expert_gemm, device, accumulate) if self.fused or accumulate else ()
@@ -132,7 +135,7 @@ class Experts:
         """dy = w * d_rows [M, H] → the pre-activation gradients (d_g, d_u) or (d_h,)."""
         from mok_megatron.ops import grouped_gemm as gg
 
-        if "dswiglu" in self.engine:  # the L2 dgrad with the SwiGLU backward in its epilogue
+        if "dswiglu" in self.engine and not self.fp8_dgrad:  # the L2 dgrad + SwiGLU backward
             return (gg.grouped_gemm_dswiglu(dy, self.routed.down, act.h, offs)[0],)
         return self.pre_grads_from_da(self.mm_nn(dy, self.routed.down, offs), act)
 
@@ -156,6 +159,11 @@ class Experts:
     def mm_nn(self, a, b, offs):
         """a [M, K], b [G, K, N] → a_g @ b[g] [M, N] (the dgrads)."""
         from mok_megatron.ops import grouped_gemm as gg
+
+        if self.fp8_dgrad:
+            from . import fp8
+
+            return fp8.dgrad(a, b, offs)
 
         if "dgrad" in self.engine:
             return gg.grouped_gemm_nn(a, b, offs)

@@ -3,8 +3,10 @@
 
 The forward's two expert GEMMs run in FP8 (ops.grouped_gemm_fp8): the rows are quantised in
 (1, 128) blocks, L1 + SwiGLU writes act (bf16, kept for the backward) and act in (1, 128) FP8 for
-the L2. The backward stays BF16 (stage1.backward on the BF16 weights and the FP8 forward's act
-and h): the gradient of the BF16 layer at the FP8 forward's activations.
+the L2. The backward is BF16 (stage1.backward on the BF16 weights and the FP8 forward's act
+and h: the gradient of the BF16 layer at the FP8 forward's activations), except, with
+MoKConfig.fp8_backward="dgrad", its two data-gradient GEMMs (``dgrad``): the rows quantised in
+(1, 128) blocks, times the weights' FP8 copies transposed.
 
 Weights: the FP8 copies of ``functional.fp8_weights`` (made once per weight update).
 """
@@ -13,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8_weights import check_fp8_sizes, fp8_weight
+from ..fp8_weights import check_fp8_sizes, fp8_weight, fp8_weight_transposed
 from ..types import FusedExpertWeights
 from .experts import not_hopper
 
-__all__ = ["check_fp8_experts", "forward"]
+__all__ = ["check_fp8_experts", "forward", "dgrad"]
 
 
 def check_fp8_experts(routed, device: torch.device) -> None:
@@ -52,3 +54,14 @@ def forward(routed, x_rows: torch.Tensor, offs: torch.Tensor, *, save_pre: bool,
                                        save_h=save_pre)  # fmt: skip
     y = gf.grouped_gemm_fp8_nt(l1.act_q, fp8_weight(routed.down), offs) if with_down else None
     return l1.act, y, l1.h
+
+
+def dgrad(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] bf16, weight [G, K, N] (dense; its FP8 copy is read) -> bf16 [M, N], group
+    g's rows times ``dequant(weight[g])`` (a data gradient): the rows quantised in (1, 128)
+    blocks, the weight's (128, 128) FP8 copy transposed (``fp8_weight_transposed``)."""
+    from mok_megatron.ops import fp8_blockwise as fb
+    from mok_megatron.ops import grouped_gemm_fp8 as gf
+
+    rows_q = fb.fp8_blockwise_quantize(rows.contiguous(), (1, fb.BLOCK))
+    return gf.grouped_gemm_fp8_nt(rows_q, fp8_weight_transposed(weight), offs)

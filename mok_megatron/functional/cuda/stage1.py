@@ -208,7 +208,8 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
     if consume:  # then nothing else holds the activations
         ctx.saved = ctx.x_recv = None
     experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None,
-                      precision=ws.config.expert_precision)  # fmt: skip
+                      precision=ws.config.expert_precision,
+                      fp8_backward=ws.config.fp8_backward)  # fmt: skip
     acc_w = _accumulator_slots(wgrad_acc)  # the caller's buffers in d_w's slots, or None
     window = rounds.window(0)
     offs = window_offs(plan, window)
@@ -294,7 +295,8 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
     experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None,
-                      precision=ws.config.expert_precision)  # fmt: skip
+                      precision=ws.config.expert_precision,
+                      fp8_backward=ws.config.fp8_backward)  # fmt: skip
     d_w = [None, None, None]  # gate (or fused gate_up), up, down
     acc_w = _accumulator_slots(wgrad_acc)  # the caller's buffers in the same slots, or None
     acc = round_accumulator(rounds, d_recv)
