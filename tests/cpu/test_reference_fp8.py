@@ -361,3 +361,24 @@ def test_fp8_forward_runs_mxfp8_weights_requantised_once_per_update(monkeypatch)
     assert torch.equal(forward(requantised), first)
     invalidate_fp8_weight_cache()
     assert torch.equal(forward(mx), first) and len(calls) == 4
+
+
+def test_the_transposed_fp8_weight_is_the_transpose_quantised_and_follows_updates():
+    """fp8_weight_transposed: bit for bit the (128, 128) quantisation of the transposed weight
+    (a block holds the same values either way); kept while the weight is unchanged, made again
+    after an in-place update."""
+    from mok_megatron.functional.fp8_weights import fp8_weight_transposed
+    from mok_megatron.ops.grouped_gemm_fp8 import fp8_gemm_weight
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(3, 256, 384, generator=gen).bfloat16()
+    w[1, :128, 128:256] *= 64  # blocks of very different scales
+    got = fp8_weight_transposed(w)
+    want = fp8_gemm_weight(w.transpose(1, 2).contiguous())
+    assert got.data.shape == (3, 384, 256) and tuple(got.block) == (128, 128)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scales, want.scales)
+    assert fp8_weight_transposed(w) is got  # kept
+    w.mul_(2)  # the version counter moves: both copies are made again
+    again = fp8_weight_transposed(w)
+    assert again is not got and torch.equal(again.scales, 2 * got.scales)
