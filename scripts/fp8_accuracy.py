@@ -5,8 +5,9 @@ of tests/gpu/test_fp8_experts_cuda.py, whose bounds these figures sit under) and
 with fewer tokens.
 
 For each shape, against the dense float64 layer (unquantised, ``testing.run_oracle``): MoK with
-BF16 experts, MoK with FP8 experts; and FP8 against BF16 and against the reference backend's
-FP8 emulation (float32) on the same inputs.
+BF16 experts, MoK with FP8 experts, and FP8 with its data gradients in FP8 too
+(``fp8_backward="dgrad"``); and FP8 against BF16 and each FP8 run against the reference
+backend's emulation of it (float32) on the same inputs.
 
     python scripts/fp8_accuracy.py --out $OUT/fp8_accuracy.json
     python scripts/fp8_accuracy.py --render docs/results/fp8_accuracy_<gpu>_<commit>.json \\
@@ -37,7 +38,8 @@ SHAPES = [
     ("mixtral-8x7b", 4096, 14336, 8, 2, 0, 256),
 ]
 TABLE_BEGIN, TABLE_END = "<!-- fp8_accuracy table begin -->", "<!-- fp8_accuracy table end -->"
-COMPARISONS = ("bf16_vs_float64", "fp8_vs_float64", "fp8_vs_bf16", "fp8_vs_reference")
+COMPARISONS = ("bf16_vs_float64", "fp8_vs_float64", "fp8_vs_bf16", "fp8_vs_reference",
+               "fp8_dgrad_vs_float64", "fp8_dgrad_vs_bf16", "fp8_dgrad_vs_reference")  # fmt: skip
 
 
 def layer_run(problem, config, backend: str, d_out) -> dict:
@@ -73,6 +75,7 @@ def measure(shapes, record: dict, out: str) -> list[dict]:
 
     fp8 = F.MoKConfig(expert_precision="fp8_blockwise", wait_timeout_ms=60_000)
     bf16 = dataclasses.replace(fp8, expert_precision="bf16")
+    fp8_dgrad = dataclasses.replace(fp8, fp8_backward="dgrad")
     rows = record["rows"]
     for name, hidden, inter, experts, topk, shared, tokens in shapes:
         problem = random_moe_problem([tokens], hidden, inter, experts, topk,
@@ -84,9 +87,15 @@ def measure(shapes, record: dict, out: str) -> list[dict]:
             "bf16": layer_run(problem, bf16, "cuda", d_out),
             "fp8": layer_run(problem, fp8, "cuda", d_out),
             "reference": layer_run(problem, fp8, "reference", d_out),
+            "fp8_dgrad": layer_run(problem, fp8_dgrad, "cuda", d_out),
+            "reference_dgrad": layer_run(problem, fp8_dgrad, "reference", d_out),
         }
         pairs = {"bf16_vs_float64": ("bf16", None), "fp8_vs_float64": ("fp8", None),
-                 "fp8_vs_bf16": ("fp8", "bf16"), "fp8_vs_reference": ("fp8", "reference")}  # fmt: skip
+                 "fp8_vs_bf16": ("fp8", "bf16"), "fp8_vs_reference": ("fp8", "reference"),
+                 "fp8_dgrad_vs_float64": ("fp8_dgrad", None),
+                 "fp8_dgrad_vs_bf16": ("fp8_dgrad", "bf16"),
+                 "fp8_dgrad_vs_reference": ("fp8_dgrad", "reference_dgrad")}  # fmt: skip
+        assert tuple(pairs) == COMPARISONS
         for comparison, (a, b) in pairs.items():
             errors = {n: relative_error(runs[a][n], oracle[n] if b is None else runs[b][n])
                       for n in NAMES}  # fmt: skip
