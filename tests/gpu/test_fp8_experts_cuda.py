@@ -127,6 +127,22 @@ def test_fp8_dgrad_matches_the_reference_emulation_and_stays_near_bf16(shape):
 
 
 @pytest.mark.parametrize("config", [FP8, FP8_DGRAD], ids=["bf16_backward", "fp8_dgrad"])
+def test_fp8_in_macrobatch_rounds_matches_the_reference_emulation(config):
+    """More routed rows than macrobatch_size: the backward recomputes each round, y included
+    (the FP8 router-weight gradient is <d_rows, y> of the FP8 GEMM's y), against the reference's
+    FP8 emulation as in one round."""
+    problem = problem_of("qwen3-30b-a3b", seed=4)  # 200 tokens x top-8: 1664 rows at least
+    rounds = dataclasses.replace(config, macrobatch_size=512)
+    layer = Pass(problem, rounds, "cuda", "cuda")
+    assert layer.ws.row_capacity > 512  # more than one round
+    got = layer(poison=True)
+    want = run(problem, rounds, "reference", "cuda")
+    for name in NAMES:
+        err = relative_error(got[name].float(), want[name].float())
+        assert err < FP8_VS_REFERENCE, f"rounds {name}: {err:.2e} from the reference's FP8"
+
+
+@pytest.mark.parametrize("config", [FP8, FP8_DGRAD], ids=["bf16_backward", "fp8_dgrad"])
 def test_fp8_bitwise_run_to_run_and_no_host_sync(config):
     layer = Pass(problem_of("deepseek-v3", seed=3), config, "cuda", "cuda")
     layer()  # warm-up (lazy initialisation may sync)

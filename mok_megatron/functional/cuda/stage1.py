@@ -282,8 +282,9 @@ def _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, slot):
 def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
                      wgrad_acc):  # fmt: skip
     """More rounds than one: each recomputes gate/up and SwiGLU from the received tokens (not y:
-    <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down)); the weight gradients
-    add up round after round."""
+    <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down); FP8 experts recompute
+    y as well, whose router-weight gradient is <d_rows, y>); the weight gradients add up round
+    after round."""
     from mok_megatron.ops import moe as mops
 
     from ..types import MoKGradients
@@ -306,13 +307,22 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         row_tok, w_rows = rounds.row_tok[window], rounds.w_rows[window]
         d_rows = mops.moe_gather_rows(d_recv, row_tok)
         x_rows = mops.moe_gather_rows(ctx.x_recv, row_tok)
-        act = experts.forward(x_rows, offs, save_pre=True, with_down=False)
-        d_row_w[window], da = mops.moe_row_grad(
-            experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
-        )
-        d_pre = experts.pre_grads_from_da(da, act)
-        del da
-        wgrad_down = (d_rows, weighted_rows(act.a, w_rows, row_tok))
+        # FP8 recomputes y too: its router-weight gradient is <d_rows, y> of the FP8 GEMM's y
+        # (Experts.backward_reads_y); the bf16 W_down's <d_rows @ W_down, a> is not
+        act = experts.forward(x_rows, offs, save_pre=True, with_down=experts.fp8)
+        if act.y is not None:
+            d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
+            act.y = None
+            d_pre = experts.pre_grads_from_dy(dy, act, offs)
+            wgrad_down = (dy, act.a)
+            del dy
+        else:
+            d_row_w[window], da = mops.moe_row_grad(
+                experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
+            )
+            d_pre = experts.pre_grads_from_da(da, act)
+            del da
+            wgrad_down = (d_rows, weighted_rows(act.a, w_rows, row_tok))
         dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
         # weight gradients one at a time (each part is weight-sized)
         parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
