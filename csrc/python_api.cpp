@@ -57,8 +57,7 @@ TORCH_LIBRARY(mok, m) {
       "moe_mega_forward(Tensor x, Tensor topk, Tensor router_weights, Tensor w_gate_up, "
       "Tensor w_down, Tensor? shared_out, Tensor[] plan, int[] comm, int num_experts, "
       "int row_capacity, int token_capacity, int minibatch, int macrobatch, int num_comm_sms, "
-      "int num_sms, bool save, bool keep_y, bool keep_x_rows, int stall_minibatch, "
-      "bool trace=False) -> Tensor[]");
+      "int num_sms, bool save, bool keep_y, int stall_minibatch, bool trace=False) -> Tensor[]");
   m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
   m.def("routing_to_topk(Tensor probs, Tensor routing_map, int topk) -> (Tensor, Tensor)");
   m.def(

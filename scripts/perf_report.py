@@ -170,25 +170,38 @@ GPU_STATE_HEAD = (
 
 def compare_rows(before_path, after_path):
     """MoK (and the baseline, the same code in both: how the GPU's state moved between the two
-    runs) in two records of the same cases, a change's record against the one before it."""
+    runs) in two records of the same cases, a change's record against the one before it. Cases
+    pair by shape, EP, tokens, routing and MoK backend; passes one record lacks are left out;
+    records of different kinds (one --main-grad, one not) are refused."""
     with open(before_path) as f:
-        before = {
-            (c["shape"], c["tokens_per_rank"], c["routing"]): c for c in json.load(f)["cases"]
-        }
+        before_record = json.load(f)
     with open(after_path) as f:
-        after = json.load(f)["cases"]
+        after_record = json.load(f)
+    if main_grad_tag(before_record) != main_grad_tag(after_record):
+        raise SystemExit(
+            f"--compare {before_path} {after_path}: one is a --main-grad record and the other "
+            "is not; their forward + backward times are not comparable"
+        )
+
+    def key(c):
+        return (c["shape"], c.get("ep"), c["tokens_per_rank"], c["routing"], c.get("mok_backend"))
+
+    before = {key(c): c for c in before_record["cases"]}
     gib = 2**30
-    for case in after:
-        old = before.get((case["shape"], case["tokens_per_rank"], case["routing"]))
+    for case in after_record["cases"]:
+        old = before.get(key(case))
         if old is None or "skipped" in case or "skipped" in old:
             continue
         for label in ("fwd", "fwd_bwd"):
+            if label not in case or label not in old:
+                continue
             a, b = old[label], case[label]
             yield (
-                f"| {case['shape']} | {case['tokens_per_rank']} | {case['routing']} "
-                f"| {label.replace('_', '+')} | {_ms(a['mok'])} | {_ms(b['mok'])} "
-                f"| {a['mok']['peak_mem_bytes'] / gib:.2f} | {b['mok']['peak_mem_bytes'] / gib:.2f} "
-                f"| {_ms(a['baseline'])} | {_ms(b['baseline'])} |"
+                f"| {case['shape']} | {case.get('ep', '?')} | {case['tokens_per_rank']} "
+                f"| {case['routing']} | {label.replace('_', '+')} | {_ms(a['mok'])} "
+                f"| {_ms(b['mok'])} | {a['mok']['peak_mem_bytes'] / gib:.2f} "
+                f"| {b['mok']['peak_mem_bytes'] / gib:.2f} | {_ms(a['baseline'])} "
+                f"| {_ms(b['baseline'])} |"
             )
 
 
@@ -203,9 +216,9 @@ def compare_tables(pairs):
             "The same cases in the two records: MoK's median ms (p10-p90) and peak GiB before "
             "and after the change, and the baseline's median, which ran the same code in both "
             "(how far the GPU's state moved between the two runs).\n\n"
-            "| shape | tokens/rank | routing | pass | mok ms before | mok ms after "
+            "| shape | EP | tokens/rank | routing | pass | mok ms before | mok ms after "
             "| mok peak GiB before | mok peak GiB after | baseline ms before | baseline ms after "
-            "|\n|---|---|---|---|---|---|---|---|---|---|"
+            "|\n|---|---|---|---|---|---|---|---|---|---|---|"
         )
         yield from compare_rows(before, after)
         yield ""

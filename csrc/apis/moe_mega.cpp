@@ -145,7 +145,7 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& shared_out, at::TensorList given_plan,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    bool keep_y, bool keep_x_rows, int64_t stall_minibatch, bool trace) {
+    bool keep_y, int64_t stall_minibatch, bool trace) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(x, "x", at::kBFloat16, 2);
@@ -195,13 +195,10 @@ std::vector<at::Tensor> moe_mega_forward(
   const int64_t ring = shape.ring_rows(), rounds = shape.num_rounds();
   const auto bf16 = x.options();
   std::vector<at::Tensor> out(kForwardNumFields);
-  // keep_rows: the rings a one-round backward reads; keep_tokens: the received tokens, which a
-  // backward of rounds recomputes from and a one-round backward gathers x_rows from
-  const bool keep_rows = save && rounds == 1, keep_tokens = save && (rounds > 1 || !keep_x_rows);
+  const bool keep_rows = save && rounds == 1, keep_tokens = save && rounds > 1;
   if (keep_rows) {
     // NOTE: one allocation each, not an arena: the backward lets each ring go after its last
-    // read (y and act in its first step, h and x_rows in its second), which lowers its peak;
-    // an x_ring the backward does not read (keep_x_rows false) is freed after the pass.
+    // read (y and act in its first step, h and x_rows in its second), which lowers its peak.
     out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({ring, 2 * inter}, bf16);
@@ -223,7 +220,7 @@ std::vector<at::Tensor> moe_mega_forward(
   out[kForward_trace_tasks] =
       trace_buffer({rounds, shape.max_tasks(), layout::kTraceTaskWords});
   const int num_tokens = static_cast<int>(x.size(0));
-  if (keep_tokens) {  // the backward recomputes rounds, or gathers x_rows, from these
+  if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens,
                          plan[kPlan_recv_token_src].data_ptr<int64_t>(),
                          static_cast<int>(token_capacity), out[kForward_x_recv].data_ptr(), stream);

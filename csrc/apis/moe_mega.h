@@ -40,15 +40,14 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
 // One forward pass: the plan (unless `plan`, else empty, holds moe_mega_plan's tensors), staging, the
 // megakernel, the slot sum. x [T, H] bf16; w_gate_up [E_l, 2I, H] (interleaved); w_down
 // [E_l, H, I]; shared_out [T, H] or none -> MOK_MEGA_FORWARD_FIELDS then MOK_MEGA_PLAN_FIELDS.
-// `save`: keep what a backward needs. In one round that is the rings act and h, and y when
-// `keep_y`, and x_ring (the routed rows) when `keep_x_rows`, else the received tokens x_recv, from
-// which the backward gathers the rows again; in more rounds, x_recv. Collective.
+// `save`: keep what a backward needs; `keep_y`: that includes the L2 output rows y (only a
+// backward whose L2 dgrad fuses the SwiGLU backward reads them). Collective.
 std::vector<at::Tensor> moe_mega_forward(
     const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
     const at::Tensor& w_gate_up, const at::Tensor& w_down,
     const std::optional<at::Tensor>& shared_out, at::TensorList plan,
     at::IntArrayRef comm, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    bool keep_y, bool keep_x_rows, int64_t stall_minibatch, bool trace);
+    bool keep_y, int64_t stall_minibatch, bool trace);
 
 }  // namespace mok::apis

@@ -304,28 +304,27 @@ def moe_mega_plan(topk, router_weights, comm, num_experts, row_capacity, token_c
 
 def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm, *,
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
-                     num_comm_sms, num_sms, save, keep_y=True, keep_x_rows=True,
-                     stall_minibatch=-1, trace=False):  # fmt: skip
+                     num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
+                     trace=False):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging, the megakernel, the slot-ordered sum at the source. Collective.
 
     x: [T, H] bf16; topk / router_weights: [T, K]; w_gate_up: [E_l, 2I, H] (interleaved);
     w_down: [E_l, H, I]; shared_out: [T, H] or None. Returns (forward outputs, plan), dicts by
     name (``mega_forward_fields``, ``mega_plan_fields``). ``save``: keep what a backward needs:
-    in one round the rings ``act_ring`` and ``h_ring``, the L2 output rows ``y_rows`` when
-    ``keep_y`` (else [0, H]: the L2 epilogue stores each row only to its source slot), and the
-    routed rows ``x_ring`` when ``keep_x_rows``, else the received tokens ``x_recv`` (the
-    backward gathers the rows from them); in more rounds, ``x_recv``. ``stall_minibatch``
-    (tests only): the
-    comm CTAs never release that minibatch of round 0, so its tiles time out. ``trace``
-    (diagnostics, scripts/megakernel_trace.py): the outputs ``trace_ctas`` / ``trace_tasks`` hold
-    the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` / ``MEGA_TRACE_TASK_FIELDS``), else [0].
+    in one round the rings (``x_ring``, ``act_ring``, ``h_ring``; the caller may drop
+    ``x_ring``) and the L2 output rows ``y_rows`` when ``keep_y`` (else [0, H]: the L2 epilogue
+    stores each row only to its source slot); in more rounds, the received tokens ``x_recv``.
+    ``stall_minibatch`` (tests only): the comm CTAs never release that minibatch of round 0, so
+    its tiles time out. ``trace`` (diagnostics, scripts/megakernel_trace.py): the outputs
+    ``trace_ctas`` / ``trace_tasks`` hold the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` /
+    ``MEGA_TRACE_TASK_FIELDS``), else [0].
     """
     given = [plan[name] for name in mega_plan_fields()] if plan is not None else []
     values = torch.ops.mok.moe_mega_forward(
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
-        keep_y, keep_x_rows, stall_minibatch, trace,
+        keep_y, stall_minibatch, trace,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -352,7 +351,7 @@ def _mega_plan_fake(topk, router_weights, comm, num_experts, row_capacity, token
 
 def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm,
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
-                       num_comm_sms, num_sms, save, keep_y, keep_x_rows, stall_minibatch,
+                       num_comm_sms, num_sms, save, keep_y, stall_minibatch,
                        trace=False):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
@@ -363,7 +362,7 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
         x.new_empty(x.shape), x.new_empty(ring, hidden), x.new_empty(ring, inter),
         x.new_empty(ring if save and one else 0, 2 * inter),
         x.new_empty(ring if save and one and keep_y else 0, hidden),
-        x.new_empty(token_capacity if save and not (one and keep_x_rows) else 0, hidden),
+        x.new_empty(token_capacity if save and not one else 0, hidden),
     ]  # fmt: skip
     grid = num_sms
     if trace and grid <= 0:  # the op's grid: every SM of the device

@@ -112,7 +112,8 @@ def test_gpu_state_rows_render_each_case_that_has_one():
 def test_compare_rows_pair_the_same_cases_of_two_records(tmp_path):
     """perf_report --compare: one row per pass of each case the two records share (synthetic
     records), MoK's medians and peaks before and after beside the baseline's; a case only in
-    one record, or skipped, gives no row."""
+    one record, or skipped, or a pass one record lacks, gives no row; a --main-grad record
+    against a plain one is refused."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import perf_report
@@ -123,22 +124,30 @@ def test_compare_rows_pair_the_same_cases_of_two_records(tmp_path):
         return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
                 "peak_mem_bytes": int(peak_gib * 2**30)}  # fmt: skip
 
-    def case(tokens, mok_ms, peak, base_ms):
+    def case(tokens, mok_ms, peak, base_ms, ep=1):
         passes = {"mok": timing(mok_ms, peak), "baseline": timing(base_ms, 2.0)}
-        return {"shape": "s", "tokens_per_rank": tokens, "routing": "uniform",
-                "fwd": passes, "fwd_bwd": passes}  # fmt: skip
+        return {"shape": "s", "ep": ep, "tokens_per_rank": tokens, "routing": "uniform",
+                "mok_backend": "cuda/megakernel", "fwd": passes, "fwd_bwd": passes}  # fmt: skip
 
+    fwd_only = {k: v for k, v in case(32, 1.0, 1.0, 1.0).items() if k != "fwd_bwd"}
     before, after = tmp_path / "a.json", tmp_path / "b.json"
-    before.write_text(json.dumps({"cases": [case(64, 2.0, 1.5, 3.0), case(128, 1.0, 1.0, 1.0)]}))
+    before.write_text(json.dumps({"cases": [case(64, 2.0, 1.5, 3.0), case(128, 1.0, 1.0, 1.0),
+                                            case(32, 1.0, 1.0, 1.0)]}))  # fmt: skip
     after.write_text(json.dumps({"cases": [case(64, 1.0, 0.5, 3.5), case(256, 1.0, 1.0, 1.0),
+                                           case(64, 1.0, 1.0, 1.0, ep=2), fwd_only,
                                            {"shape": "s", "tokens_per_rank": 128,
                                             "routing": "uniform", "skipped": "why"}]}))  # fmt: skip
     rows = list(perf_report.compare_rows(before, after))
     assert rows == [
-        f"| s | 64 | uniform | {p} | 2.000 (1.900-2.100) | 1.000 (0.900-1.100) | 1.50 | 0.50 "
-        "| 3.000 (2.900-3.100) | 3.500 (3.400-3.600) |"
+        f"| s | 1 | 64 | uniform | {p} | 2.000 (1.900-2.100) | 1.000 (0.900-1.100) | 1.50 "
+        "| 0.50 | 3.000 (2.900-3.100) | 3.500 (3.400-3.600) |"
         for p in ("fwd", "fwd+bwd")
-    ]
+    ] + ["| s | 1 | 32 | uniform | fwd | 1.000 (0.900-1.100) | 1.000 (0.900-1.100) | 1.00 "
+         "| 1.00 | 1.000 (0.900-1.100) | 1.000 (0.900-1.100) |"]  # fmt: skip
+    main_grad = tmp_path / "c.json"
+    main_grad.write_text(json.dumps({"args": {"main_grad": True}, "cases": []}))
+    with pytest.raises(SystemExit, match="--main-grad record"):
+        list(perf_report.compare_rows(before, main_grad))
 
 
 def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():

@@ -244,18 +244,10 @@ def test_expert_gemm_setting_is_checked():
         engine_steps("l1+l2", torch.device("cpu"))  # asked for explicitly where it can't run
 
 
-def test_one_round_keeps_the_tokens_where_there_are_fewer_than_rows():
-    from mok_megatron.functional.cuda.plan import keeps_x_rows
-
-    assert not keeps_x_rows(row_capacity=2048, token_capacity=256)  # top-k 8: an eighth
-    assert keeps_x_rows(row_capacity=256, token_capacity=256)  # top-k 1 at EP 1, no slack
-
-
-@pytest.mark.parametrize("hidden, inter", [(128, 64), (128, 128), (64, 128)])
-def test_backward_reads_y_where_it_is_the_narrower_choice(hidden, inter):
+@pytest.mark.parametrize("hidden, inter", [(128, 64), (64, 128)])
+def test_backward_reads_y_only_for_the_fused_dswiglu(hidden, inter):
     """The forward keeps the L2 output rows y [M, H] only where the backward reads them: with
-    the engine's fused L2 dgrad + dSwiGLU, or where the rows replacing them ([M, I] each) are
-    wider (I > H)."""
+    the engine's fused L2 dgrad + dSwiGLU (or FP8 experts, not built on CPU); I < H or I > H."""
     from mok_megatron.functional.cuda.experts import Experts
     from mok_megatron.functional.types import ExpertWeights, FusedExpertWeights
 
@@ -264,8 +256,7 @@ def test_backward_reads_y_where_it_is_the_narrower_choice(hidden, inter):
     fused = FusedExpertWeights(torch.randn(4, 2 * inter, hidden, generator=gen), down)
     split = ExpertWeights(*torch.randn(2, 4, inter, hidden, generator=gen), down)
     for routed in (fused, split):
-        experts = Experts(routed, "torch", torch.device("cpu"))
-        assert experts.backward_reads_y == (inter > hidden)
+        assert not Experts(routed, "torch", torch.device("cpu")).backward_reads_y
     experts = Experts(fused, "torch", torch.device("cpu"))
     experts.engine = ("l1", "dswiglu")  # as on Hopper with expert_gemm="l1,dswiglu"
     assert experts.backward_reads_y

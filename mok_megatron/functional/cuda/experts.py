@@ -32,9 +32,10 @@ AUTO_ACCUMULATE_STEPS = ("wgrad",)
 
 @dataclass
 class ExpertRows:
-    """One round's expert activations, bf16: x_rows [M, H] (None in a saved context that keeps
-    the received tokens instead: ``plan.keeps_x_rows``), a [M, I], y [M, H] (None when the
-    backward does not read it: ``Experts.backward_reads_y``) and the pre-activation: g, u [M, I]
+    """One round's expert activations, bf16: x_rows [M, H] (None in a saved context: the
+    backward gathers them again), a [M, I], y [M, H] (None when the
+    backward does not read it, ``Experts.backward_reads_y``, and in the rounds' recompute) and
+    the pre-activation: g, u [M, I]
     (separate gate and up weights) or h [M, 2I] (fused form: gate and up columns interleaved in
     blocks of 8; None when only the forward of a round needs it)."""
 
@@ -95,13 +96,12 @@ class Experts:
         The router-weight gradient of a row is <d_rows, y> = <d_rows @ W_down, a>. The engine's
         L2 dgrad with the SwiGLU backward fused (step "dswiglu") never makes d_rows @ W_down, so
         it takes <d_rows, y>; so does an FP8 forward, whose y came from the FP8 GEMM (the bf16
-        d_rows @ W_down is not the derivative of what it computed). Otherwise y is read only
-        where it is narrower than what replaces it: the backward then holds d_rows @ W_down and
-        w * a ([M, I] each) where it would hold y and w * d_rows ([M, H] each), so y is kept
-        when I > H (mixtral-8x7b), dropped when I <= H (qwen3-30b-a3b, deepseek-v3: the forward
-        keeps [M, H] less)."""
-        hidden, inter = self.routed.down.shape[1:]
-        return self.fp8 or "dswiglu" in self.engine or inter > hidden
+        d_rows @ W_down is not the derivative of what it computed). Otherwise the backward takes
+        the second form and the forward keeps [M, H] less for every layer between it and its
+        backward. (Where I > H, mixtral-8x7b, the backward's first step then holds d_rows @
+        W_down and w * a, [M, I] each, where it would hold y and w * d_rows, [M, H] each: a
+        higher peak inside one layer's backward, for less memory kept by all the others.)"""
+        return self.fp8 or "dswiglu" in self.engine
 
     def forward(self, x_rows, offs, *, save_pre: bool, with_down: bool = True) -> ExpertRows:
         """x_rows [M, H] → ExpertRows; the pre-activation is kept only when ``save_pre`` (the
@@ -262,9 +262,12 @@ def accumulate(total, part: torch.Tensor, offs: torch.Tensor, rounds, r: int):
 
 
 def weighted_rows(rows: torch.Tensor, w_rows: torch.Tensor, row_tok: torch.Tensor) -> torch.Tensor:
-    """bf16(rows * w_rows[:, None]) [M, N], the product in float32 rounded once: the weighted SwiGLU output the down weight's gradient reduces, (w * a)^T d_rows
-    = a^T (w * d_rows). One pass, ``moe_row_grad``'s weighted output (its dot product unused),
-    without the float32 [M, N] temporary of the torch expression."""
+    """bf16(rows * w_rows[:, None]) [M, N], the product in float32 rounded once.
+
+    The weighted SwiGLU output whose product with d_rows is the down weight's gradient,
+    d_rows^T (w * a) = (w * d_rows)^T a. It is ``moe_row_grad``'s weighted output, one kernel
+    (its row dot product and [M] float32 output unused), without the float32 [M, N] temporary
+    of the torch expression."""
     from mok_megatron.ops import moe as mops
 
     return mops.moe_row_grad(rows, rows, w_rows, row_tok)[1]

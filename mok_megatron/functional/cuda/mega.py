@@ -19,7 +19,7 @@ from ..schedule import MoKSchedule
 from ..types import FusedExpertWeights
 from . import stage1
 from .experts import ExpertRows, Experts
-from .plan import CudaPlan, Rounds, keeps_x_rows
+from .plan import CudaPlan, Rounds
 
 __all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "can_run", "forward"]
 
@@ -119,14 +119,13 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
     shared_out, shared_gu, shared_a = stage1.shared_forward(x, shared)
     c = ws.config
     keep_y = Experts(routed, c.expert_gemm, x.device).backward_reads_y
-    keep_x_rows = keeps_x_rows(ws.row_capacity, ws.token_capacity)
     outs, plan = mops.moe_mega_forward(
         x, topk, weights, routed.gate_up, routed.down, shared_out,
         None if sched.is_pending() else sched.device_plan, ws.buffers.comm,
         num_experts=ws.num_experts, row_capacity=ws.row_capacity,
         token_capacity=ws.token_capacity, minibatch=c.minibatch_size,
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
-        num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y, keep_x_rows=keep_x_rows,
+        num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
         stall_minibatch=ws.buffers.stall_minibatch,
         trace=ws.buffers.trace,
     )  # fmt: skip
@@ -144,10 +143,11 @@ def _context(ws, sched, plan, outs, save, shared_gu, shared_a) -> stage1.CudaCon
                      plan["offs"], plan["expert_rows"], plan["prow"])  # fmt: skip
     rounds = Rounds(shape.num_rounds, shape.ring_rows, plan["row_tok"], plan["w_rows"],
                     plan["first_round"])  # fmt: skip
-    saved = None
-    x_recv = outs["x_recv"] if outs["x_recv"].shape[0] else None  # not kept: [0, H]
+    saved = x_recv = None
     if save and shape.num_rounds == 1:
-        y = outs["y_rows"] if outs["y_rows"].shape[0] else None
-        x_rows = outs["x_ring"] if x_recv is None else None  # else gathered from x_recv
-        saved = ExpertRows(x_rows, outs["act_ring"], y, h=outs["h_ring"])
+        y = outs["y_rows"] if outs["y_rows"].shape[0] else None  # not kept: [0, H]
+        # not x_ring: the backward dispatches x again and gathers the rows (stage1.CudaContext)
+        saved = ExpertRows(None, outs["act_ring"], y, h=outs["h_ring"])
+    elif save:
+        x_recv = outs["x_recv"]
     return stage1.CudaContext(cplan, rounds, saved, x_recv, shared_gu, shared_a)

@@ -13,8 +13,7 @@ import torch
 
 from ..schedule import MoKSchedule
 
-__all__ = ["GROUP_ALIGN", "CudaPlan", "Rounds", "padded_plan", "make_rounds", "keeps_x_rows",
-           "window_offs"]  # fmt: skip
+__all__ = ["GROUP_ALIGN", "CudaPlan", "Rounds", "padded_plan", "make_rounds", "window_offs"]
 
 #: Row alignment of each expert's group in the padded GEMM layout (16 bytes of bf16).
 GROUP_ALIGN = 8
@@ -91,14 +90,6 @@ def make_rounds(macrobatch: int, sched: MoKSchedule, plan: CudaPlan, slot_weight
     start = torch.cat([ends.new_zeros(1), ends[:-1]])  # each expert's first padded row
     first_round = torch.where(plan.expert_rows > 0, start // rows, -1).to(torch.int32)
     return Rounds(count, rows, row_tok, w_rows, first_round)
-
-
-def keeps_x_rows(row_capacity: int, token_capacity: int) -> bool:
-    """Whether a one-round forward keeps the routed rows x_rows [P, H] for its backward (the
-    gate/up weight gradient reads them), or the received tokens [token_capacity, H] from which
-    the backward gathers them again (one pass): the rows where there are no more of them than
-    tokens (top-k 1), else the tokens (top-k 8 keeps an eighth of the bytes)."""
-    return row_capacity <= token_capacity
 
 
 def window_offs(plan: CudaPlan, window: slice) -> torch.Tensor:

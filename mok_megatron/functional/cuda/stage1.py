@@ -9,9 +9,10 @@ megakernel.
   combine    per received token, a slot-ordered float32 sum on the expert side, one row per
              (token, rank) pushed to the source, a rank-ordered float32 sum there (+ shared)
   backward   the same moves in reverse; the per-row router-weight gradient and weighted d_out
-             in one kernel (``moe_row_grad``): <d_rows, y>, or, where the forward did not keep
-             y (``Experts.backward_reads_y``), <d_rows @ W_down, a>; weight gradients are grouped GEMMs that reduce
-             over each expert's rows in one fixed order (no atomics), experts without rows
+             in one kernel (``moe_row_grad``): <d_rows, y>, or, where the forward did not
+             keep y (``Experts.backward_reads_y``), <d_rows @ W_down, a>; weight gradients
+             are grouped GEMMs that reduce over each expert's rows in one fixed order (no
+             atomics), experts without rows
              zeroed by ``moe_accumulate_groups``; or, given accumulators (gradient-accumulation
              fusion), each weight-gradient GEMM adds into the caller's fp32 buffer in its
              epilogue (``Experts.mm_tn_accumulate``), round after round
@@ -24,9 +25,9 @@ megakernel.
              forward then keeps only the received tokens and the backward recomputes each
              round's gate/up and SwiGLU (not the down projection)
   saved      one round keeps its activations but not all of them: y only where the backward
-             reads it (``Experts.backward_reads_y``), and the received tokens instead of the
-             routed rows x_rows where there are fewer of them (``plan.keeps_x_rows``: top-k > 1;
-             the backward gathers the rows again before the gate/up weight gradient)
+             reads it (``Experts.backward_reads_y``), and not the routed rows x_rows: the
+             backward dispatches x (which autograd keeps) again and gathers them before the
+             gate/up weight gradient, their one read
 
 The backward also serves the megakernel's forward: its context has the same fields.
 """
@@ -38,15 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .experts import ExpertRows, Experts, accumulate, grouped_mm, weighted_rows
-from .plan import (
-    CudaPlan,
-    Rounds,
-    keeps_x_rows,
-    make_rounds,
-    padded_plan,
-    round_accumulator,
-    window_offs,
-)
+from .plan import CudaPlan, Rounds, make_rounds, padded_plan, round_accumulator, window_offs
 
 __all__ = ["CudaContext", "forward", "backward", "backward_steps", "shared_forward",
            "slot_weights_of"]  # fmt: skip
@@ -56,10 +49,10 @@ __all__ = ["CudaContext", "forward", "backward", "backward_steps", "shared_forwa
 class CudaContext:
     """What the forward keeps for its backward.
 
-    One round: ``saved`` holds its activations, and ``x_recv`` [C_tok, H] the received tokens
-    where ``saved.x_rows`` is None (the backward gathers the rows from them). More rounds:
-    ``saved`` is None, ``x_recv`` holds the received tokens and the backward recomputes each
-    round. shared_gu / shared_a: [T, 2I_s] / [T, I_s] or None.
+    One round: ``saved`` holds its activations but x_rows (None: the backward dispatches x again
+    and gathers them). More rounds: ``saved`` is None, ``x_recv`` [C_tok, H] holds the
+    received tokens and the backward recomputes each round. shared_gu / shared_a: [T, 2I_s] /
+    [T, I_s] or None.
     """
 
     plan: CudaPlan
@@ -144,14 +137,12 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
             r == rounds.count - 1,
         )  # fmt: skip
     one = rounds.count == 1
-    keep_tokens = save and not (one and keeps_x_rows(sched.row_capacity, sched.token_capacity))
     if save and one:
         if not experts.backward_reads_y:
             act.y = None  # the backward takes the router-weight gradient from a instead
-        if keep_tokens:
-            act.x_rows = None  # gathered again from recv by the backward
+        act.x_rows = None  # the backward dispatches x again and gathers them
     ctx = CudaContext(plan, rounds, act if save and one else None,
-                      recv if keep_tokens else None, shared_gu, shared_a)  # fmt: skip
+                      recv if save and not one else None, shared_gu, shared_a)  # fmt: skip
     return out, ctx
 
 
@@ -175,7 +166,8 @@ def backward_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared
     second every other gradient (``MoKGradients``, its ``d_w_routed_down`` None).
 
     One round: step 1 is the down projection's side (d_out pulled to the rows, the router-weight
-    gradient, dy, the down weight's gradient), step 2 the rest, so autograd can add the down
+    gradient, dy = w * d_rows, or the L2 dgrad where y was not kept, the down weight's
+    gradient), step 2 the rest, so autograd can add the down
     gradient into ``.grad`` and drop it before the gate/up gradient is made. ``consume``: this
     backward is the context's last use, and each kept activation is let go after its last read.
     With rounds, the down gradient is summed over rounds that each recompute gate/up, so step 1
@@ -204,9 +196,8 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
 
     comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
     act = replace(ctx.saved)  # our own references, dropped after each one's last use
-    x_recv = ctx.x_recv  # where act.x_rows is None: the tokens they are gathered from
     if consume:  # then nothing else holds the activations
-        ctx.saved = ctx.x_recv = None
+        ctx.saved = None
     experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None,
                       precision=ws.config.expert_precision,
                       fp8_backward=ws.config.fp8_backward)  # fmt: skip
@@ -223,21 +214,21 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding), dy = w * d_rows
         d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
         act.y = None
-        down_rows = (dy, act.a)
+        down_rows = [(dy, act.a)]
     else:  # y was not kept: <d_rows, y> = <d_rows @ W_down, a>, d_a = w * (d_rows @ W_down)
         d_row_w[window], da = mops.moe_row_grad(
             experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
         )
-        down_rows = (d_rows, weighted_rows(act.a, w_rows, row_tok))
+        down_rows = [(d_rows, weighted_rows(act.a, w_rows, row_tok))]
     del d_rows
     act.a = None
     d_rw = mops.moe_combine_slots(
         d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
     )
     # NOTE: yielded unnamed: a local would keep the gradient alive in this generator's frame
-    # after autograd has added it into .grad
-    yield _weight_grad(experts, *down_rows, offs, rounds, acc_w, 2)
-    del down_rows
+    # after autograd has added it into .grad; and its operands popped: they go when it is made,
+    # not after this generator resumes
+    yield _weight_grad(experts, *down_rows.pop(), offs, rounds, acc_w, 2)
 
     # step 2: the SwiGLU backward, the gate/up dgrad and weight gradient, the shared expert
     d_shared, shared_dx = (None, None, None), None
@@ -257,8 +248,9 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         sched.num_tokens, comm, None, window.start, True, True, dx[1] if len(dx) > 1 else None,
     )  # fmt: skip
     del dx, shared_dx
-    x_rows = act.x_rows if act.x_rows is not None else mops.moe_gather_rows(x_recv, row_tok)
-    del act, x_recv
+    # x_rows, not kept: x dispatched again (collective, as the d_out dispatch above), gathered
+    x_rows = mops.moe_gather_rows(mops.moe_dispatch(x, sched.recv_token_src, comm), row_tok)
+    del act
     d_w = [None, None, None]  # gate (or fused gate_up), up, down
     for slot, d in zip(experts.grad_slots, d_pre):  # one at a time (each is weight-sized)
         d_w[slot] = _weight_grad(experts, d, x_rows, offs, rounds, acc_w, slot)
