@@ -271,6 +271,12 @@ class MoKConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> MoKConfig:
         """Read the ``mok:`` section of a YAML file (a file holding only the knobs also works)."""
+        return cls.from_dict(cls.yaml_knobs(path))
+
+    @staticmethod
+    def yaml_knobs(path: str | Path) -> dict[str, Any]:
+        """The knobs of a YAML file's ``mok:`` section (or of a file holding only them), as a
+        mapping, not yet validated (``from_dict`` does that)."""
         import yaml
 
         with open(path) as f:
@@ -280,7 +286,7 @@ class MoKConfig:
         section = doc.get("mok", doc)
         if not isinstance(section, dict):
             raise ValueError(f"{path}: the 'mok:' section must be a mapping of MoKConfig knobs")
-        return cls.from_dict(section)
+        return dict(section)
 
     def to_yaml(self, path: str | Path) -> None:
         """Write the knobs as a ``mok:`` section."""

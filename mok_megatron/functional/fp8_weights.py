@@ -22,7 +22,7 @@ __all__ = ["attach_fp8_weight", "attach_mxfp8_source", "check_fp8_sizes", "fp8_w
 
 _CACHE_ATTR = "_mok_fp8_blocks"
 _SOURCE_ATTR = "_mok_mxfp8_source"  # on a dense copy: the MXFP8 weight it was dequantised from
-_TRANSPOSED_ATTR = "_mok_fp8_blocks_t"  # (the FP8 copy it was made from, its transpose)
+_TRANSPOSED_ATTR = "_mok_fp8_blocks_t"  # on an FP8 copy's data: (its versions, it transposed)
 _epoch = 0  # bumped by every optimizer step and by invalidate_fp8_weight_cache()
 
 
@@ -67,22 +67,23 @@ def fp8_weight(w: torch.Tensor):
 
 
 def fp8_weight_transposed(w: torch.Tensor):
-    """``w: [G, N, K]``'s FP8 copy transposed, ``[G, K, N]`` (the data gradients' B operand),
-    kept beside it and made again with it. A (128, 128) block quantises the same values
-    transposed or not, so this is exactly the quantisation of ``w``'s transpose: data and
-    scales transposed, no new rounding."""
+    """``w: [G, N, K]``'s FP8 copy transposed, ``[G, K, N]`` (the data gradients' B operand).
+    A (128, 128) block quantises the same values transposed or not, so this is exactly the
+    quantisation of ``w``'s transpose: data and scales transposed, no new rounding. It is kept
+    on the FP8 copy's data tensor, so it lives exactly as long as that copy (a caller's own
+    quantisation included: ``attach_fp8_weight``), and is made again if that copy's data or
+    scales are written in place."""
     from mok_megatron.ops.fp8_blockwise import FP8BlockTensor
 
     q = fp8_weight(w)
-    holder = getattr(w, _SOURCE_ATTR, None)
-    holder = w if holder is None else holder.data
-    cached = getattr(holder, _TRANSPOSED_ATTR, None)
-    if cached is not None and cached[0] is q:
+    key = (q.data._version, q.scales._version, q.scales.data_ptr())
+    cached = getattr(q.data, _TRANSPOSED_ATTR, None)
+    if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
         t = FP8BlockTensor(q.data.transpose(1, 2).contiguous(),
                            q.scales.transpose(1, 2).contiguous(), tuple(q.block))  # fmt: skip
-    setattr(holder, _TRANSPOSED_ATTR, (q, t))
+    setattr(q.data, _TRANSPOSED_ATTR, (key, t))
     return t
 
 

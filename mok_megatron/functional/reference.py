@@ -121,7 +121,10 @@ class ReferenceBackend:
         dy_in = _fp8_dgrad_rows(dy, cdt) if fp8_dgrad else dy
         da = _grouped_linear(dy_in, dgrad_w[2].transpose(1, 2), sched.row_expert)
         d_wd = _grouped_wgrad(dy, a, sched.row_expert, ws.num_local_experts)
-        dg, du = _swiglu_backward(da, ctx.g_rows, ctx.u_rows)
+        g_rows, u_rows = ctx.g_rows, ctx.u_rows
+        if fp8_dgrad:  # what the CUDA SwiGLU backward reads: the GEMM's bf16 da, the bf16 h
+            da, g_rows, u_rows = (t.to(torch.bfloat16).to(cdt) for t in (da, g_rows, u_rows))
+        dg, du = _swiglu_backward(da, g_rows, u_rows)
         dg_in, du_in = _fp8_dgrad_gate_up(dg, du, cdt) if fp8_dgrad else (dg, du)
         dx_rows = _grouped_linear(dg_in, dgrad_w[0].transpose(1, 2), sched.row_expert)
         dx_rows = dx_rows + _grouped_linear(du_in, dgrad_w[1].transpose(1, 2), sched.row_expert)

@@ -46,17 +46,34 @@ def add_mok_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def mok_config_from_args(args: argparse.Namespace):
-    """args (with ``add_mok_args``' flags) → ``functional.MoKConfig``: defaults < file < flags."""
+    """args (with ``add_mok_args``' flags) → ``functional.MoKConfig``: defaults < file < flags.
+
+    Megatron's own ``--fp8-format e4m3 --fp8-recipe blockwise``, where the args have them and
+    neither the file nor a flag names ``expert_precision``, give ``fp8_blockwise`` here already
+    (as ``honour_megatron_fp8`` does for a layer's config), so knobs that need it, such as
+    ``--mok-fp8-backward dgrad``, validate with it."""
     from mok_megatron.functional import MoKConfig
 
     path = getattr(args, "mok_config", None)
-    base = MoKConfig.from_yaml(path) if path else MoKConfig()
-    given = {
+    knobs = MoKConfig.yaml_knobs(path) if path else {}
+    knobs.update({
         f.name: getattr(args, f"mok_{f.name}")
         for f, _ in _config_fields()
         if getattr(args, f"mok_{f.name}", None) is not None
-    }
-    return dataclasses.replace(base, **given)
+    })  # fmt: skip
+    fp8, recipe = getattr(args, "fp8", None), _recipe_name(getattr(args, "fp8_recipe", None))
+    if "expert_precision" not in knobs and _megatron_asks_fp8_blockwise(fp8, recipe):
+        knobs["expert_precision"] = "fp8_blockwise"
+    return MoKConfig.from_dict(knobs)
+
+
+def _recipe_name(recipe):
+    return getattr(recipe, "value", recipe)  # an enum in some Megatron versions
+
+
+def _megatron_asks_fp8_blockwise(fp8, recipe) -> bool:
+    """Megatron's FP8 flags ask for what MoK runs as expert_precision="fp8_blockwise"."""
+    return fp8 == "e4m3" and recipe == "blockwise"
 
 
 def resolve_mok_config(value):
@@ -92,9 +109,8 @@ def honour_megatron_fp8(mok_config, transformer_config):
     fp8 = getattr(transformer_config, "fp8", None)
     if not fp8 or mok_config.expert_precision != "bf16":
         return mok_config
-    recipe = getattr(transformer_config, "fp8_recipe", None)
-    recipe = getattr(recipe, "value", recipe)  # an enum in some Megatron versions
-    if fp8 == "e4m3" and recipe == "blockwise":
+    recipe = _recipe_name(getattr(transformer_config, "fp8_recipe", None))
+    if _megatron_asks_fp8_blockwise(fp8, recipe):
         return dataclasses.replace(mok_config, expert_precision="fp8_blockwise")
     warnings.warn(
         f"mok: Megatron's --fp8-format {fp8} --fp8-recipe {recipe} is not a precision the MoK "

@@ -181,8 +181,9 @@ def fp8_dgrad_oracle(problem, d_out):
     """(d_x, d_w_gate, d_w_up) in float64, expert by expert over the slots routed to it, for
     fp8_backward="dgrad": the data-gradient GEMMs read their rows rounded to bf16 and quantised
     in (1, 128) blocks (d_h in the interleaved [n, 2I] layout, as the CUDA L1 dgrad reads it)
-    and the weights' (128, 128) FP8 values; SwiGLU's backward the FP8 forward's g and u; the
-    weight gradients the unquantised rows (they stay BF16)."""
+    and the weights' (128, 128) FP8 values; SwiGLU's backward the L2 dgrad's output and the FP8
+    forward's g and u, each rounded to bf16 (the CUDA path's tensors); the weight gradients the
+    unquantised rows (they stay BF16)."""
     x, wg, wu, wd = (getattr(problem, n).double() for n in ("x", "w_gate", "w_up", "w_down"))
     topk, rw = problem.topk_experts, problem.router_weights.double()
     qg, qu, qd = _fp8_weights(wg, wu, wd)
@@ -193,9 +194,10 @@ def fp8_dgrad_oracle(problem, d_out):
         tokens, slots = (topk == e).nonzero(as_tuple=True)
         g8, u8 = xq[tokens] @ qg[e].T, xq[tokens] @ qu[e].T
         dy = rw[tokens, slots, None] * d_out[tokens].double()
-        da = _fp8(dy.bfloat16(), (1, 128)) @ qd[e]
-        sig = torch.sigmoid(g8)
-        dg, du = da * u8 * sig * (1 + g8 * (1 - sig)), da * g8 * sig
+        da = (_fp8(dy.bfloat16(), (1, 128)) @ qd[e]).bfloat16().double()
+        gb, ub = g8.bfloat16().double(), u8.bfloat16().double()
+        sig = torch.sigmoid(gb)
+        dg, du = da * ub * sig * (1 + gb * (1 - sig)), da * gb * sig
         d_h = torch.empty(len(tokens), 2 * wg.shape[1], dtype=torch.float64)
         d_h[:, gate], d_h[:, up] = dg, du
         d_hq = _fp8(d_h.bfloat16(), (1, 128))
@@ -382,3 +384,13 @@ def test_the_transposed_fp8_weight_is_the_transpose_quantised_and_follows_update
     w.mul_(2)  # the version counter moves: both copies are made again
     again = fp8_weight_transposed(w)
     assert again is not got and torch.equal(again.scales, 2 * got.scales)
+    # a caller's own quantisation (attach_fp8_weight), written in place: transposed again
+    from mok_megatron.functional.fp8_weights import attach_fp8_weight
+
+    dense = w.clone()
+    q = fp8_gemm_weight(dense)
+    attach_fp8_weight(dense, q)
+    first = fp8_weight_transposed(dense)
+    assert fp8_weight_transposed(dense) is first
+    q.scales.mul_(4)
+    assert torch.equal(fp8_weight_transposed(dense).scales, 4 * first.scales)

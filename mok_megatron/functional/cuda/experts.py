@@ -33,11 +33,11 @@ AUTO_ACCUMULATE_STEPS = ("wgrad",)
 @dataclass
 class ExpertRows:
     """One round's expert activations, bf16: x_rows [M, H] (None in a saved context: the
-    backward gathers them again), a [M, I], y [M, H] (None when the
-    backward does not read it, ``Experts.backward_reads_y``, and in the rounds' recompute) and
-    the pre-activation: g, u [M, I]
-    (separate gate and up weights) or h [M, 2I] (fused form: gate and up columns interleaved in
-    blocks of 8; None when only the forward of a round needs it)."""
+    backward gathers them again), a [M, I], y [M, H] (None where the backward does not read it,
+    ``Experts.backward_reads_y``, and in the rounds' recompute but for FP8 experts) and the
+    pre-activation: g, u [M, I] (separate gate and up weights) or h [M, 2I] (fused form: gate
+    and up columns interleaved in blocks of 8; None when only the forward of a round needs
+    it)."""
 
     x_rows: torch.Tensor | None
     a: torch.Tensor

@@ -23,7 +23,8 @@ megakernel.
   rounds     more rows than ``macrobatch_size``: the padded rows run in fixed-size windows; each
              round adds its rows to a float32 per-token accumulator and the last pushes; the
              forward then keeps only the received tokens and the backward recomputes each
-             round's gate/up and SwiGLU (not the down projection)
+             round's gate/up and SwiGLU (not the down projection, but for FP8 experts, whose
+             router-weight gradient reads the FP8 GEMM's y)
   saved      one round keeps its activations but not all of them: y only where the backward
              reads it (``Experts.backward_reads_y``), and not the routed rows x_rows: the
              backward dispatches x (which autograd keeps) again and gathers them before the
@@ -304,7 +305,7 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         act = experts.forward(x_rows, offs, save_pre=True, with_down=experts.fp8)
         if act.y is not None:
             d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
-            act.y = None
+            act.y = d_rows = None
             d_pre = experts.pre_grads_from_dy(dy, act, offs)
             wgrad_down = (dy, act.a)
             del dy

@@ -49,3 +49,21 @@ def test_mok_expert_precision_flag():
     assert mok_config_from_args(args).expert_precision == "fp8_blockwise"
     with pytest.raises(SystemExit):
         parser.parse_args(["--mok-expert-precision", "fp8"])
+
+
+def test_mok_fp8_backward_with_megatrons_fp8_flags(tmp_path):
+    """--mok-fp8-backward dgrad needs fp8_blockwise: Megatron's e4m3 + blockwise flags give it
+    (a flag or a --mok-config file, too); without them the config rule names the fix."""
+    fp8 = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+    args = megatron_lm_parser().parse_args(["--mok-fp8-backward", "dgrad", *fp8])
+    assert mok_config_from_args(args) == MoKConfig(expert_precision="fp8_blockwise",
+                                                   fp8_backward="dgrad")  # fmt: skip
+    path = tmp_path / "knobs.yaml"
+    path.write_text("mok:\n  fp8_backward: dgrad\n")
+    args = megatron_lm_parser().parse_args(["--mok-config", str(path), *fp8])
+    assert mok_config_from_args(args).fp8_backward == "dgrad"
+    args = megatron_lm_parser().parse_args(["--mok-fp8-backward", "dgrad"])
+    with pytest.raises(ValueError, match="needs expert_precision='fp8_blockwise'"):
+        mok_config_from_args(args)
+    args = megatron_lm_parser().parse_args(["--mok-expert-precision", "bf16", *fp8])
+    assert mok_config_from_args(args).expert_precision == "bf16"  # named: it wins here
