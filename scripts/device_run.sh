@@ -6,10 +6,12 @@
 #   bench_ep2   scripts/bench_moe.py at EP 2 (torchrun, 2 GPUs)
 #   bench_ep1   scripts/bench_moe.py at EP 1
 #   profile     scripts/profile_moe.py at EP 2 (2 GPUs) or EP 1 (one GPU)
+#   fp8         scripts/bench_moe.py --mok-fp8 (BF16, FP8, FP8 with FP8 data gradients) and
+#               scripts/fp8_accuracy.py --shapes scaled, at EP 1 (not in the default steps)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
-# BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS (extra arguments), BENCH_TIMEOUT_S (per bench
-# run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+ GPUs, "tests bench_ep1 profile"
-# on one).
+# BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
+# BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
+# GPUs, "tests bench_ep1 profile" on one).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -41,6 +43,15 @@ if step profile; then
   timeout "${BENCH_TIMEOUT_S:-240}" torchrun --standalone --nproc-per-node "$EP" scripts/profile_moe.py \
     --out "$OUT/profile_ep$EP.json" ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
   echo "[device_run] profile exit $?"; grep -E "GPU time|Error" "$OUT/profile.log" | tail -6
+fi
+if step fp8; then
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --out "$OUT/bench_fp8.json" --mok-fp8 \
+    ${FP8_BENCH_ARGS:---shapes deepseek-v3,mixtral-8x7b --tokens 8192 --routing uniform} \
+    > "$OUT/bench_fp8.log" 2>&1
+  echo "[device_run] bench FP8 exit $?"; grep -E "speedup|Error" "$OUT/bench_fp8.log" | tail -6
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/fp8_accuracy.py --shapes scaled \
+    --out "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.log" 2>&1
+  echo "[device_run] fp8_accuracy exit $?"; grep -E "d_x=|Error" "$OUT/fp8_accuracy.log" | tail -8
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.
