@@ -210,19 +210,11 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
     # step 1: the down projection's side
     d_rows = mops.moe_gather_rows(mops.moe_dispatch(d_out, sched.recv_token_src, comm), row_tok)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
-    dy = da = None  # the gradient of y's weighted rows, or of a (the dgrad taken here)
-    if act.y is not None:
-        # one pass: d_row_w = <d_rows, y> (float32, fixed order; 0 on padding), dy = w * d_rows
-        d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
-        act.y = None
-        down_rows = [(dy, act.a)]
-    else:  # y was not kept: <d_rows, y> = <d_rows @ W_down, a>, d_a = w * (d_rows @ W_down)
-        d_row_w[window], da = mops.moe_row_grad(
-            experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
-        )
-        down_rows = [(d_rows, weighted_rows(act.a, w_rows, row_tok))]
-    del d_rows
-    act.a = None
+    d_row_w[window], dy, da, down_operands = _down_side(experts, act, d_rows, w_rows, row_tok,
+                                                         offs)  # fmt: skip
+    down_rows = [down_operands]  # popped into the down weight's gradient below
+    del d_rows, down_operands
+    act.y = act.a = None
     d_rw = mops.moe_combine_slots(
         d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
     )
@@ -235,10 +227,7 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
     d_shared, shared_dx = (None, None, None), None
     if shared is not None:
         d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
-    if da is None:
-        d_pre = experts.pre_grads_from_dy(dy, act, offs)
-    else:
-        d_pre = experts.pre_grads_from_da(da, act)
+    d_pre = _pre_grads(experts, dy, da, act, offs)
     del dy, da
     act.g = act.u = act.h = None
     # dx = Σ d_pre @ W_pre: with separate gate and up, each term rounded to bf16 once and summed
@@ -261,6 +250,30 @@ def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         d_w_routed_gate=d_w[0], d_w_routed_up=d_w[1], d_w_routed_down=None,
         d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1], d_w_shared_down=d_shared[2],
     )  # fmt: skip
+
+
+def _down_side(experts, act: ExpertRows, d_rows, w_rows, row_tok, offs):
+    """The down projection's side of one round's backward, in one ``moe_row_grad`` pass:
+    (d_row_w, dy, da, the down weight gradient's operands). With y: d_row_w = <d_rows, y>
+    (float32, fixed order; 0 on padding), dy = w * d_rows, da None, operands (dy, a). Without:
+    <d_rows, y> = <d_rows @ W_down, a> and d_a = w * (d_rows @ W_down), dy None, operands
+    (d_rows, w * a)."""
+    from mok_megatron.ops import moe as mops
+
+    if act.y is not None:
+        d_row_w, dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
+        return d_row_w, dy, None, (dy, act.a)
+    d_row_w, da = mops.moe_row_grad(
+        experts.mm_nn(d_rows, experts.routed.down, offs), act.a, w_rows, row_tok
+    )
+    return d_row_w, None, da, (d_rows, weighted_rows(act.a, w_rows, row_tok))
+
+
+def _pre_grads(experts, dy, da, act: ExpertRows, offs):
+    """The pre-activation gradients from ``_down_side``'s dy or da."""
+    if da is None:
+        return experts.pre_grads_from_dy(dy, act, offs)
+    return experts.pre_grads_from_da(da, act)
 
 
 def _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, slot):
@@ -303,19 +316,11 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         # FP8 recomputes y too: its router-weight gradient is <d_rows, y> of the FP8 GEMM's y
         # (Experts.backward_reads_y); the bf16 W_down's <d_rows @ W_down, a> is not
         act = experts.forward(x_rows, offs, save_pre=True, with_down=experts.fp8)
-        if act.y is not None:
-            d_row_w[window], dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
-            act.y = d_rows = None
-            d_pre = experts.pre_grads_from_dy(dy, act, offs)
-            wgrad_down = (dy, act.a)
-            del dy
-        else:
-            d_row_w[window], da = mops.moe_row_grad(
-                experts.mm_nn(d_rows, routed.down, offs), act.a, w_rows, row_tok
-            )
-            d_pre = experts.pre_grads_from_da(da, act)
-            del da
-            wgrad_down = (d_rows, weighted_rows(act.a, w_rows, row_tok))
+        d_row_w[window], dy, da, wgrad_down = _down_side(experts, act, d_rows, w_rows, row_tok,
+                                                         offs)  # fmt: skip
+        act.y = d_rows = None  # d_rows lives on in wgrad_down only where it is an operand
+        d_pre = _pre_grads(experts, dy, da, act, offs)
+        del dy, da
         dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
         # weight gradients one at a time (each part is weight-sized)
         parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
