@@ -42,6 +42,11 @@ def main_grad_tag(record) -> str:
     return " (main_grad)" if record.get("args", {}).get("main_grad") else ""
 
 
+def _ms(t) -> str:
+    """A timing as "median (p10-p90)" in ms."""
+    return f"{t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f})"
+
+
 def rows(record):
     tag = main_grad_tag(record)
     for case in record["cases"]:
@@ -59,8 +64,8 @@ def rows(record):
             yield (
                 f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} | {case['routing']} "
                 f"| {label.replace('_', '+')}{tag} | {case['mok_backend']} "
-                f"| {b['median_ms_all_ranks_max']:.3f} ({b['p10_ms']:.3f}-{b['p90_ms']:.3f}) "
-                f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
+                f"| {_ms(b)} "
+                f"| {_ms(m)} "
                 f"| **{r['speedup']:.2f}x** | {m['tflops']:.0f} | {m['nvlink_gbps']:.0f} "
                 f"| {r['cost']['floor_ms']:.3f} | {m['fraction_of_floor']:.2f} "
                 f"| {b['fraction_of_floor']:.2f} | {m['peak_mem_bytes'] / 2**30:.2f} "
@@ -89,8 +94,8 @@ def stage1_rows(records):
                 yield (
                     f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
                     f"| {case['routing']} | {label.replace('_', '+')} | {case['mok_backend']} "
-                    f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
-                    f"| {t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f}) "
+                    f"| {_ms(m)} "
+                    f"| {_ms(t)} "
                     f"| **{r['stage1_speedup']:.2f}x** | {m['fraction_of_floor']:.2f} "
                     f"| {t['fraction_of_floor']:.2f} | {m['peak_mem_bytes'] / 2**30:.2f} "
                     f"| {t['peak_mem_bytes'] / 2**30:.2f} |"
@@ -121,8 +126,8 @@ def graph_rows(records):
             yield (
                 f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
                 f"| {case['routing']} | {case['mok_backend']} "
-                f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
-                f"| {g['median_ms_all_ranks_max']:.3f} ({g['p10_ms']:.3f}-{g['p90_ms']:.3f}) "
+                f"| {_ms(m)} "
+                f"| {_ms(g)} "
                 f"| {r['cost']['floor_ms']:.3f} | {m['fraction_of_floor']:.2f} "
                 f"| {g['fraction_of_floor']:.2f} |"
             )
@@ -205,10 +210,6 @@ def compare_rows(before_path, after_path):
             )
 
 
-def _ms(t) -> str:
-    return f"{t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f})"
-
-
 def compare_tables(pairs):
     for before, after in pairs:
         yield (
@@ -236,8 +237,8 @@ def engine_rows(records):
                     yield (
                         f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
                         f"| {case['routing']} | {label.replace('_', '+')} | {v} "
-                        f"| {m['median_ms_all_ranks_max']:.3f} ({m['p10_ms']:.3f}-{m['p90_ms']:.3f}) "
-                        f"| {t['median_ms_all_ranks_max']:.3f} ({t['p10_ms']:.3f}-{t['p90_ms']:.3f}) "
+                        f"| {_ms(m)} "
+                        f"| {_ms(t)} "
                         f"| **{ratio:.2f}x** |"
                     )
 
