@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from . import api
 from .config import MoKConfig
+from .fp8_weights import share_fp8_weight
 from .workspace import MoKWorkspace, get_workspace
 
 __all__ = ["moe"]
@@ -174,7 +175,8 @@ def moe(
     )  # under torch.no_grad() (or with nothing to differentiate) nothing is kept for a backward
     link = _Backward(accumulation)
     down = routed[2]
-    detached = down.detach() if isinstance(down, torch.Tensor) else down
+    # the alias shares down's FP8 copy (kept on down): a fresh alias would requantise it per pass
+    detached = share_fp8_weight(down.detach(), down) if isinstance(down, torch.Tensor) else down
     out = _MoKFunction.apply(
         config, workspace, link, save, x, topk_experts, router_weights, *shared, *routed[:2],
         detached,

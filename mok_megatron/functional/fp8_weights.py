@@ -23,6 +23,7 @@ __all__ = ["attach_fp8_weight", "attach_mxfp8_source", "check_fp8_sizes", "fp8_w
 _CACHE_ATTR = "_mok_fp8_blocks"
 _SOURCE_ATTR = "_mok_mxfp8_source"  # on a dense copy: the MXFP8 weight it was dequantised from
 _TRANSPOSED_ATTR = "_mok_fp8_blocks_t"  # on an FP8 copy's data: (its versions, it transposed)
+_HOLDER_ATTR = "_mok_fp8_holder"  # on a detached alias: the weight whose FP8 copy it shares
 _epoch = 0  # bumped by every optimizer step and by invalidate_fp8_weight_cache()
 
 
@@ -63,7 +64,14 @@ def fp8_weight(w: torch.Tensor):
     source = getattr(w, _SOURCE_ATTR, None)
     if source is not None:
         return _requantized(source)
-    return _kept(w, _key(w), lambda: fp8_gemm_weight(w.detach()))
+    return _kept(getattr(w, _HOLDER_ATTR, w), _key(w), lambda: fp8_gemm_weight(w.detach()))
+
+
+def share_fp8_weight(alias: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Make ``alias`` (``w.detach()``: same storage and version counter) read and keep ``w``'s
+    FP8 copy, so a fresh alias per pass does not quantise ``w`` again. Returns ``alias``."""
+    setattr(alias, _HOLDER_ATTR, w)
+    return alias
 
 
 def fp8_weight_transposed(w: torch.Tensor):
