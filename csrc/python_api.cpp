@@ -47,9 +47,10 @@ TORCH_LIBRARY(mok, m) {
       "int minibatch_rows, int macrobatch_rows) -> int[]",
       &mok::apis::moe_mega_shape);
   m.def("moe_comm_fields() -> str[]", &mok::apis::moe_comm_fields);
-  // ---- moe_mega (the forward megakernel): csrc/apis/moe_mega.h -------------------------------
+  // ---- moe_mega (the megakernels): csrc/apis/moe_mega.h --------------------------------------
   m.def("moe_mega_plan_fields() -> str[]", &mok::apis::moe_mega_plan_fields);
   m.def("moe_mega_forward_fields() -> str[]", &mok::apis::moe_mega_forward_fields);
+  m.def("moe_mega_backward_fields() -> str[]", &mok::apis::moe_mega_backward_fields);
   m.def(
       "moe_mega_plan(Tensor topk, Tensor router_weights, int[] comm, int num_experts, "
       "int row_capacity, int token_capacity, int inter, int minibatch, int macrobatch) -> Tensor[]");
@@ -58,6 +59,11 @@ TORCH_LIBRARY(mok, m) {
       "Tensor w_down, Tensor? shared_out, Tensor[] plan, int[] comm, int num_experts, "
       "int row_capacity, int token_capacity, int minibatch, int macrobatch, int num_comm_sms, "
       "int num_sms, bool save, bool keep_y, int stall_minibatch, bool trace=False) -> Tensor[]");
+  m.def(
+      "moe_mega_backward(Tensor d_out, Tensor topk, Tensor[] plan, Tensor act_ring, "
+      "Tensor h_ring, Tensor w_gate_up, Tensor w_down, Tensor? shared_dx, int[] comm, "
+      "int num_experts, int row_capacity, int minibatch, int macrobatch, int num_comm_sms, "
+      "int num_sms, int stall_minibatch, bool trace=False) -> Tensor[]");
   m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
   m.def("routing_to_topk(Tensor probs, Tensor routing_map, int topk) -> (Tensor, Tensor)");
   m.def(
@@ -106,6 +112,7 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("moe_accumulate_groups", &mok::apis::moe_accumulate_groups);
   m.impl("moe_mega_plan", &mok::apis::moe_mega_plan);
   m.impl("moe_mega_forward", &mok::apis::moe_mega_forward);
+  m.impl("moe_mega_backward", &mok::apis::moe_mega_backward);
 }
 
 // ==== grouped_gemm: the expert GEMM engine (issue 7) ==========================================

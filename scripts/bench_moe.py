@@ -80,6 +80,13 @@ def parse_args(argv=None):
         "'mok_stage1', in the same process, beside the default (the megakernel where it runs)",
     )
     p.add_argument(
+        "--mok-stage1-backward",
+        action="store_true",
+        help="also time MoK's forward + backward with MoKConfig.cuda_backward='stage1' (stage "
+        "1's backward after the same forward), as 'mok_stage1_bwd', in the same process, beside "
+        "the default (the backward megakernel where it runs)",
+    )
+    p.add_argument(
         "--mok-fp8",
         action="store_true",
         help="also time MoK with MoKConfig.expert_precision='fp8_blockwise' (stage 1; weights "
@@ -377,6 +384,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         contenders += [(f"mok_gemm_{v}", layer, {"expert_gemm": v}) for v in variants]
         if args.mok_stage1:
             contenders.append(("mok_stage1", layer, {"cuda_forward": "stage1"}))
+        if args.mok_stage1_backward and backward:
+            contenders.append(("mok_stage1_bwd", layer, {"cuda_backward": "stage1"}))
         if args.mok_fp8:
             fp8 = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
             contenders.append(("mok_fp8", layer, fp8))
@@ -403,6 +412,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
             result["stage1_speedup"] = (result["mok_stage1"]["median_ms_all_ranks_max"]
                                         / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
+            result["stage1_bwd_speedup"] = (result["mok_stage1_bwd"]["median_ms_all_ranks_max"]
+                                            / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
         # > 1: MoK's default expert GEMMs beat this setting
         result["default_gemm_speedup"] = {
             v: result[f"mok_gemm_{v}"]["median_ms_all_ranks_max"]

@@ -81,22 +81,24 @@ TABLE_HEAD = (
 )
 
 
-def stage1_rows(records):
-    """MoK's default forward against MoK with cuda_forward='stage1', same process (bench_moe.py
-    --mok-stage1), where a record has both."""
+def stage1_rows(records, contender="mok_stage1", ratio="stage1_speedup",
+                labels=("fwd", "fwd_bwd")):  # fmt: skip
+    """MoK's default path against MoK with one knob changed, same process, where a record has
+    both: cuda_forward='stage1' (bench_moe.py --mok-stage1, ``contender`` 'mok_stage1'), or
+    cuda_backward='stage1' (--mok-stage1-backward, 'mok_stage1_bwd', forward + backward)."""
     for _, record in records:
         for case in record["cases"]:
-            for label in ("fwd", "fwd_bwd"):
+            for label in labels:
                 r = case.get(label, {})
-                if "mok_stage1" not in r:
+                if contender not in r:
                     continue
-                m, t = r["mok"], r["mok_stage1"]
+                m, t = r["mok"], r[contender]
                 yield (
                     f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
                     f"| {case['routing']} | {label.replace('_', '+')} | {case['mok_backend']} "
                     f"| {_ms(m)} "
                     f"| {_ms(t)} "
-                    f"| **{r['stage1_speedup']:.2f}x** | {m['fraction_of_floor']:.2f} "
+                    f"| **{r[ratio]:.2f}x** | {m['fraction_of_floor']:.2f} "
                     f"| {t['fraction_of_floor']:.2f} | {m['peak_mem_bytes'] / 2**30:.2f} "
                     f"| {t['peak_mem_bytes'] / 2**30:.2f} |"
                 )
@@ -110,6 +112,18 @@ STAGE1_HEAD = (
     "| shape | EP | tokens/rank | routing | pass | mok backend | mok ms (p10-p90) "
     "| stage 1 ms (p10-p90) | ratio | mok of floor | stage 1 of floor | mok peak GiB "
     "| stage 1 peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+STAGE1_BWD_HEAD = (
+    "## MoK's backward paths: the backward megakernel against stage 1's backward\n\n"
+    "Forward + backward of the MoK layer as above (the megakernel's forward, then the default "
+    "`cuda_backward='auto'`: the backward megakernel for the data gradients) against the same "
+    "layer and forward with `cuda_backward='stage1'` (stage 1's kernel sequence for the "
+    "backward), same process (`bench_moe.py --mok-stage1-backward`). Ratio > 1: the backward "
+    "megakernel's pass is faster.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | mok backend | mok ms (p10-p90) "
+    "| stage-1 backward ms (p10-p90) | ratio | mok of floor | stage-1 backward of floor "
+    "| mok peak GiB | stage-1 backward peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -459,6 +473,9 @@ def main(argv=None) -> None:
     stage1 = list(stage1_rows(records))
     if stage1:
         parts += ["", STAGE1_HEAD, *stage1]
+    stage1_bwd = list(stage1_rows(records, "mok_stage1_bwd", "stage1_bwd_speedup", ("fwd_bwd",)))
+    if stage1_bwd:
+        parts += ["", STAGE1_BWD_HEAD, *stage1_bwd]
     graphed = list(graph_rows(records))
     if graphed:
         parts += ["", GRAPH_HEAD, *graphed]

@@ -4,6 +4,9 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <tuple>
+#include <utility>
+
 #include "apis/comm.h"
 #include "apis/moe.h"
 #include "apis/tensor_arena.h"
@@ -26,6 +29,13 @@ enum ForwardField : int {
   MOK_MEGA_FORWARD_FIELDS(MOK_FIELD_ENUM)
 #undef MOK_FIELD_ENUM
       kForwardNumFields
+};
+
+enum BackwardField : int {
+#define MOK_FIELD_ENUM(name) kBackward_##name,
+  MOK_MEGA_BACKWARD_FIELDS(MOK_FIELD_ENUM)
+#undef MOK_FIELD_ENUM
+      kBackwardNumFields
 };
 
 layout::MegaShape mega_shape(const launch::MoeComm& comm, int64_t row_capacity,
@@ -109,6 +119,59 @@ std::vector<at::Tensor> build_plan(const at::Tensor& topk, const at::Tensor& rou
   return t;
 }
 
+// The grid: num_sms CTAs (0: every SM), checked against the device and the comm CTAs (`knob`
+// names the MoKConfig field in the error).
+int mega_grid(const at::Tensor& x, int64_t num_sms, int64_t num_comm_sms, const char* knob) {
+  int device_sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
+                                        x.device().index()));
+  const int grid = num_sms > 0 ? static_cast<int>(num_sms) : device_sms;
+  TORCH_CHECK(grid <= device_sms && num_comm_sms >= 1 && num_comm_sms < grid, "mok::moe_mega: ",
+              knob, "=", num_comm_sms, " must be in [1, ", grid - 1, "] (the megakernel has ",
+              grid, " SMs of ", device_sms, "); lower ", knob);
+  return grid;
+}
+
+// The timeline's buffers (zeros: the kernel adds into them), [0, ...] each when not tracing.
+std::pair<at::Tensor, at::Tensor> trace_buffers(const at::Tensor& like, bool trace, int grid,
+                                                const layout::MegaShape& shape) {
+  const auto i64 = opts(like, at::kLong);
+  const auto buffer = [&](std::vector<int64_t> sizes) {
+    if (trace) return at::zeros(sizes, i64);
+    sizes[0] = 0;
+    return at::empty(sizes, i64);
+  };
+  return {buffer({grid, layout::kTraceCtaWords}),
+          buffer({shape.num_rounds(), shape.max_tasks(), layout::kTraceTaskWords})};
+}
+
+// The launch arguments both megakernels share: the workspace, the shape, the grid, the plan.
+launch::MegaArgs mega_args(const launch::MoeComm& comm, const layout::MegaShape& shape, int grid,
+                           int64_t num_comm_sms, const std::vector<at::Tensor>& plan,
+                           int64_t stall_minibatch, at::Tensor& trace_ctas,
+                           at::Tensor& trace_tasks) {
+  launch::MegaArgs a;
+  a.lay = comm.lay;
+  a.peer_bases = comm.peer_bases;
+  a.my_base = comm.my_base;
+  a.rank = comm.rank;
+  a.timeout_ns = comm.timeout_ns;
+  a.error = comm.error_record;
+  a.shape = shape;
+  a.num_ctas = grid;
+  a.num_comm_ctas = static_cast<int>(num_comm_sms);
+  a.row_src = plan[kPlan_row_src].data_ptr<int64_t>();
+  a.row_dst = plan[kPlan_row_dst].data_ptr<int64_t>();
+  a.tile_count = plan[kPlan_tile_count].data_ptr<int32_t>();
+  a.tiles = reinterpret_cast<const layout::MegaTile*>(plan[kPlan_tiles].data_ptr<int32_t>());
+  a.stall_minibatch = static_cast<int>(stall_minibatch);
+  if (trace_ctas.numel() > 0) {
+    a.trace_ctas = trace_ctas.data_ptr<int64_t>();
+    a.trace_tasks = trace_tasks.data_ptr<int64_t>();
+  }
+  return a;
+}
+
 }  // namespace
 
 std::vector<std::string> moe_mega_plan_fields() {
@@ -123,6 +186,14 @@ std::vector<std::string> moe_mega_forward_fields() {
   return {
 #define MOK_FIELD_NAME(name) #name,
       MOK_MEGA_FORWARD_FIELDS(MOK_FIELD_NAME)
+#undef MOK_FIELD_NAME
+  };
+}
+
+std::vector<std::string> moe_mega_backward_fields() {
+  return {
+#define MOK_FIELD_NAME(name) #name,
+      MOK_MEGA_BACKWARD_FIELDS(MOK_FIELD_NAME)
 #undef MOK_FIELD_NAME
   };
 }
@@ -184,13 +255,7 @@ std::vector<at::Tensor> moe_mega_forward(
     plan = build_plan(topk, router_weights, comm_ints, comm, num_experts, row_capacity,
                       token_capacity, shape);
   }
-  int device_sms = 0;
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
-                                        x.device().index()));
-  const int grid = num_sms > 0 ? static_cast<int>(num_sms) : device_sms;
-  TORCH_CHECK(grid <= device_sms && num_comm_sms >= 1 && num_comm_sms < grid,
-              "mok::moe_mega_forward: fwd_num_comm_sms=", num_comm_sms, " must be in [1, ", grid - 1,
-              "] (the megakernel has ", grid, " SMs of ", device_sms, "); lower fwd_num_comm_sms");
+  const int grid = mega_grid(x, num_sms, num_comm_sms, "fwd_num_comm_sms");
 
   const int64_t ring = shape.ring_rows(), rounds = shape.num_rounds();
   const auto bf16 = x.options();
@@ -210,15 +275,8 @@ std::vector<at::Tensor> moe_mega_forward(
     out[kForward_y_rows] = at::empty({0, lay.hidden}, bf16);
   }
   out[kForward_x_recv] = at::empty({keep_tokens ? token_capacity : 0, lay.hidden}, bf16);
-  const auto i64 = opts(x, at::kLong);
-  const auto trace_buffer = [&](std::vector<int64_t> sizes) {  // [0, ...] when not tracing
-    if (trace) return at::zeros(sizes, i64);  // zeros: the kernel adds into them
-    sizes[0] = 0;
-    return at::empty(sizes, i64);
-  };
-  out[kForward_trace_ctas] = trace_buffer({grid, layout::kTraceCtaWords});
-  out[kForward_trace_tasks] =
-      trace_buffer({rounds, shape.max_tasks(), layout::kTraceTaskWords});
+  std::tie(out[kForward_trace_ctas], out[kForward_trace_tasks]) =
+      trace_buffers(x, trace, grid, shape);
   const int num_tokens = static_cast<int>(x.size(0));
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens,
@@ -231,38 +289,114 @@ std::vector<at::Tensor> moe_mega_forward(
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
   launch::moe_bump_epoch(comm, stream);
 
-  launch::MegaForwardArgs a;
-  a.lay = lay;
-  a.peer_bases = comm.peer_bases;
-  a.my_base = comm.my_base;
-  a.rank = comm.rank;
-  a.timeout_ns = comm.timeout_ns;
-  a.error = comm.error_record;
-  a.shape = shape;
-  a.num_ctas = grid;
-  a.num_comm_ctas = static_cast<int>(num_comm_sms);
+  launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, plan, stall_minibatch,
+                                 out[kForward_trace_ctas], out[kForward_trace_tasks]);
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
   a.x_ring = out[kForward_x_ring].data_ptr();
   a.act_ring = out[kForward_act_ring].data_ptr();
   a.h_ring = keep_rows ? out[kForward_h_ring].data_ptr() : nullptr;
   a.y_rows = keep_rows && keep_y ? out[kForward_y_rows].data_ptr() : nullptr;
-  a.row_src = plan[kPlan_row_src].data_ptr<int64_t>();
-  a.row_dst = plan[kPlan_row_dst].data_ptr<int64_t>();
-  a.tile_count = plan[kPlan_tile_count].data_ptr<int32_t>();
-  a.tiles = reinterpret_cast<const layout::MegaTile*>(plan[kPlan_tiles].data_ptr<int32_t>());
-  a.stall_minibatch = static_cast<int>(stall_minibatch);
-  if (trace) {
-    a.trace_ctas = out[kForward_trace_ctas].data_ptr<int64_t>();
-    a.trace_tasks = out[kForward_trace_tasks].data_ptr<int64_t>();
-  }
-  launch::moe_forward_megakernel(a, stream);
+  launch::moe_megakernel(a, stream);
 
   out[kForward_out] = at::empty({x.size(0), lay.hidden}, bf16);
   launch::moe_reduce_slot_rows(comm, topk.data_ptr<int64_t>(), router_weights.data_ptr<float>(),
                                num_experts, shared_out ? shared_out->data_ptr() : nullptr,
                                out[kForward_out].data_ptr(), num_tokens, stream);
   out.insert(out.end(), plan.begin(), plan.end());
+  return out;
+}
+
+std::vector<at::Tensor> moe_mega_backward(
+    const at::Tensor& d_out, const at::Tensor& topk, at::TensorList given_plan,
+    const at::Tensor& act_ring, const at::Tensor& h_ring, const at::Tensor& w_gate_up,
+    const at::Tensor& w_down, const std::optional<at::Tensor>& shared_dx,
+    at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t minibatch,
+    int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch,
+    bool trace) {
+  const auto comm = comm_of(comm_ints);
+  const auto& lay = comm.lay;
+  check(d_out, "d_out", at::kBFloat16, 2);
+  check(topk, "topk", at::kLong, 2);
+  check(w_gate_up, "w_gate_up", at::kBFloat16, 3);
+  check(w_down, "w_down", at::kBFloat16, 3);
+  const int64_t e_l = num_experts / lay.num_ranks, inter = w_down.size(2);
+  TORCH_CHECK(topk.size(0) == d_out.size(0) && topk.size(1) == lay.topk,
+              "mok::moe_mega_backward: topk ", topk.sizes(), " must be [T, K] = [", d_out.size(0),
+              ", ", lay.topk, "]");
+  TORCH_CHECK(d_out.size(0) <= lay.max_tokens && d_out.size(1) == lay.hidden,
+              "mok::moe_mega_backward: d_out ", d_out.sizes(), " does not fit the workspace [<=",
+              lay.max_tokens, ", ", lay.hidden, "]");
+  TORCH_CHECK(w_gate_up.size(0) == e_l && w_gate_up.size(1) == 2 * inter &&
+                  w_gate_up.size(2) == lay.hidden && w_down.size(0) == e_l &&
+                  w_down.size(1) == lay.hidden,
+              "mok::moe_mega_backward: w_gate_up ", w_gate_up.sizes(), " / w_down ",
+              w_down.sizes(), " must be [E_l, 2I, H] / [E_l, H, I] with E_l=", e_l);
+  const auto shape = mega_shape(comm, row_capacity, e_l, inter, minibatch, macrobatch);
+  TORCH_CHECK(shape.num_rounds() == 1,
+              "mok::moe_mega_backward: ", shape.num_rounds(), " macrobatch rounds (row_capacity=",
+              row_capacity, " > macrobatch_size=", macrobatch, "); the backward megakernel runs "
+              "one round: use stage 1's backward (MoKConfig.cuda_backward='stage1') or raise "
+              "macrobatch_size");
+  const int64_t ring = shape.ring_rows();
+  check(act_ring, "act_ring", at::kBFloat16, 2);
+  check(h_ring, "h_ring", at::kBFloat16, 2);
+  TORCH_CHECK(act_ring.size(0) == ring && act_ring.size(1) == inter && h_ring.size(0) == ring &&
+                  h_ring.size(1) == 2 * inter,
+              "mok::moe_mega_backward: act_ring ", act_ring.sizes(), " / h_ring ", h_ring.sizes(),
+              " must be the forward's kept rings [", ring, ", ", inter, "] / [", ring, ", ",
+              2 * inter, "]");
+  if (shared_dx.has_value()) {
+    check(*shared_dx, "shared_dx", at::kBFloat16, 2);
+    TORCH_CHECK(shared_dx->sizes() == d_out.sizes(),
+                "mok::moe_mega_backward: shared_dx must be [T, H]");
+  }
+  TORCH_CHECK(lay.slot_rows == 1 && lay.counter_words >= shape.counter_words(),
+              "mok::moe_mega_backward: the workspace was not made for the megakernel (its layout "
+              "lacks the slot_rows / counters regions for this shape)");
+  TORCH_CHECK(given_plan.size() == kPlanNumFields, "mok::moe_mega_backward: plan must hold ",
+              kPlanNumFields, " tensors (the forward's moe_mega_plan)");
+  const std::vector<at::Tensor> plan(given_plan.begin(), given_plan.end());
+  c10::cuda::CUDAGuard guard(d_out.device());
+  const cudaStream_t stream = stream_of(d_out);
+  const int grid = mega_grid(d_out, num_sms, num_comm_sms, "bwd_num_comm_sms");
+
+  const auto bf16 = d_out.options();
+  std::vector<at::Tensor> out(kBackwardNumFields);
+  // NOTE: one allocation each: the backward lets d_rows go after the down weight's gradient and
+  // d_h after gate/up's.
+  out[kBackward_d_rows] = at::empty({ring, lay.hidden}, bf16);
+  out[kBackward_d_h] = at::empty({ring, 2 * inter}, bf16);
+  out[kBackward_d_row_w] = at::empty({ring}, opts(d_out, at::kFloat));
+  const at::Tensor partials = at::empty({ring, shape.dgrad_ntiles()}, opts(d_out, at::kFloat));
+  std::tie(out[kBackward_trace_ctas], out[kBackward_trace_tasks]) =
+      trace_buffers(d_out, trace, grid, shape);
+  const int num_tokens = static_cast<int>(d_out.size(0));
+  launch::moe_stage_tokens(comm, d_out.data_ptr(), num_tokens, stream);
+  launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
+                                 plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
+  launch::moe_bump_epoch(comm, stream);
+
+  launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, plan, stall_minibatch,
+                                 out[kBackward_trace_ctas], out[kBackward_trace_tasks]);
+  a.backward = true;
+  a.w_gate_up = w_gate_up.data_ptr();
+  a.w_down = w_down.data_ptr();
+  a.x_ring = out[kBackward_d_rows].data_ptr();
+  a.act_ring = act_ring.data_ptr();
+  a.h_ring = h_ring.data_ptr();
+  a.dh_ring = out[kBackward_d_h].data_ptr();
+  a.w_rows = plan[kPlan_w_rows].data_ptr<float>();
+  a.rw_partials = partials.data_ptr<float>();
+  launch::moe_megakernel(a, stream);
+
+  out[kBackward_d_x] = at::empty({d_out.size(0), lay.hidden}, bf16);
+  launch::moe_reduce_slot_rows(comm, topk.data_ptr<int64_t>(), nullptr, num_experts,
+                               shared_dx ? shared_dx->data_ptr() : nullptr,
+                               out[kBackward_d_x].data_ptr(), num_tokens, stream);
+  launch::moe_sum_row_partials(partials.data_ptr<float>(), shape.dgrad_ntiles(),
+                               plan[kPlan_row_tok].data_ptr<int64_t>(),
+                               out[kBackward_d_row_w].data_ptr<float>(), ring, stream);
   return out;
 }
 

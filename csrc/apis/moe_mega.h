@@ -26,10 +26,18 @@
 #define MOK_MEGA_FORWARD_FIELDS(X) \
   X(out) X(x_ring) X(act_ring) X(h_ring) X(y_rows) X(x_recv) X(trace_ctas) X(trace_tasks)
 
+// The backward megakernel's outputs: d_x [T, H] (+ the shared expert's); the rows the weight
+// gradients read: d_rows [ring, H] (d_out pulled to the rows) and d_h [ring, 2I] (interleaved as
+// h); d_row_w [ring] float32, each row's router-weight gradient (0 on padding); the timeline as
+// the forward's.
+#define MOK_MEGA_BACKWARD_FIELDS(X) \
+  X(d_x) X(d_rows) X(d_h) X(d_row_w) X(trace_ctas) X(trace_tasks)
+
 namespace mok::apis {
 
 std::vector<std::string> moe_mega_plan_fields();
 std::vector<std::string> moe_mega_forward_fields();
+std::vector<std::string> moe_mega_backward_fields();
 
 // topk [T, K] int64, router_weights [T, K] f32 -> MOK_MEGA_PLAN_FIELDS. Collective.
 std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& router_weights,
@@ -49,5 +57,16 @@ std::vector<at::Tensor> moe_mega_forward(
     at::IntArrayRef comm, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace);
+
+// The data gradients of one forward pass (one round), from one call: staging d_out, the backward
+// megakernel, the unweighted slot sum (+ shared_dx [T, H] or none), the per-row router-weight
+// gradients. plan: the forward's (moe_mega_plan's tensors); act_ring / h_ring: the forward's kept
+// rings. -> MOK_MEGA_BACKWARD_FIELDS. Collective.
+std::vector<at::Tensor> moe_mega_backward(
+    const at::Tensor& d_out, const at::Tensor& topk, at::TensorList plan,
+    const at::Tensor& act_ring, const at::Tensor& h_ring, const at::Tensor& w_gate_up,
+    const at::Tensor& w_down, const std::optional<at::Tensor>& shared_dx, at::IntArrayRef comm,
+    int64_t num_experts, int64_t row_capacity, int64_t minibatch, int64_t macrobatch,
+    int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch, bool trace);
 
 }  // namespace mok::apis

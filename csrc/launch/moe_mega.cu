@@ -77,4 +77,12 @@ void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float*
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
+void moe_sum_row_partials(const float* partials, int64_t parts, const int64_t* row_tok,
+                          float* d_row_w, int64_t rows, cudaStream_t stream) {
+  if (rows == 0) return;
+  roles::sum_row_partials<<<grid_for(rows), kThreads, 0, stream>>>(partials, parts, row_tok,
+                                                                  d_row_w, rows);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace mok::launch

@@ -27,9 +27,15 @@ void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, con
                             int64_t num_local_experts, cudaStream_t stream);
 
 // Barrier (every rank's megakernel stored its rows), then out [T, H] bf16 = the slot-ordered sum
-// of this rank's slot_rows weighted by weights [T, K] (+ shared_out [T, H], may be null).
+// of this rank's slot_rows weighted by weights [T, K] (null: unweighted) (+ shared_out [T, H],
+// may be null).
 void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float* weights,
                           int64_t num_experts, const void* shared_out, void* out, int num_tokens,
                           cudaStream_t stream);
+
+// d_row_w [rows] float32 = each row's partials [rows, parts] summed in order (0 on padding rows,
+// row_tok < 0): the backward megakernel's router-weight gradient per row.
+void moe_sum_row_partials(const float* partials, int64_t parts, const int64_t* row_tok,
+                          float* d_row_w, int64_t rows, cudaStream_t stream);
 
 }  // namespace mok::launch

@@ -1,22 +1,25 @@
-// Host launcher of the forward megakernel (launch/moe_megakernel.h): checks the arguments, derives
-// the device parameters (int32 sizes, region offsets, the four TMA descriptors) and launches one
-// persistent grid. The kernel: include/mok/kernels/moe_forward.cuh.
+// Host launcher of the megakernels (launch/moe_megakernel.h): checks the arguments, derives the
+// device parameters (int32 sizes, region offsets, the four TMA descriptors) and launches one
+// persistent grid. The kernels: include/mok/kernels/moe_megakernels.cuh.
 #include "launch/moe_megakernel.h"
 
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "mok/common/macros.cuh"
-#include "mok/kernels/moe_forward.cuh"
+#include "mok/kernels/moe_megakernels.cuh"
 
 namespace mok::launch {
 namespace {
 
-using gemm::MegaMainloop;
 using layout::Region;
 
-const void* kernel_ptr() { return reinterpret_cast<const void*>(&kernels::moe_forward_megakernel); }
+const void* kernel_ptr(bool backward) {
+  return backward ? reinterpret_cast<const void*>(&kernels::moe_backward_megakernel)
+                  : reinterpret_cast<const void*>(&kernels::moe_forward_megakernel);
+}
 
 bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
 
@@ -28,25 +31,33 @@ int to_int32(int64_t v, const char* what) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// TMA descriptors of one GEMM: A = a [a_rows, k] (one "batch"), B = b [num_experts, n, k].
+// TMA descriptors of one GEMM: A = a [a_rows, k] (one "batch"); B the expert weights, as (N, K)
+// per expert: b [num_experts, n, k] (the forward's mainloop, K contiguous) or b [num_experts, k,
+// n] (the backward's, N contiguous).
 // NOTE: A comes from a problem with L = 1 and B from one with L = num_experts; each call builds
 // both descriptors, and only the right one of each is kept.
-typename MegaMainloop::Params gemm_params(const void* a, int a_rows, const void* b, int n, int k,
-                                          int num_experts) {
+template <class Mainloop>
+typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, int n, int k,
+                                      int num_experts) {
   using Element = gemm::Element;
   const auto stride_a = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{a_rows} * k);
-  const auto stride_b = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{n} * k);
-  const typename MegaMainloop::Arguments args{static_cast<const Element*>(a), stride_a,
-                                              static_cast<const Element*>(b), stride_b};
-  typename MegaMainloop::Params params =
-      MegaMainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, 1), args, nullptr);
-  const typename MegaMainloop::Params batched = MegaMainloop::to_underlying_arguments(
+  typename Mainloop::StrideB stride_b;
+  if constexpr (std::is_same_v<Mainloop, gemm::MegaMainloopNN>) {
+    stride_b = cute::make_stride(cute::Int<1>{}, int64_t{n}, int64_t{n} * k);
+  } else {
+    stride_b = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{n} * k);
+  }
+  const typename Mainloop::Arguments args{static_cast<const Element*>(a), stride_a,
+                                          static_cast<const Element*>(b), stride_b};
+  typename Mainloop::Params params =
+      Mainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, 1), args, nullptr);
+  const typename Mainloop::Params batched = Mainloop::to_underlying_arguments(
       cute::make_shape(a_rows, n, k, num_experts), args, nullptr);
   params.tma_load_b = batched.tma_load_b;
   return params;
 }
 
-void check_args(const MegaForwardArgs& a) {
+void check_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
   const layout::WorkspaceLayout& lay = a.lay;
   MOK_HOST_CHECK(a.num_comm_ctas >= 1, "megakernel: num_comm_ctas=%d must be >= 1",
@@ -90,6 +101,19 @@ void check_args(const MegaForwardArgs& a) {
   MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr && a.x_ring != nullptr &&
                      a.act_ring != nullptr,
                  "megakernel: null w_gate_up, w_down, x_ring or act_ring");
+  if (a.backward) {
+    MOK_HOST_CHECK(a.h_ring != nullptr && a.dh_ring != nullptr && a.w_rows != nullptr &&
+                       a.rw_partials != nullptr && a.y_rows == nullptr,
+                   "backward megakernel: h_ring, dh_ring, w_rows and rw_partials are required "
+                   "and y_rows is the forward's only");
+    MOK_HOST_CHECK(s.num_rounds() == 1,
+                   "backward megakernel: %lld macrobatch rounds; it runs one round (the forward's "
+                   "kept activations): more rows than macrobatch_size take stage 1's backward",
+                   static_cast<long long>(s.num_rounds()));
+  } else {
+    MOK_HOST_CHECK(a.dh_ring == nullptr && a.w_rows == nullptr && a.rw_partials == nullptr,
+                   "forward megakernel: dh_ring, w_rows and rw_partials are the backward's only");
+  }
   MOK_HOST_CHECK((a.trace_ctas == nullptr) == (a.trace_tasks == nullptr),
                  "megakernel: trace_ctas and trace_tasks are both given or both null");
   MOK_HOST_CHECK(fits_int32(s.num_rounds() * s.max_tasks()),
@@ -99,11 +123,12 @@ void check_args(const MegaForwardArgs& a) {
                      a.tiles != nullptr,
                  "megakernel: null row_src, row_dst, tile_count or tiles");
   MOK_HOST_CHECK(aligned16(a.w_gate_up) && aligned16(a.w_down) && aligned16(a.x_ring) &&
-                     aligned16(a.act_ring) && aligned16(a.h_ring) && aligned16(a.y_rows),
+                     aligned16(a.act_ring) && aligned16(a.h_ring) && aligned16(a.y_rows) &&
+                     aligned16(a.dh_ring),
                  "megakernel: weights and rings must be 16-byte aligned (TMA, 16-byte rows)");
 }
 
-roles::MegaParams device_params(const MegaForwardArgs& a) {
+roles::MegaParams device_params(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
   roles::MegaParams p{};
   p.peer_bases = a.peer_bases;
@@ -122,20 +147,28 @@ roles::MegaParams device_params(const MegaForwardArgs& a) {
   p.minibatch_rows = to_int32(s.minibatch_rows, "minibatch_rows");
   p.num_rounds = to_int32(s.num_rounds(), "num_rounds");
   p.max_tiles = to_int32(s.max_tiles(), "max_tiles");
-  p.l1_ntiles = to_int32(s.l1_ntiles(), "l1_ntiles");
+  // The first GEMM's B rows and the second's K: forward (2I, I), backward (I, 2I).
+  p.l1_n = a.backward ? p.inter : 2 * p.inter;
+  p.l2_k = a.backward ? 2 * p.inter : p.inter;
+  p.l1_ntiles = to_int32(a.backward ? s.dgrad_ntiles() : s.l1_ntiles(), "l1_ntiles");
   p.l2_ntiles = to_int32(s.l2_ntiles(), "l2_ntiles");
   constexpr int kBlockK = cute::size<2>(gemm::MegaTileShape{});
   p.l1_ktiles = to_int32(layout::MegaShape::ceil_div(s.hidden, kBlockK), "l1_ktiles");
-  p.l2_ktiles = to_int32(layout::MegaShape::ceil_div(s.inter, kBlockK), "l2_ktiles");
+  p.l2_ktiles = to_int32(layout::MegaShape::ceil_div(p.l2_k, kBlockK), "l2_ktiles");
   p.arrive_word = to_int32(s.arrive_word(), "arrive_word");
   p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
   p.num_ctas = a.num_ctas;
   p.num_comm_ctas = a.num_comm_ctas;
   p.stall_minibatch = a.stall_minibatch;
+  p.phase_offset = a.backward ? layout::kBackwardPhases : 0;
   p.x_ring = static_cast<__nv_bfloat16*>(a.x_ring);
   p.act_ring = static_cast<__nv_bfloat16*>(a.act_ring);
   p.h_ring = static_cast<__nv_bfloat16*>(a.h_ring);
   p.y_rows = static_cast<__nv_bfloat16*>(a.y_rows);
+  p.dh_ring = static_cast<__nv_bfloat16*>(a.dh_ring);
+  p.w_rows = a.w_rows;
+  p.rw_partials = a.rw_partials;
+  p.rw_parts = p.l1_ntiles;
   p.row_src = a.row_src;
   p.row_dst = a.row_dst;
   p.tile_count = a.tile_count;
@@ -146,12 +179,22 @@ roles::MegaParams device_params(const MegaForwardArgs& a) {
   return p;
 }
 
-kernels::MegaKernelParams kernel_params(const MegaForwardArgs& a) {
-  kernels::MegaKernelParams kp;
+// Forward: L1 = x_ring x w_gate_up[e] (N = 2I, K = H), L2 = act_ring x w_down[e] (N = H,
+// K = I). Backward: L2 dgrad = d_ring x w_down[e] (N = I, K = H), L1 dgrad = dh_ring x
+// w_gate_up[e] (N = H, K = 2I).
+template <bool kBackward>
+kernels::MegaKernelParams<kBackward> kernel_params(const MegaArgs& a) {
+  using Mainloop = gemm::MegaMainloopOf<kBackward>;
+  kernels::MegaKernelParams<kBackward> kp;
   kp.p = device_params(a);
   const int ring = kp.p.ring_rows, h = kp.p.hidden, i = kp.p.inter, e = kp.p.num_local_experts;
-  kp.gemm.l1 = gemm_params(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
-  kp.gemm.l2 = gemm_params(a.act_ring, ring, a.w_down, h, i, e);
+  if constexpr (kBackward) {
+    kp.gemm.l1 = gemm_params<Mainloop>(a.x_ring, ring, a.w_down, i, h, e);
+    kp.gemm.l2 = gemm_params<Mainloop>(a.dh_ring, ring, a.w_gate_up, h, 2 * i, e);
+  } else {
+    kp.gemm.l1 = gemm_params<Mainloop>(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
+    kp.gemm.l2 = gemm_params<Mainloop>(a.act_ring, ring, a.w_down, h, i, e);
+  }
   return kp;
 }
 
@@ -163,47 +206,51 @@ size_t megakernel_smem_bytes() { return kernels::kMegaSmemBytes; }
 
 namespace {
 
-int query_ctas_per_sm(int device) {
+int query_ctas_per_sm(int device, bool backward) {
   int major = 0, minor = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) return 0;  // the kernel is built for sm_90a only
+  if (major != 9 || minor != 0) return 0;  // the kernels are built for sm_90a only
   const int smem = static_cast<int>(megakernel_smem_bytes());
-  if (cudaFuncSetAttribute(kernel_ptr(), cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess) {
+  if (cudaFuncSetAttribute(kernel_ptr(backward), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           smem) != cudaSuccess) {
     (void)cudaGetLastError();  // not built for this device, or too much shared memory
     return 0;
   }
   int ctas = 0;
-  MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel_ptr(),
+  MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel_ptr(backward),
                                                                megakernel_threads(), smem));
   return ctas;
 }
 
-}  // namespace
-
-int megakernel_ctas_per_sm() {
+// CTAs of one megakernel an SM holds, asked once per device and kernel (the answer and the
+// shared-memory attribute the query sets do not change): the launch asks on every pass, and the
+// query costs host time the GPU waits out.
+int ctas_per_sm(bool backward) {
   int device = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
-  // Once per device (the answer and the shared-memory attribute the query sets do not change):
-  // the launch asks on every pass, and the query costs host time the GPU waits out.
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];  // 1 + the answer; 0: not asked yet
-  if (device >= kMaxDevices) return query_ctas_per_sm(device);
-  int k = known[device].load(std::memory_order_acquire);
+  static std::atomic<int> known[2][kMaxDevices];  // 1 + the answer; 0: not asked yet
+  if (device >= kMaxDevices) return query_ctas_per_sm(device, backward);
+  std::atomic<int>& slot = known[backward ? 1 : 0][device];
+  int k = slot.load(std::memory_order_acquire);
   if (k == 0) {
-    k = 1 + query_ctas_per_sm(device);
-    known[device].store(k, std::memory_order_release);
+    k = 1 + query_ctas_per_sm(device, backward);
+    slot.store(k, std::memory_order_release);
   }
   return k - 1;
 }
 
-void moe_forward_megakernel(const MegaForwardArgs& args, cudaStream_t stream) {
+}  // namespace
+
+int megakernel_ctas_per_sm() { return ctas_per_sm(false); }
+
+void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {
   check_args(args);
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int per_sm = megakernel_ctas_per_sm();  // also sets the shared-memory attribute
+  const int per_sm = ctas_per_sm(args.backward);  // also sets the shared-memory attribute
   MOK_HOST_CHECK(per_sm >= 1,
                  "megakernel: cannot run on this device (needs sm_90a and %zu bytes of shared "
                  "memory per CTA)",
@@ -212,9 +259,13 @@ void moe_forward_megakernel(const MegaForwardArgs& args, cudaStream_t stream) {
                  "megakernel: num_ctas=%d exceeds the %d CTAs this GPU holds at once (%d SMs x "
                  "%d): every CTA must be resident, or a spin-wait could wait on an unscheduled CTA",
                  args.num_ctas, sms * per_sm, sms, per_sm);
-  const kernels::MegaKernelParams params = kernel_params(args);
-  kernels::moe_forward_megakernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(),
-                                    stream>>>(params);
+  if (args.backward) {
+    kernels::moe_backward_megakernel<<<args.num_ctas, megakernel_threads(),
+                                       megakernel_smem_bytes(), stream>>>(kernel_params<true>(args));
+  } else {
+    kernels::moe_forward_megakernel<<<args.num_ctas, megakernel_threads(),
+                                      megakernel_smem_bytes(), stream>>>(kernel_params<false>(args));
+  }
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

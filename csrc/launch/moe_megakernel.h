@@ -1,7 +1,10 @@
-// Torch-free host launcher of the forward megakernel (sm_90a): one persistent launch that pulls
-// routed rows from the source ranks' token buffers into the ring, runs L1 (+ SwiGLU) and L2
-// tiles as their rows land, and stores every result row straight into its source rank's
-// slot_rows region. Layout, plan records and counters: mok/layout/mega.cuh.
+// Torch-free host launchers of the megakernels (sm_90a). The forward: one persistent launch that
+// pulls routed rows from the source ranks' token buffers into the ring, runs L1 (+ SwiGLU) and
+// L2 tiles as their rows land, and stores every result row straight into its source rank's
+// slot_rows region. The backward's data gradients, the same way: d_out rows (staged in the
+// token buffers) pulled into the ring, L2-dgrad tiles with the SwiGLU backward in their
+// epilogue (d_h, the router-weight gradient's partials), L1-dgrad tiles whose rows go to the
+// sources' slot_rows. Layout, plan records and counters: mok/layout/mega.cuh.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -13,7 +16,9 @@
 
 namespace mok::launch {
 
-struct MegaForwardArgs {
+struct MegaArgs {
+  bool backward = false;                  // which megakernel (the operands below say which)
+
   // ---- where ranks' workspaces are (the symmetric layout)
   layout::WorkspaceLayout lay;            // slot_rows must be set; counter_words >= shape's
   const uint64_t* peer_bases = nullptr;   // device [W]: base address of each rank's copy
@@ -31,10 +36,18 @@ struct MegaForwardArgs {
   // ---- operands (bf16, contiguous)
   const void* w_gate_up = nullptr;        // [E_l, 2I, H], gate/up rows interleaved in blocks of 8
   const void* w_down = nullptr;           // [E_l, H, I]
-  void* x_ring = nullptr;                 // [ring_rows, H]: pulled rows (comm CTAs write)
-  void* act_ring = nullptr;               // [ring_rows, I]: L1 + SwiGLU output
-  void* h_ring = nullptr;                 // [ring_rows, 2I] or null: L1's pre-activation
+  void* x_ring = nullptr;                 // [ring_rows, H]: pulled rows (comm CTAs write); the
+                                          // backward's: d_out rows
+  void* act_ring = nullptr;               // [ring_rows, I]: L1 + SwiGLU output (the backward
+                                          // reads the forward's)
+  void* h_ring = nullptr;                 // [ring_rows, 2I] or null: L1's pre-activation (the
+                                          // backward reads the forward's: required)
   void* y_rows = nullptr;                 // [ring_rows, H] or null: L2's output, also kept here
+                                          // (forward only)
+  // ---- the backward's own (null in the forward)
+  void* dh_ring = nullptr;                // [ring_rows, 2I]: d_h, the L2 dgrad + SwiGLU backward
+  const float* w_rows = nullptr;          // [R * ring_rows]: each row's router weight (0: padding)
+  float* rw_partials = nullptr;           // [ring_rows, shape.dgrad_ntiles()]: <m, a> per n-tile
 
   // ---- the plan (device; the plan kernels write it before the launch)
   const int64_t* row_src = nullptr;       // [R * ring_rows]: s * T_max + t, -1 (zero row)
@@ -57,8 +70,10 @@ size_t megakernel_smem_bytes();
 // CTAs of the megakernel one SM holds at once (>= 1 on sm_90a; 0 where it cannot run).
 int megakernel_ctas_per_sm();
 
-// Enqueue the megakernel. Checks the arguments and that every CTA can be resident
-// (num_ctas <= SMs * megakernel_ctas_per_sm()); throws mok::Error naming the rule otherwise.
-void moe_forward_megakernel(const MegaForwardArgs& args, cudaStream_t stream);
+// Enqueue the megakernel args.backward names (both have one shared-memory size and thread
+// count). Checks the arguments and that every CTA can be resident (num_ctas <= SMs *
+// megakernel_ctas_per_sm()); throws mok::Error naming the rule otherwise. The backward runs one
+// round only (shape.num_rounds() == 1: the forward kept that round's activations).
+void moe_megakernel(const MegaArgs& args, cudaStream_t stream);
 
 }  // namespace mok::launch

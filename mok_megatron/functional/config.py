@@ -42,6 +42,8 @@ MOK_ROW_ALIGN = 128
 BWD_SCHEDULES = ("macrobatch",)
 #: The CUDA backend's forward paths (MoKConfig.cuda_forward).
 CUDA_FORWARDS = ("auto", "megakernel", "stage1")
+#: The CUDA backend's backward paths (MoKConfig.cuda_backward).
+CUDA_BACKWARDS = ("auto", "megakernel", "stage1")
 #: The fused gate/up form's GEMM steps the expert GEMM engine can run (MoKConfig.expert_gemm):
 #: "l1" L1 + SwiGLU (forward, and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU
 #: backward, and the plain GEMMs: "l2" the L2 forward, "dgrad" the dgrads (against W_down without
@@ -65,10 +67,11 @@ KNOWN_BWD_SCHEDULES = ("macrobatch", "minibatch")
 #: table says the same. ``schedule_capacity_multiplier`` sizes every backend's schedule.
 KNOB_USERS = {
     "fwd_num_comm_sms": ("cuda/megakernel",),
-    "bwd_num_comm_sms": (),
+    "bwd_num_comm_sms": ("cuda/megakernel",),
     "minibatch_size": ("cuda/megakernel",),
     "macrobatch_size": ("cuda/stage1", "cuda/megakernel"),
     "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
+    "cuda_backward": ("cuda/megakernel",),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
     "expert_precision": ("reference", "cuda/stage1"),  # the megakernel refuses fp8_blockwise
@@ -91,7 +94,9 @@ class MoKConfig:
         "the GPU's tuned table (scripts/tune.py), else 16.",
     )
     bwd_num_comm_sms: int = _knob(
-        20, "SMs that move tokens in the backward; tuned separately from the forward."
+        20,
+        "SMs that pull d_out rows in the backward megakernel before they run GEMM tasks too; "
+        "tuned separately from the forward.",
     )
     minibatch_size: int | str = _knob(
         AUTO,
@@ -115,6 +120,14 @@ class MoKConfig:
         "the faster one, docs/PERF.md), 'megakernel' (one persistent launch per pass; sm_90a and "
         "the fused gate/up weights of MoKExperts) or 'auto' (the megakernel wherever it can run "
         "the call, else stage 1).",
+    )
+    cuda_backward: str = _knob(
+        "auto",
+        "The CUDA backend's backward after a megakernel forward: 'auto' (the backward megakernel "
+        "where the forward kept one round of activations, else stage 1), 'megakernel' (that, or "
+        "an error saying why it cannot run) or 'stage1' (the sequence of kernels). The weight "
+        "gradients are stage 1's grouped GEMMs either way; after a stage-1 forward the backward "
+        "is stage 1's.",
     )
     expert_gemm: str = _knob(
         "auto",
@@ -191,6 +204,17 @@ class MoKConfig:
             raise ValueError(
                 f"MoKConfig.cuda_forward={self.cuda_forward!r} must be one of {CUDA_FORWARDS}; "
                 "'stage1' is the default, 'auto' picks the megakernel where it can run"
+            )
+        if self.cuda_backward not in CUDA_BACKWARDS:
+            raise ValueError(
+                f"MoKConfig.cuda_backward={self.cuda_backward!r} must be one of "
+                f"{CUDA_BACKWARDS}; 'auto' picks the backward megakernel where it can run"
+            )
+        if self.cuda_backward == "megakernel" and self.cuda_forward == "stage1":
+            raise ValueError(
+                "MoKConfig.cuda_backward='megakernel' needs the megakernel's forward (it reads "
+                "its plan and kept rings); set cuda_forward='megakernel' or 'auto', or "
+                "cuda_backward='auto'"
             )
         _check_expert_gemm(self.expert_gemm)
         if self.expert_precision not in EXPERT_PRECISIONS:

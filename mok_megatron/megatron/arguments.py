@@ -176,6 +176,10 @@ def _known_choices(name: str) -> tuple | None:
         from mok_megatron.functional.config import CUDA_FORWARDS
 
         return CUDA_FORWARDS
+    if name == "cuda_backward":
+        from mok_megatron.functional.config import CUDA_BACKWARDS
+
+        return CUDA_BACKWARDS
     if name == "expert_precision":
         from mok_megatron.functional.config import EXPERT_PRECISIONS
 

@@ -32,10 +32,11 @@ CUDA_OPS = (
 
 #: The megakernel path's ops (each wrapper below has the op's name): what the CUDA backend's
 #: megakernel path needs besides CUDA_OPS.
-MEGA_OPS = ("moe_mega_plan", "moe_mega_forward")
+MEGA_OPS = ("moe_mega_plan", "moe_mega_forward", "moe_mega_backward")
 
 __all__ = [
-    "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "mega_plan_fields", "mega_forward_fields",
+    "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "moe_mega_backward", "mega_plan_fields",
+    "mega_forward_fields", "mega_backward_fields",
     "MoeWorkspaceLayout", "moe_workspace_layout", "MegaShape", "moe_mega_shape", "make_comm",
     "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "MEGA_TRACE_CTA_FIELDS",
     "MEGA_TRACE_TASK_FIELDS", "check_mega_error", "routing_to_topk", "CUDA_OPS", *CUDA_OPS,
@@ -112,6 +113,9 @@ MEGA_PHASES = {
     1: ("L1 task waiting for its rows to land", "minibatch", "arrive"),
     2: ("L2 task waiting for its m-tile's L1 tasks", "m-tile", "l1_done"),
     3: ("end-of-round barrier", "round", "grid barrier"),
+    4: ("backward: L2-dgrad task waiting for its d_out rows to land", "minibatch", "arrive"),
+    5: ("backward: L1-dgrad task waiting for its m-tile's L2-dgrad tasks", "m-tile", "l1_done"),
+    6: ("backward: end-of-round barrier", "round", "grid barrier"),
 }
 
 
@@ -289,6 +293,13 @@ def mega_forward_fields() -> tuple[str, ...]:
     return _MEGA_FIELDS["forward"]
 
 
+def mega_backward_fields() -> tuple[str, ...]:
+    """Names of the outputs of ``moe_mega_backward`` (csrc/apis/moe_mega.h)."""
+    if "backward" not in _MEGA_FIELDS:
+        _MEGA_FIELDS["backward"] = tuple(torch.ops.mok.moe_mega_backward_fields())
+    return _MEGA_FIELDS["backward"]
+
+
 def moe_mega_plan(topk, router_weights, comm, num_experts, row_capacity, token_capacity, inter,
                   minibatch, macrobatch) -> dict[str, torch.Tensor]:  # fmt: skip
     """Gather the routing and router weights, build the schedule and the device plan. Collective.
@@ -328,6 +339,28 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
+
+
+def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, *,
+                      num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
+                      stall_minibatch=-1, trace=False):  # fmt: skip
+    """The data gradients of one forward pass (one round) in one op: staging d_out, the backward
+    megakernel (d_out rows pulled into the ring; the L2 dgrad with the SwiGLU backward and the
+    router-weight gradient in its epilogue; the L1 dgrad, its rows stored into their sources'
+    slots), the unweighted slot sum (+ ``shared_dx``), the rows' router-weight gradients.
+    Collective.
+
+    plan: the forward's ``moe_mega_plan`` dict; act_ring [ring, I] / h_ring [ring, 2I]: the
+    forward's kept rings. Returns a dict by name (``mega_backward_fields``): d_x [T, H], d_rows
+    [ring, H] and d_h [ring, 2I] (the weight gradients' rows), d_row_w [ring] float32 (0 on
+    padding), and the timeline as ``moe_mega_forward``'s.
+    """
+    given = [plan[name] for name in mega_plan_fields()]
+    values = torch.ops.mok.moe_mega_backward(
+        d_out, topk, given, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, num_experts,
+        row_capacity, minibatch, macrobatch, num_comm_sms, num_sms, stall_minibatch, trace,
+    )  # fmt: skip
+    return dict(zip(mega_backward_fields(), values))
 
 
 # ------------------------------------------------------------------------------------ fakes
@@ -373,6 +406,24 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
         i64(shape.num_rounds if trace else 0, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS)),
     ]
     return out + plan
+
+
+def _mega_backward_fake(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm,
+                        num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
+                        stall_minibatch, trace=False):  # fmt: skip
+    inter, hidden = w_down.shape[2], d_out.shape[1]
+    shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
+    ring = shape.ring_rows
+    out = [d_out.new_empty(d_out.shape), d_out.new_empty(ring, hidden),
+           d_out.new_empty(ring, 2 * inter), d_out.new_empty(ring, dtype=torch.float32)]  # fmt: skip
+    grid = num_sms
+    if trace and grid <= 0:
+        grid = torch.cuda.get_device_properties(d_out.device).multi_processor_count
+    i64 = lambda *s: d_out.new_empty(*s, dtype=torch.int64)  # noqa: E731
+    return out + [
+        i64(grid if trace else 0, len(MEGA_TRACE_CTA_FIELDS)),
+        i64(shape.num_rounds if trace else 0, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS)),
+    ]
 
 
 def _routing_to_topk_fake(probs, routing_map, topk):
@@ -470,6 +521,7 @@ _FAKES = {
     "moe_accumulate_groups": _accumulate_groups_fake,
     "moe_mega_plan": _mega_plan_fake,
     "moe_mega_forward": _mega_forward_fake,
+    "moe_mega_backward": _mega_backward_fake,
     "routing_to_topk": _routing_to_topk_fake,
 }
 

@@ -15,7 +15,8 @@ def test_every_knob_is_documented_and_defaults_validate():
     config = MoKConfig()
     names = [f.name for f in dataclasses.fields(MoKConfig)]
     assert names == ["fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
-                     "schedule_capacity_multiplier", "cuda_forward", "expert_gemm",
+                     "schedule_capacity_multiplier", "cuda_forward", "cuda_backward",
+                     "expert_gemm",
                      "expert_precision", "fp8_backward", "wait_timeout_ms",
                      "bwd_schedule"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
@@ -36,6 +37,11 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"schedule_capacity_multiplier": 0.5}, ["schedule_capacity_multiplier=0.5", ">= 1.0"]),
         ({"bwd_schedule": "fast"}, ["bwd_schedule='fast'", "macrobatch"]),
         ({"cuda_forward": "mega"}, ["cuda_forward='mega'", "'auto'"]),
+        ({"cuda_backward": "mega"}, ["cuda_backward='mega'", "'auto'"]),
+        (
+            {"cuda_backward": "megakernel", "cuda_forward": "stage1"},
+            ["cuda_backward='megakernel'", "cuda_forward='megakernel'"],
+        ),
         ({"expert_gemm": "fast"}, ["expert_gemm='fast'", "'auto'", "'l1'", "joined by"]),
         ({"expert_gemm": "l1,fp8"}, ["expert_gemm='l1,fp8'", "'wgrad'"]),
         ({"expert_precision": "fp8"}, ["expert_precision='fp8'", "'fp8_blockwise'", "'bf16'"]),

@@ -4,8 +4,11 @@ and at EP 2 on two GPUs (``-m multigpu``, under torchrun: scripts/gpu_check.sh 2
 
 Bitwise: at EP 1 in one round the megakernel computes what stage 1 computes, in the same order
 (the same 128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its
-output and the gradients of stage 1's backward on its context are bitwise equal to stage 1's
-(fused gate/up form, MoKConfig.expert_gemm='auto'). Where stage 1 sums a token's slots in another
+output and the gradients of stage 1's backward on its context (MoKConfig.cuda_backward='stage1')
+are bitwise equal to stage 1's (fused gate/up form, MoKConfig.expert_gemm='auto'). The default
+backward after a one-round megakernel forward is the backward megakernel
+(tests/gpu/test_megakernel_backward.py): its gradients agree with stage 1's within rounding
+(other GEMM tiles, other partial sums), and with the oracle as tightly as stage 1's. Where stage 1 sums a token's slots in another
 order the output agrees within tolerance only (the gradients stay bitwise): in macrobatch rounds
 it sums round by round, with several ranks rank by rank; the megakernel always in slot order. Run
 to run, everything is bitwise equal.
@@ -16,6 +19,7 @@ that names it instead of hanging.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -49,6 +53,7 @@ from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
 from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
 from mok_megatron.functional.schedule import MoKSchedule
+from mok_megatron.testing import relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,6 +61,8 @@ pytestmark = [
 ]
 
 MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8)
+MEGA_STAGE1_BWD = F.MoKConfig(cuda_forward="megakernel", cuda_backward="stage1",
+                              fwd_num_comm_sms=8)  # fmt: skip
 STAGE1 = F.MoKConfig(cuda_forward="stage1", fwd_num_comm_sms=8)
 MEGA_ROUNDS = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8, minibatch_size=128,
                           macrobatch_size=256)  # fmt: skip
@@ -64,6 +71,9 @@ STAGE1_ROUNDS = F.MoKConfig(cuda_forward="stage1", fwd_num_comm_sms=8, minibatch
 
 
 def _mega_and_stage1(problem, mega_config, stage1_config, num_local_tokens=None):
+    """(megakernel run, its schedule, its results, stage 1's results); the megakernel's forward
+    with stage 1's backward checked bitwise against stage 1 on the way (``_assert_equal_to_stage1``
+    then checks the default backward)."""
     mega = Run(problem, "cuda", config=mega_config, form="fused_auto",
                num_local_tokens=num_local_tokens)  # fmt: skip
     assert mega.ws.backend.path(mega.ws) == "megakernel"
@@ -72,16 +82,29 @@ def _mega_and_stage1(problem, mega_config, stage1_config, num_local_tokens=None)
                  num_local_tokens=num_local_tokens)  # fmt: skip
     assert stage1.ws.backend.path(stage1.ws) == "stage1"
     _, want = stage1()
+    s1_bwd = dataclasses.replace(mega_config, cuda_backward="stage1")
+    _, got_s1 = Run(problem, "cuda", config=s1_bwd, form="fused_auto",
+                    num_local_tokens=num_local_tokens)()  # fmt: skip
+    bad = _bitwise_equal(want, got_s1)
+    if mega.ws.buffers.mega.num_rounds > 1:
+        bad = [name for name in bad if name != "out"]  # stage 1 sums round by round
+    assert not bad, f"megakernel + stage 1's backward differs from stage 1 (bitwise) in {bad}"
     return mega, sched, got, want
 
 
-def _assert_equal_to_stage1(got, want, except_out=False):
-    """Bitwise equal to stage 1 (``except_out``: the gradients; the output is within tolerance,
-    checked against the oracle by the caller)."""
-    bad = _bitwise_equal(want, got)
-    if except_out:
-        bad = [name for name in bad if name != "out"]
-    assert not bad, f"megakernel differs from stage 1 (bitwise) in {bad}"
+def _assert_equal_to_stage1(got, want, except_out=False, grads="close"):
+    """The output bitwise equal to stage 1's (``except_out``: within tolerance only, checked
+    against the oracle by the caller); the gradients bitwise (``grads='bitwise'``: stage 1's
+    backward ran) or within rounding of stage 1's (the backward megakernel: relative error
+    below 5e-3, where each is about 5e-3 from the float64 oracle)."""
+    names = [name for name in want if name != "out" and want[name] is not None]
+    bad = [] if except_out else [n for n in _bitwise_equal(want, got) if n == "out"]
+    if grads == "bitwise":
+        bad += [n for n in _bitwise_equal(want, got) if n != "out"]
+    else:
+        bad += [f"{n} ({relative_error(got[n].double(), want[n].double()):.2e})" for n in names
+                if relative_error(got[n].double(), want[n].double()) >= 5e-3]  # fmt: skip
+    assert not bad, f"megakernel differs from stage 1 in {bad}"
 
 
 # ------------------------------------------------------------------------------------- plan
@@ -186,7 +209,8 @@ def test_more_rows_than_one_ring(case):
     failures = _check_accuracy(problem, got)
     failures += _check_against_reference(problem, got, MEGA_ROUNDS, form="fused")
     assert not failures, failures
-    _assert_equal_to_stage1(got, want, except_out=True)  # stage 1 sums round by round
+    # stage 1 sums round by round; rounds take stage 1's backward
+    _assert_equal_to_stage1(got, want, except_out=True, grads="bitwise")
 
 
 def test_full_width_qwen3_equals_stage1():

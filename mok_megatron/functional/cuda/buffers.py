@@ -40,9 +40,11 @@ class CudaBuffers:
     num_sms: int = 0  # SMs the megakernel may take: 0 = all; a virtual rank's share of the GPU
     stall_minibatch: int = -1  # fault injection (tests): a minibatch the comm role never releases
     # diagnostics (scripts/megakernel_trace.py): record each megakernel pass's timeline into
-    # last_trace = (trace_ctas, trace_tasks), ops.moe.moe_mega_forward's trace outputs
+    # last_trace = (trace_ctas, trace_tasks), ops.moe.moe_mega_forward's trace outputs, and the
+    # backward megakernel's into last_backward_trace (ops.moe.moe_mega_backward's)
     trace: bool = False
     last_trace: Any = None
+    last_backward_trace: Any = None
 
     def region(self, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat typed view of one layout region of this rank's copy."""

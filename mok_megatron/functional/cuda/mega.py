@@ -8,10 +8,20 @@ slot_rows), and the source-side slot-ordered sum (+ the shared expert's output, 
 
 ``build_schedule`` on this path is lazy: the schedule's tensors are made by the forward's op;
 reading one before the forward builds them (gather, schedule, plan) and the forward then reuses
-them. The forward's context is stage 1's ``CudaContext``, so stage 1's backward serves it.
+them. The forward's context is stage 1's ``CudaContext`` with the plan added.
+
+The backward (``backward_steps``, where ``runs_backward``: MoKConfig.cuda_backward, and a forward
+of one round): ``ops.moe.moe_mega_backward`` runs the data gradients from one C++ entry (staging
+d_out; the backward megakernel: comm CTAs pull d_out rows into the ring, compute CTAs run L2-dgrad
+tiles with the SwiGLU backward and the router-weight gradient's partial sums in their epilogue,
+then L1-dgrad tiles whose rows go straight into their sources' slots; the unweighted slot sum
+with the shared expert's d_x; the rows' router-weight gradients), then the weight gradients run
+as stage 1's grouped GEMMs from the rows it returns, in stage 1's two autograd steps.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -19,9 +29,10 @@ from ..schedule import MoKSchedule
 from ..types import FusedExpertWeights
 from . import stage1
 from .experts import ExpertRows, Experts
-from .plan import CudaPlan, Rounds
+from .plan import CudaPlan, Rounds, window_offs
 
-__all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "can_run", "forward"]
+__all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "can_run", "forward",
+           "backward_unavailable", "runs_backward", "backward_steps"]  # fmt: skip
 
 
 def unsupported_reasons(device: torch.device | None) -> list[str]:
@@ -118,7 +129,10 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         sched.weights_source = (router_weights, router_weights._version)
     shared_out, shared_gu, shared_a = stage1.shared_forward(x, shared)
     c = ws.config
-    keep_y = Experts(routed, c.expert_gemm, x.device).backward_reads_y
+    # y: only for stage 1's backward where it reads y; the backward megakernel never does
+    keep_y = Experts(routed, c.expert_gemm, x.device).backward_reads_y and not (
+        c.cuda_backward != "stage1" and ws.buffers.mega.num_rounds == 1
+    )
     outs, plan = mops.moe_mega_forward(
         x, topk, weights, routed.gate_up, routed.down, shared_out,
         None if sched.is_pending() else sched.device_plan, ws.buffers.comm,
@@ -150,4 +164,91 @@ def _context(ws, sched, plan, outs, save, shared_gu, shared_a) -> stage1.CudaCon
         saved = ExpertRows(None, outs["act_ring"], y, h=outs["h_ring"])
     elif save:
         x_recv = outs["x_recv"]
-    return stage1.CudaContext(cplan, rounds, saved, x_recv, shared_gu, shared_a)
+    return stage1.CudaContext(cplan, rounds, saved, x_recv, shared_gu, shared_a, mega_plan=plan)
+
+
+def backward_unavailable(ws, ctx: stage1.CudaContext, routed) -> str | None:
+    """Why the backward megakernel cannot take this context (None when it can)."""
+    if ctx.mega_plan is None:
+        return "the forward was stage 1's (the backward megakernel reads the megakernel's plan)"
+    if ctx.saved is None:
+        return ("the forward ran in macrobatch rounds (more routed rows than macrobatch_size) "
+                "and kept the received tokens, not one round's activations")  # fmt: skip
+    if ctx.saved.h is None or ctx.saved.a is None:
+        return "the forward did not keep its activation rings"
+    if not can_run(routed) or routed.gate_up.dtype != torch.bfloat16:
+        return "the backward megakernel takes the bf16 fused gate/up weights of MoKExperts"
+    return None
+
+
+def runs_backward(ws, ctx: stage1.CudaContext, routed) -> bool:
+    """Whether this backward runs the backward megakernel (MoKConfig.cuda_backward): 'auto'
+    where it can, 'megakernel' or an error naming why not, 'stage1' never."""
+    choice = ws.config.cuda_backward
+    if choice == "stage1":
+        return False
+    reason = backward_unavailable(ws, ctx, routed)
+    if reason is not None and choice == "megakernel":
+        raise ValueError(f"MoKConfig.cuda_backward='megakernel' cannot run: {reason}; use "
+                         "cuda_backward='auto' (stage 1 where the megakernel cannot run)")  # fmt: skip
+    return reason is None
+
+
+def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, router_weights,
+                   shared, routed, wgrad_acc, consume: bool):  # fmt: skip
+    """``stage1.backward_steps``' two steps with the data gradients from the backward
+    megakernel: step 1 runs it (and the shared expert's backward, whose d_x its slot sum adds)
+    and the down weight's gradient from its d_rows; step 2 the gate/up weight gradient from its
+    d_h and x dispatched again (as stage 1)."""
+    from mok_megatron.ops import moe as mops
+
+    from ..types import MoKGradients
+    from .experts import weighted_rows
+
+    comm, plan, rounds, c = ws.buffers.comm, ctx.plan, ctx.rounds, ws.config
+    act = replace(ctx.saved)  # our own references, dropped after each one's last use
+    if consume:
+        ctx.saved = None
+    experts = Experts(routed, c.expert_gemm, x.device, accumulate=wgrad_acc is not None)
+    acc_w = stage1._accumulator_slots(wgrad_acc)
+    window = rounds.window(0)
+    offs = window_offs(plan, window)
+    row_tok, w_rows = rounds.row_tok[window], rounds.w_rows[window]
+
+    # step 1: the data gradients, the router weights' and the down weight's gradients
+    d_shared, shared_dx = (None, None, None), None
+    if shared is not None:
+        d_shared, shared_dx = stage1._shared_backward(d_out, x, ctx, shared)
+    outs = mops.moe_mega_backward(
+        d_out.contiguous(), sched.inputs[0], ctx.mega_plan, act.a, act.h, routed.gate_up,
+        routed.down, shared_dx, comm, num_experts=ws.num_experts, row_capacity=ws.row_capacity,
+        minibatch=c.minibatch_size, macrobatch=c.macrobatch_size,
+        num_comm_sms=c.bwd_num_comm_sms, num_sms=ws.buffers.num_sms,
+        stall_minibatch=ws.buffers.stall_minibatch, trace=ws.buffers.trace,
+    )  # fmt: skip
+    if ws.buffers.trace:
+        ws.buffers.last_backward_trace = (outs["trace_ctas"], outs["trace_tasks"])
+    del shared_dx
+    act.h = act.y = None
+    d_x, d_h = outs["d_x"], outs["d_h"]
+    d_rw = mops.moe_combine_slots(
+        outs["d_row_w"], plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens,
+        comm,
+    )  # fmt: skip
+    down_rows = [(outs["d_rows"], weighted_rows(act.a, w_rows, row_tok))]
+    del outs
+    act = None
+    # NOTE: yielded unnamed, its operands popped (as stage 1's step 1)
+    yield stage1._weight_grad(experts, *down_rows.pop(), offs, rounds, acc_w, 2)
+
+    # step 2: the gate/up weight gradient from d_h and the routed rows x (dispatched again)
+    x_rows = mops.moe_gather_rows(mops.moe_dispatch(x, sched.recv_token_src, comm), row_tok)
+    d_w = [None, None, None]
+    for slot, d in zip(experts.grad_slots, (d_h,)):
+        d_w[slot] = stage1._weight_grad(experts, d, x_rows, offs, rounds, acc_w, slot)
+    del x_rows, d_h
+    yield MoKGradients(
+        d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
+        d_w_routed_gate=d_w[0], d_w_routed_up=d_w[1], d_w_routed_down=None,
+        d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1], d_w_shared_down=d_shared[2],
+    )  # fmt: skip

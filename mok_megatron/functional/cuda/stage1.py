@@ -30,7 +30,9 @@ megakernel.
              backward dispatches x (which autograd keeps) again and gathers them before the
              gate/up weight gradient, their one read
 
-The backward also serves the megakernel's forward: its context has the same fields.
+The backward also serves the megakernel's forward: its context has the same fields (and the
+forward's plan, with which the backward megakernel runs instead where MoKConfig.cuda_backward
+lets it: ``mega.runs_backward``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class CudaContext:
     x_recv: torch.Tensor | None
     shared_gu: torch.Tensor | None
     shared_a: torch.Tensor | None
+    mega_plan: dict | None = None  # the megakernel forward's plan (``moe_mega_plan``'s), or None
 
 
 def slot_weights_of(ws, sched, router_weights: torch.Tensor) -> torch.Tensor:
@@ -174,11 +177,17 @@ def backward_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared
     With rounds, the down gradient is summed over rounds that each recompute gate/up, so step 1
     does all the work.
     """
+    from . import mega
+
     if ctx.saved is None and ctx.x_recv is None:
         raise RuntimeError(
             "mok backward: the forward kept nothing for a backward (save_for_backward=False, "
             "e.g. it ran under torch.no_grad()); run the forward with gradients enabled"
         )
+    if mega.runs_backward(ws, ctx, routed):
+        yield from mega.backward_steps(ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                                       wgrad_acc, consume)  # fmt: skip
+        return
     if ctx.saved is None:
         grads = _backward_rounds(ws, sched, ctx, d_out, x, router_weights, shared, routed,
                                  wgrad_acc)  # fmt: skip

@@ -1,5 +1,5 @@
-// The forward megakernel's shapes, plan records, counters and error record: defined once, used by
-// the plan kernels, the megakernel and the host (Python reads every size through
+// The megakernels' shapes, plan records, counters and error record: defined once, used by
+// the plan kernels, the megakernels and the host (Python reads every size through
 // mok::moe_mega_shape; it never recomputes one).
 //
 // Rows. The schedule's C rows are laid out "padded": local expert e's rows start at a multiple of
@@ -77,6 +77,9 @@ struct MegaShape {
     return ceil_div(ring_rows(), kBlockM) + num_local_experts;
   }
   MOK_HOST_DEVICE int64_t l1_ntiles() const { return ceil_div(2 * inter, kBlockN); }
+  // The backward's first GEMM (the L2 dgrad, N = I): its n-tiles, also the router-weight
+  // gradient's partial sums per row. Its task and flag counts fit the forward's (I < 2I).
+  MOK_HOST_DEVICE int64_t dgrad_ntiles() const { return ceil_div(inter, kBlockN); }
   MOK_HOST_DEVICE int64_t l2_ntiles() const { return ceil_div(hidden, kBlockN); }
   // Tickets of a round at most: every block of the task order padded to kOrderBlockTiles m-tiles
   // (roles/megakernel_tasks.cuh, MegaTaskOrder::num_tasks).
@@ -114,13 +117,19 @@ enum MegaTraceTask : int {
   kTraceTaskWords = 8,
 };
 
-// Which wait of the megakernel timed out (MegaError::kPhase).
+// Which wait of a megakernel timed out (MegaError::kPhase). The backward's waits are the
+// forward's, kBackwardPhases further: its first GEMM (the L2 dgrad) waits for d_out rows, its
+// second (the L1 dgrad) for its m-tile's first-GEMM tasks.
 enum class MegaPhase : int {
   kNone = 0,
   kL1WaitRows = 1,    // an L1 task waited for its minibatches to land (counter: arrive)
   kL2WaitL1 = 2,      // an L2 task waited for its m-tile's L1 tasks (counter: l1_done)
   kRoundBarrier = 3,  // a CTA waited at the end-of-round barrier (counter: the grid barrier)
+  kBwdWaitRows = 4,   // backward: an L2-dgrad task waited for its d_out rows (arrive)
+  kBwdWaitL1 = 5,     // backward: an L1-dgrad task waited for its m-tile's L2 dgrads (l1_done)
+  kBwdRoundBarrier = 6,
 };
+constexpr int kBackwardPhases = 3;
 
 // The error record (int32 words, all zero until a wait times out); mirrored in
 // mok_megatron/ops/moe.py (MEGA_ERROR_FIELDS). It lives in pinned host memory, so the host can

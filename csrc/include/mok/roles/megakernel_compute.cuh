@@ -1,4 +1,4 @@
-// Role: every CTA of the megakernel runs GEMM tasks (the first num_comm_ctas after their pulls
+// Role: every CTA of a megakernel runs GEMM tasks (the first num_comm_ctas after their pulls
 // of each round, roles/megakernel_comm.cuh). Each is one TMA producer warp (warp 0) + two
 // cooperative wgmma consumer warpgroups, as the grouped-GEMM engine. The producer takes the
 // round's tasks one ticket at a time (roles/megakernel_tasks.cuh), waits each task's inputs
@@ -7,6 +7,9 @@
 // task's consumers release its l1_done flag.
 // NOTE: producer and consumers walk the same tickets, and each advances its pipeline state by the
 // same k-tiles per task, across tasks and rounds (as a CUTLASS persistent kernel does).
+// kBackward: the backward megakernel, the same roles over its two data-gradient GEMMs (the
+// backward's mainloop, gemm::MegaMainloopNN); only the first GEMM's epilogue differs
+// (gemm::dswiglu_epilogue instead of gemm::l1_epilogue).
 #pragma once
 
 #include <cstdint>
@@ -20,8 +23,8 @@
 namespace mok::roles {
 
 using gemm::MegaAccumulators;
-using gemm::MegaGemmParams;
-using gemm::MegaMainloop;
+using gemm::MegaGemmParamsOf;
+using gemm::MegaMainloopOf;
 using gemm::MegaPipeline;
 using gemm::MegaPipelineState;
 
@@ -42,11 +45,13 @@ enum class MegaBarrier : int {
 using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
 using MegaTicketState = typename MegaTicketQueue::PipelineState;
 
+template <bool kBackward>
 struct MegaComputeStorage {
+  using Mainloop = MegaMainloopOf<kBackward>;
   // NOTE: 128-byte-swizzled TMA / wgmma tiles want 1024-byte alignment; the kernel aligns the
   // dynamic shared memory base to it. The ticket queue fits the mainloop's carveout.
-  alignas(1024) typename MegaMainloop::TensorStorage tensors;
-  alignas(16) typename MegaMainloop::PipelineStorage pipeline;
+  alignas(1024) typename Mainloop::TensorStorage tensors;
+  alignas(16) typename Mainloop::PipelineStorage pipeline;
   alignas(16) typename MegaTicketQueue::SharedStorage ticket_barriers;
   int32_t tickets[kMegaTicketDepth];
 };
@@ -64,10 +69,13 @@ MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
 }
 
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
-CUTLASS_DEVICE void produce_task(const MegaParams& p, const MegaGemmParams& gp,
+template <bool kBackward>
+CUTLASS_DEVICE void produce_task(const MegaParams& p,
+                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
                                  MegaPipeline& pipeline, MegaPipelineState& state,
-                                 typename MegaMainloop::TensorStorage& smem, const MegaRound& rd,
-                                 int ticket, const MegaTask& task) {
+                                 typename MegaMainloopOf<kBackward>::TensorStorage& smem,
+                                 const MegaRound& rd, int ticket, const MegaTask& task) {
+  using Mainloop = MegaMainloopOf<kBackward>;
   const MegaTile tile = p.tile(rd.round, task.tile);
   const bool leader = threadIdx.x % 32 == 0;  // NOTE: thread 0 is the pipeline's is_leader
   if (leader) trace_task(p, rd.round, ticket, layout::kTraceTake);
@@ -77,20 +85,20 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p, const MegaGemmParams& gp,
     const int mb_last = (tile.row_end - 1) / p.minibatch_rows;
     const int num_mb = tile.row_end > tile.row_begin ? mb_last - mb_first + 1 : 0;
     wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
-                  {MegaPhase::kL1WaitRows, rd.round, mb_first, 1});
+                  {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
     if (leader) trace_task(p, rd.round, ticket, layout::kTraceReady);
-    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        2 * p.inter,
+    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        p.l1_n,
                               p.hidden,       p.l1_ktiles, p.num_local_experts};
-    if (leader) gemm::load_task(gp.l1, pipeline, state, smem, load);
+    if (leader) gemm::load_task<Mainloop>(gp.l1, pipeline, state, smem, load);
     state.advance(p.l1_ktiles);
   } else {
     // The m-tile's act rows are stored: all n1 L1 tasks of the m-tile released l1_done.
     wait_counters(p, p.l1_done_word + task.tile * p.l1_ntiles, p.l1_ntiles, rd.gen,
-                  {MegaPhase::kL2WaitL1, rd.round, task.tile, 0});
+                  {pass_phase(p, MegaPhase::kL2WaitL1), rd.round, task.tile, 0});
     if (leader) trace_task(p, rd.round, ticket, layout::kTraceReady);
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        p.hidden,
-                              p.inter,        p.l2_ktiles, p.num_local_experts};
-    if (leader) gemm::load_task(gp.l2, pipeline, state, smem, load);
+                              p.l2_k,         p.l2_ktiles, p.num_local_experts};
+    if (leader) gemm::load_task<Mainloop>(gp.l2, pipeline, state, smem, load);
     state.advance(p.l2_ktiles);
   }
   __syncwarp();
@@ -112,10 +120,13 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
 }
 
 // Consumers (both warpgroups): one task's mainloop and epilogue.
-CUTLASS_DEVICE void consume_task(const MegaParams& p, const MegaGemmParams& gp,
+template <bool kBackward>
+CUTLASS_DEVICE void consume_task(const MegaParams& p,
+                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
                                  MegaPipeline& pipeline, MegaPipelineState& state,
-                                 typename MegaMainloop::TensorStorage& smem, const MegaRound& rd,
-                                 int ticket, const MegaTask& task, int mma_thread_idx) {
+                                 typename MegaMainloopOf<kBackward>::TensorStorage& smem,
+                                 const MegaRound& rd, int ticket, const MegaTask& task,
+                                 int mma_thread_idx) {
   const MegaTile tile = p.tile(rd.round, task.tile);
   const int rows = tile.row_end - tile.row_begin;
   const bool tracer = mma_thread_idx == 0;
@@ -133,11 +144,15 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p, const MegaGemmParams& gp,
   MegaAccumulators acc;
   // NOTE: the collective's mma() reads no Params field (the data comes through shared memory),
   // so one call serves both GEMMs; only the k-tile count differs.
-  gemm::mma_task(gp.l1, pipeline, state, smem, acc, task.l2 ? p.l2_ktiles : p.l1_ktiles,
-                 mma_thread_idx);
+  gemm::mma_task<MegaMainloopOf<kBackward>>(gp.l1, pipeline, state, smem, acc,
+                                             task.l2 ? p.l2_ktiles : p.l1_ktiles, mma_thread_idx);
   if (tracer) trace_task(p, rd.round, ticket, layout::kTraceMmaEnd);
   if (!task.l2) {
-    gemm::l1_epilogue(p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
+    if constexpr (kBackward) {
+      gemm::dswiglu_epilogue(p, acc, mma_thread_idx, rd.round, tile.row_begin, rows, task.n);
+    } else {
+      gemm::l1_epilogue(p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
+    }
     release_l1_done(p, rd, task, mma_thread_idx);
   } else {
     gemm::l2_epilogue(p, acc, dsts, task.n);
@@ -154,9 +169,11 @@ MOK_DEVICE int comm_index(const MegaParams& p) {
 // The producer warpgroup: warp 0 takes and loads tasks of every round (a comm CTA's once its
 // rows are pulled) and passes each ticket on, the round's first ticket past its tasks last;
 // warps 1-3 only meet the round barriers.
-CUTLASS_DEVICE void producer_role(const MegaParams& p, const MegaGemmParams& gp,
+template <bool kBackward>
+CUTLASS_DEVICE void producer_role(const MegaParams& p,
+                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
                                   MegaPipeline& pipeline, MegaTicketQueue& queue,
-                                  MegaComputeStorage& storage) {
+                                  MegaComputeStorage<kBackward>& storage) {
   MegaPipelineState state = cutlass::make_producer_start_state<MegaPipeline>();
   MegaTicketState queue_state = cutlass::make_producer_start_state<MegaTicketQueue>();
   const bool loader = threadIdx.x / 32 == 0;
@@ -181,7 +198,7 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p, const MegaGemmParams& gp,
         if (t >= rd.order.num_tasks()) break;
         const MegaTask task = rd.order.decode(t);
         if (!rd.order.skipped(task)) {
-          produce_task(p, gp, pipeline, state, storage.tensors, rd, t, task);
+          produce_task<kBackward>(p, gp, pipeline, state, storage.tensors, rd, t, task);
         }
       }
     }
@@ -191,9 +208,11 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p, const MegaGemmParams& gp,
 
 // The consumer warpgroups, every round: a comm CTA's pulls first, then the producer's tickets up
 // to the one past the round's tasks, then the round barrier.
-CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
+template <bool kBackward>
+CUTLASS_DEVICE void consumer_role(const MegaParams& p,
+                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
                                   MegaPipeline& pipeline, MegaTicketQueue& queue,
-                                  MegaComputeStorage& storage) {
+                                  MegaComputeStorage<kBackward>& storage) {
   MegaPipelineState state;         // phase 0: waits for the producer's first fill
   MegaTicketState queue_state;     // likewise
   // As CUTLASS's cooperative kernel: consumer warpgroup 1 is the tile's second 64 rows.
@@ -219,7 +238,8 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p, const MegaGemmParams& gp,
       if (t >= rd.order.num_tasks()) break;
       const MegaTask task = rd.order.decode(t);
       if (!rd.order.skipped(task)) {
-        consume_task(p, gp, pipeline, state, storage.tensors, rd, t, task, mma_thread_idx);
+        consume_task<kBackward>(p, gp, pipeline, state, storage.tensors, rd, t, task,
+                                mma_thread_idx);
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
@@ -238,8 +258,11 @@ MOK_DEVICE Category pipeline_role(int warp_group) {
 
 // A CTA's whole launch: the pipelines, then the warpgroup roles with their register budgets
 // (setmaxnreg, in one if/else as CUTLASS's kernel does).
-CUTLASS_DEVICE void cta_role(const MegaParams& p, const MegaGemmParams& gp,
-                                 MegaComputeStorage& storage) {
+template <bool kBackward>
+CUTLASS_DEVICE void cta_role(const MegaParams& p,
+                             const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
+                             MegaComputeStorage<kBackward>& storage) {
+  using Mainloop = MegaMainloopOf<kBackward>;
   const int warp_group = static_cast<int>(threadIdx.x) / 128;
   typename MegaPipeline::Params pipe;
   pipe.role = pipeline_role<typename MegaPipeline::ThreadCategory>(warp_group);
@@ -257,17 +280,17 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p, const MegaGemmParams& gp,
   qp.dst_blockid = 0;
   MegaTicketQueue queue(storage.ticket_barriers, qp, cute::true_type{});
   if (threadIdx.x == 0) {
-    MegaMainloop::prefetch_tma_descriptors(gp.l1);
-    MegaMainloop::prefetch_tma_descriptors(gp.l2);
+    Mainloop::prefetch_tma_descriptors(gp.l1);
+    Mainloop::prefetch_tma_descriptors(gp.l2);
   }
   __syncthreads();  // the pipelines' barriers are initialised before anyone uses them
   if (threadIdx.x == 0) trace_cta_set(p, layout::kTraceStart, trace_now());
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kMegaProducerRegs>();
-    producer_role(p, gp, pipeline, queue, storage);
+    producer_role<kBackward>(p, gp, pipeline, queue, storage);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMegaConsumerRegs>();
-    consumer_role(p, gp, pipeline, queue, storage);
+    consumer_role<kBackward>(p, gp, pipeline, queue, storage);
   }
 }
 

@@ -1,10 +1,15 @@
-// Role pieces of the megakernel's GEMM tasks: the CUTLASS sm90 collective mainloop both GEMMs use,
-// the producer's TMA loads of one task, the consumers' mainloop call, and the two epilogues (L1:
-// SwiGLU into the act ring; L2: bf16 rows into the source ranks' slot_rows).
+// Role pieces of the megakernels' GEMM tasks: the CUTLASS sm90 collective mainloops, the
+// producer's TMA loads of one task, the consumers' mainloop call, and the epilogues (forward L1:
+// SwiGLU into the act ring; backward first GEMM: the SwiGLU backward into the d_h ring and the
+// router-weight gradient's partial sums; either pass's second GEMM: bf16 rows into the source
+// ranks' slot_rows).
 //
-// One mainloop type serves L1 and L2: both are "A row-major [rows, K] times B [N, K] K-contiguous
-// per expert" (L1: x_ring x w_gate_up[e], K = H; L2: act_ring x w_down[e], K = I), each with its
-// own Params (two TMA descriptors, made on the host by the collective's to_underlying_arguments).
+// Forward, one mainloop type for L1 and L2: both are "A row-major [rows, K] times B [N, K]
+// K-contiguous per expert" (L1: x_ring x w_gate_up[e], K = H; L2: act_ring x w_down[e], K = I),
+// each with its own Params (two TMA descriptors, made on the host by the collective's
+// to_underlying_arguments). Backward, the data gradients read the same weights untransposed, so
+// B is N-contiguous (MegaMainloopNN): the L2 dgrad d_ring [rows, H] x w_down[e] [H, I] and the
+// L1 dgrad d_h_ring [rows, 2I] x w_gate_up[e] [2I, H].
 // NOTE: the TiledMma is the grouped-GEMM engine's cooperative 128x256x64 one (same builder, same
 // tile, same operand majors), and the mainloop reduces K in the same order, so an output tile's
 // fp32 accumulators are bitwise those of grouped_gemm_l1_swiglu / grouped_gemm_nt on the same rows.
@@ -13,10 +18,14 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "mok/common/bf16x8.cuh"
 #include "mok/roles/epilogue_swiglu.cuh"
 #include "mok/roles/grouped_gemm_config.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
+#include "mok/roles/row_grad.cuh"
+#include "mok/roles/swiglu.cuh"
 
 namespace mok::gemm {
 
@@ -33,15 +42,32 @@ using MegaMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     ColumnMajor, kAlignment, Accumulator, MegaTileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<kMegaSmemCarveout>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+// The backward's: the same tile and schedule, B [N, K] N-contiguous (CUTLASS's row-major B).
+using MegaMainloopNN = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, RowMajor, kAlignment, Element,
+    RowMajor, kAlignment, Accumulator, MegaTileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<kMegaSmemCarveout>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 using MegaPipeline = typename MegaMainloop::MainloopPipeline;
 using MegaPipelineState = typename MegaMainloop::PipelineState;
 using MegaTiledMma = typename MegaMainloop::TiledMma;
+static_assert(std::is_same_v<typename MegaMainloopNN::MainloopPipeline, MegaPipeline> &&
+              sizeof(typename MegaMainloopNN::TensorStorage) ==
+                  sizeof(typename MegaMainloop::TensorStorage),
+              "both passes' mainloops: one pipeline type and the same shared memory");
 
-// The two GEMMs' TMA descriptors (L1: x_ring, w_gate_up; L2: act_ring, w_down).
-struct MegaGemmParams {
-  typename MegaMainloop::Params l1;
-  typename MegaMainloop::Params l2;
+// A pass's mainloop: the forward's (B K-contiguous) or the backward's (B N-contiguous).
+template <bool kBackward>
+using MegaMainloopOf = std::conditional_t<kBackward, MegaMainloopNN, MegaMainloop>;
+
+// The two GEMMs' TMA descriptors (forward L1: x_ring, w_gate_up; L2: act_ring, w_down;
+// backward first: d_ring, w_down; second: d_h_ring, w_gate_up).
+template <class Mainloop>
+struct MegaGemmParamsOf {
+  typename Mainloop::Params l1;
+  typename Mainloop::Params l2;
 };
+using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
 
 // One task's operands: A rows [row_begin, row_begin + 128) of the ring, n-tile `n_tile` of
 // expert `expert`'s B [n_size, k_size]; k_tiles = ceil(k_size / 64).
@@ -60,9 +86,12 @@ struct MegaLoad {
 // coordinate tensor of the whole ring shifted by row_begin (domain_offset), so a tile may start
 // at any row; rows past the ring are zero-filled by TMA, rows of the next m-tile are loaded,
 // computed and discarded by the epilogue (an output row depends on its own A row only).
-CUTLASS_DEVICE void load_task(typename MegaMainloop::Params const& mp, MegaPipeline& pipeline,
-                              MegaPipelineState state,
-                              typename MegaMainloop::TensorStorage& smem, const MegaLoad& load) {
+// NOTE: the coordinate tensors are (rows, K) and (N, K, E) whatever the operands' majors: the
+// descriptors map them onto memory.
+template <class Mainloop>
+CUTLASS_DEVICE void load_task(typename Mainloop::Params const& mp, MegaPipeline& pipeline,
+                              MegaPipelineState state, typename Mainloop::TensorStorage& smem,
+                              const MegaLoad& load) {
   using namespace cute;
   // TMA coordinate tensors (their shapes only shape the tiling; the descriptors, made over the
   // whole ring and the whole weight, bound every access). A: the 128-row window at row_begin.
@@ -72,8 +101,8 @@ CUTLASS_DEVICE void load_task(typename MegaMainloop::Params const& mp, MegaPipel
                          select<0, 2>(MegaTileShape{}), make_coord(0, _));  // (BLK_M, BLK_K, k)
   Tensor gB = local_tile(mB(_, _, load.expert), select<1, 2>(MegaTileShape{}),
                          make_coord(load.n_tile, _));  // (BLK_N, BLK_K, k)
-  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename MegaMainloop::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename MegaMainloop::SmemLayoutB{});
+  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
   auto block_tma_a = mp.tma_load_a.get_slice(0);
   auto block_tma_b = mp.tma_load_b.get_slice(0);
   Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
@@ -93,13 +122,21 @@ CUTLASS_DEVICE void load_task(typename MegaMainloop::Params const& mp, MegaPipel
 
 using MegaAccumulators =
     decltype(cute::partition_fragment_C(MegaTiledMma{}, cute::take<0, 2>(MegaTileShape{})));
+// NOTE: a wgmma's accumulator fragment does not depend on its operands' majors: the backward's
+// tiles use the forward's fragment type, coordinates (thread_coords) and epilogue helpers.
+static_assert(std::is_same_v<MegaAccumulators,
+                             decltype(cute::partition_fragment_C(
+                                 typename MegaMainloopNN::TiledMma{},
+                                 cute::take<0, 2>(MegaTileShape{})))>,
+              "both mainloops' accumulators are one fragment type");
 
 // Consumers (both warpgroups, 256 threads): the collective's mainloop over one task's k-tiles,
 // then its tail (all wgmma done, every slot released); advances `state` past them.
-CUTLASS_DEVICE void mma_task(typename MegaMainloop::Params const& mp, MegaPipeline& pipeline,
-                             MegaPipelineState& state, typename MegaMainloop::TensorStorage& smem,
+template <class Mainloop>
+CUTLASS_DEVICE void mma_task(typename Mainloop::Params const& mp, MegaPipeline& pipeline,
+                             MegaPipelineState& state, typename Mainloop::TensorStorage& smem,
                              MegaAccumulators& acc, int k_tiles, int mma_thread_idx) {
-  MegaMainloop mainloop;
+  Mainloop mainloop;
   mainloop.mma(pipeline, state, acc, k_tiles, mma_thread_idx, smem, mp);
   mainloop.mma_tail(pipeline, state, k_tiles);
   state.advance(k_tiles);
@@ -223,6 +260,55 @@ CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulato
         if (live && col < h_cols) store16(h + col, v);
       });
     }
+  }
+}
+
+// Backward, the first GEMM's epilogue (consumers): acc = d_rows @ W_down for rows [0, rows) of the
+// tile at ring row row_begin and act columns [n_tile * kBlockN, + kBlockN) below I. As stage 1's
+// no-y backward, step for step: m = bf16(acc) (the L2 dgrad's output), the row's router-weight
+// gradient partial <m, a> over these columns, da = bf16(m * w), and the SwiGLU backward of
+// roles/swiglu.cuh from h = (g, u) into d_h (interleaved as h). Each lane handles 8 contiguous
+// columns at a time (quad_gather), 16-byte loads and stores.
+// NOTE: the partial sums: each 8-column group as row_grad's fixed tree (dot_bf16x8), the lane's
+// groups in column order, then the quad's 4 lanes by a xor butterfly (bitwise the same in every
+// lane); one lane stores (row, n_tile)'s partial, and launch/moe_mega.cu sums a row's partials in
+// n_tile order. Not row_grad's order over the whole row: d_row_w agrees with stage 1 within
+// rounding, d_h is stage 1's arithmetic.
+CUTLASS_DEVICE void dswiglu_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
+                                     int mma_thread_idx, int round, int row_begin, int rows,
+                                     int n_tile) {
+  auto coords = thread_coords(mma_thread_idx);
+  const int q = static_cast<int>(threadIdx.x % 4);
+  const int64_t h_cols = 2 * static_cast<int64_t>(p.inter);
+  const int col0 = n_tile * layout::kBlockN;
+  CUTLASS_PRAGMA_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int row = cute::get<0>(coords(2 * half));
+    const bool live = row < rows;
+    const int64_t ring_row = row_begin + row;
+    const float w = live ? p.w_rows[static_cast<int64_t>(round) * p.ring_rows + ring_row] : 0.0f;
+    const __nv_bfloat16* a_row = p.act_ring + ring_row * p.inter;
+    const __nv_bfloat16* h_row = p.h_ring + ring_row * h_cols;
+    __nv_bfloat16* dh_row = p.dh_ring + ring_row * h_cols;
+    float partial = 0.0f;
+    for_each_raw_group(acc, half, [&](int g, uint4 m) {
+      const int col = col0 + (4 * g + q) * kFragBlockCols;
+      if (!live || col >= p.inter) return;
+      const int gate = SwigluMath::gate_col_of(col);
+      const uint4 a = *reinterpret_cast<const uint4*>(a_row + col);
+      partial = __fadd_rn(partial, row_grad::dot_bf16x8(m, a));
+      float gs[8], us[8], da[8], dg[8], du[8];
+      unpack_bf16x8(row_grad::scale_bf16x8(m, w), da);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(h_row + gate), gs);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(h_row + gate + kSwigluInterleave), us);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 8; ++k) roles::swiglu_grad(da[k], gs[k], us[k], dg[k], du[k]);
+      store16(dh_row + gate, pack_bf16x8(dg));
+      store16(dh_row + gate + kSwigluInterleave, pack_bf16x8(du));
+    });
+    partial = __fadd_rn(partial, __shfl_xor_sync(0xffffffffu, partial, 1));
+    partial = __fadd_rn(partial, __shfl_xor_sync(0xffffffffu, partial, 2));
+    if (live && q == 0) p.rw_partials[ring_row * p.rw_parts + n_tile] = partial;
   }
 }
 

@@ -22,7 +22,8 @@ namespace mok::roles {
 using layout::MegaPhase;
 using layout::MegaTile;
 
-// Everything the megakernel's roles read, derived on the host from launch::MegaForwardArgs.
+// Everything the megakernels' roles read, derived on the host from launch::MegaArgs. "l1" and
+// "l2" name a pass's first and second GEMM (the backward's are the L2 and the L1 dgrads).
 struct MegaParams {
   // ---- the symmetric workspace
   const uint64_t* peer_bases;  // [W] base of each rank's copy
@@ -43,21 +44,29 @@ struct MegaParams {
   int minibatch_rows;
   int num_rounds;
   int max_tiles;
-  int l1_ntiles;               // n-tiles of 2I
+  int l1_n;                    // B rows of the first GEMM: 2I (forward), I (backward)
+  int l2_k;                    // K of the second: I (forward), 2I (backward)
+  int l1_ntiles;               // n-tiles of l1_n
   int l2_ntiles;               // n-tiles of H
   int l1_ktiles;               // k-tiles of H
-  int l2_ktiles;               // k-tiles of I
+  int l2_ktiles;               // k-tiles of l2_k
   int arrive_word;             // counter word of arrive[0]
   int l1_done_word;            // counter word of l1_done[0]
   int num_ctas;
   int num_comm_ctas;
   int stall_minibatch;
+  int phase_offset;            // 0 (forward) or layout::kBackwardPhases: the error record's phase
 
   // ---- operands and plan (see launch/moe_megakernel.h)
-  __nv_bfloat16* x_ring;       // [ring_rows, H]
-  __nv_bfloat16* act_ring;     // [ring_rows, I]
-  __nv_bfloat16* h_ring;       // [ring_rows, 2I] or null
-  __nv_bfloat16* y_rows;       // [ring_rows, H] or null
+  __nv_bfloat16* x_ring;       // [ring_rows, H]: pulled rows (the backward's: d_out rows)
+  __nv_bfloat16* act_ring;     // [ring_rows, I]: forward L1's output; the backward reads it
+  __nv_bfloat16* h_ring;       // [ring_rows, 2I] or null: forward L1's pre-activation (written
+                               // if set); the backward reads it
+  __nv_bfloat16* y_rows;       // [ring_rows, H] or null (forward)
+  __nv_bfloat16* dh_ring;      // [ring_rows, 2I]: the backward's first GEMM's output, or null
+  const float* w_rows;         // [R * ring_rows] router weight of each row (backward)
+  float* rw_partials;          // [ring_rows, rw_parts]: <m, a> per (row, n-tile) (backward)
+  int rw_parts;                // = l1_ntiles
   const int64_t* row_src;      // [R * ring_rows]
   const int64_t* row_dst;      // [R * ring_rows]
   const int32_t* tile_count;   // [R]
@@ -188,8 +197,13 @@ struct MegaWaitSite {
 // NOTE: a stall then shows where it starts: the wait nearest the cause gives up first (and
 // writes the record), though a wait further down the chain may have started earlier.
 MOK_DEVICE int64_t timeout_of(const MegaParams& p, MegaPhase phase) {
-  const int depth = phase == MegaPhase::kL1WaitRows ? 1 : phase == MegaPhase::kL2WaitL1 ? 2 : 3;
+  const int depth = (static_cast<int>(phase) - 1) % layout::kBackwardPhases + 1;
   return p.timeout_ns * depth;
+}
+
+// This pass's phase for one of the forward's waits (the backward's are kBackwardPhases on).
+MOK_DEVICE MegaPhase pass_phase(const MegaParams& p, MegaPhase forward) {
+  return static_cast<MegaPhase>(static_cast<int>(forward) + p.phase_offset);
 }
 
 // Records the wait that gave up (first writer only, best effort across CTAs), then traps.
@@ -259,7 +273,8 @@ MOK_DEVICE void wait_counters(const MegaParams& p, int first, int count, int32_t
 // One thread: spins until the round barrier released `gen` (acquire), or records and traps.
 MOK_DEVICE void wait_released(const MegaParams& p, int32_t gen, int round) {
   const int word = layout::kGridBar + 1;
-  const int64_t timeout_ns = timeout_of(p, MegaPhase::kRoundBarrier);
+  const MegaPhase phase = pass_phase(p, MegaPhase::kRoundBarrier);
+  const int64_t timeout_ns = timeout_of(p, phase);
   uint64_t start_ns = 0;
   uint32_t sleep_ns = 0;
   for (;;) {
@@ -270,7 +285,7 @@ MOK_DEVICE void wait_released(const MegaParams& p, int32_t gen, int round) {
       start_ns = now;
     } else if (static_cast<int64_t>(now - start_ns) > timeout_ns) {
       // The record's index names the waiting CTA.
-      const MegaWaitSite site{MegaPhase::kRoundBarrier, round, static_cast<int>(blockIdx.x), 0};
+      const MegaWaitSite site{phase, round, static_cast<int>(blockIdx.x), 0};
       report_mega_timeout(p, site, site.index, word, seen, gen);
     }
     sleep_ns = next_sleep_ns(sleep_ns);

@@ -23,7 +23,8 @@ using layout::Region;
 using layout::WorkspaceLayout;
 
 // Grid-stride over [T, H / 8]: out[t] = bf16(sum_k w[t, k] * slot_rows[t, k] + shared[t]) over
-// the slots k with an expert id in [0, num_experts).
+// the slots k with an expert id in [0, num_experts); weights null: unweighted (the backward's
+// d_x, whose rows carry the router weight already).
 __global__ void reduce_slot_rows(WorkspaceLayout lay, uint64_t my_base, const int64_t* topk,
                                  const float* weights, int64_t num_experts,
                                  const __nv_bfloat16* shared_out, __nv_bfloat16* out,
@@ -37,11 +38,16 @@ __global__ void reduce_slot_rows(WorkspaceLayout lay, uint64_t my_base, const in
     for (int64_t k = 0; k < k_n; ++k) {
       const int64_t id = topk[t * k_n + k];
       if (id < 0 || id >= num_experts) continue;
-      const float w = weights[t * k_n + k];
       float y[8];
       unpack_bf16x8(*reinterpret_cast<const uint4*>(slots + (t * k_n + k) * hidden + h), y);
+      if (weights != nullptr) {
+        const float w = weights[t * k_n + k];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(y[q], w));  // no FMA
+        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(y[q], w));  // no FMA
+      } else {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], y[q]);
+      }
     }
     if (shared_out != nullptr) {
       float sh[8];
@@ -69,6 +75,21 @@ __global__ void zero_dropped_slots(WorkspaceLayout lay, const uint64_t* peer_bas
     uint4* dst = lay.at<uint4>(peer_bases[i / per_rank], Region::kSlotRows) +
                  (i % per_rank) * vecs;  // peer memory
     for (int64_t v = lane; v < vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Grid-stride over rows: d_row_w[r] = the sum of row r's parts partials[r, 0..parts) in order
+// (the backward megakernel's router-weight gradient), 0 for a padding row (row_tok < 0), whose
+// partials no tile may have written.
+__global__ void sum_row_partials(const float* partials, int64_t parts, const int64_t* row_tok,
+                                 float* d_row_w, int64_t rows) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float sum = 0.0f;
+    if (row_tok[r] >= 0) {
+      for (int64_t j = 0; j < parts; ++j) sum = __fadd_rn(sum, partials[r * parts + j]);
+    }
+    d_row_w[r] = sum;
   }
 }
 

@@ -17,6 +17,20 @@ namespace mok::roles {
 
 MOK_DEVICE float sigmoid_f32(float g) { return 1.0f / (1.0f + __expf(-g)); }
 
+// sigmoid with a fast reciprocal (1/inf = 0 keeps the limits): no subroutine call, where IEEE
+// division has one for its slow path, and the backward megakernel's epilogue may not call (a
+// call makes ptxas ignore setmaxnreg and serialise wgmma).
+MOK_DEVICE float sigmoid_nocall(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
+
+// The backward of one element: (dg, du) from da and (g, u), as the header says.
+// NOTE: also the backward megakernel's epilogue (roles/megakernel_gemm.cuh): one expression, so
+// both give bitwise the same d_h.
+MOK_DEVICE void swiglu_grad(float da, float g, float u, float& dg, float& du) {
+  const float s = sigmoid_nocall(g);
+  dg = __fmul_rn(__fmul_rn(__fmul_rn(da, u), s), __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s))));
+  du = __fmul_rn(__fmul_rn(da, g), s);
+}
+
 // g, u: [P, I] bf16 with row strides (elements) g_ld, u_ld, so they may be two halves of one
 // [P, 2I] buffer or two separate tensors; dg, du likewise. Column c of g, u, dg and du sits at
 // (c / 8) * blk_stride + c % 8: blk_stride 8 is contiguous columns, 16 the interleaved halves
@@ -81,12 +95,7 @@ __global__ void swiglu_backward(SwigluParams p, const __nv_bfloat16* da, __nv_bf
     load_vec<kVec>(p.u + r * p.u_ld + cs, u);
     load_vec<kVec>(da + r * p.inter + c, d);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const float s = sigmoid_f32(g[k]);
-      out_g[k] = __fmul_rn(__fmul_rn(__fmul_rn(d[k], u[k]), s),
-                           __fadd_rn(1.0f, __fmul_rn(g[k], __fsub_rn(1.0f, s))));
-      out_u[k] = __fmul_rn(__fmul_rn(d[k], g[k]), s);
-    }
+    for (int k = 0; k < kVec; ++k) swiglu_grad(d[k], g[k], u[k], out_g[k], out_u[k]);
     store_vec<kVec>(dg + r * dg_ld + cs, out_g);
     store_vec<kVec>(du + r * du_ld + cs, out_u);
   }

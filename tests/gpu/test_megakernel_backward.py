@@ -1,0 +1,212 @@
+"""The backward megakernel (``MoKConfig.cuda_backward``, 'auto' after a one-round megakernel
+forward) on one GPU: that it is the path that runs, against the float64 oracle, the reference
+backend and stage 1's backward on the same forward; bitwise run to run and across the knobs that
+only change the launch; accumulation into caller buffers (Megatron's main_grad); the clear
+errors where it cannot run; a stalled minibatch times out naming the backward's phase.
+
+Its data gradients are computed in another arithmetic order than stage 1's (its own GEMM tiles
+over N-contiguous weights; the router-weight gradient's partial sums per 256 columns), so they
+agree with stage 1's within rounding, and each with the oracle as tightly as PyTorch's bf16.
+test_megakernel.py's tests (shapes, edge cases, virtual ranks W = 2 and 4, autograd, the CUDA
+graph of forward and backward, the no-sync check) run it too, with the default config.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_backend import (
+    ROUTED,
+    SHAPES,
+    Run,
+    _bitwise_equal,
+    _check_accuracy,
+    _check_against_reference,
+    _clone,
+    _problem,
+)
+from test_megakernel import _child
+
+from mok_megatron import functional as F
+from mok_megatron.functional.cuda.mega import unavailable_here
+from mok_megatron.ops import moe as mops
+from mok_megatron.testing import relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(unavailable_here()), reason=f"megakernel: {unavailable_here()}"),
+]
+
+MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8, bwd_num_comm_sms=8)
+MEGA_STAGE1_BWD = F.MoKConfig(cuda_forward="megakernel", cuda_backward="stage1",
+                              fwd_num_comm_sms=8)  # fmt: skip
+
+
+@pytest.fixture
+def backward_calls(monkeypatch):
+    """How often ops.moe.moe_mega_backward ran (a list, one entry per call)."""
+    calls = []
+    real = mops.moe_mega_backward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["num_comm_sms"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mops, "moe_mega_backward", spy)
+    return calls
+
+
+def _close(got: dict, want: dict, tol: float) -> list[str]:
+    bad = []
+    for name, w in want.items():
+        if w is None or not w.numel():
+            continue
+        err = relative_error(got[name].double(), w.double())
+        if not err < tol:
+            bad.append(f"{name}: {err:.2e} from stage 1's backward")
+    return bad
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_runs_and_matches_oracle_reference_and_stage1_backward(shape, backward_calls):
+    problem = _problem([300], SHAPES[shape], seed=13)
+    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    _, got = run()
+    assert backward_calls == [MEGA.bwd_num_comm_sms], "the backward megakernel did not run"
+    failures = _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, MEGA, form="fused")
+    _, want = Run(problem, "cuda", config=MEGA_STAGE1_BWD, form="fused_auto")()
+    assert len(backward_calls) == 1, "cuda_backward='stage1' ran the backward megakernel"
+    assert torch.equal(got["out"], want["out"]), "the forward changed with the backward"
+    # the shared expert's gradients are stage 1's code on both paths: bitwise
+    shared = [n for n in ("d_w_shared_gate", "d_w_shared_up", "d_w_shared_down")
+              if want[n] is not None]  # fmt: skip
+    failures += [f"{n}: not bitwise stage 1's" for n in _bitwise_equal(
+        {n: want[n] for n in shared}, got)]  # fmt: skip
+    failures += _close(got, {n: want[n] for n in ("d_x", "d_router_weights", *ROUTED)}, 5e-3)
+    assert not failures, failures
+
+
+@pytest.mark.parametrize(
+    "case,tokens,shape,kwargs",
+    [
+        ("empty_experts_and_dropped_slots", [97], (128, 64, 16, 4, 0),
+         {"empty_slot_fraction": 0.3}),
+        ("all_to_one_expert_topk1", [120], (128, 64, 8, 1, 0), {"routing": "one_expert"}),
+        ("topk8_ragged", [133], (256, 192, 16, 8, 0), {}),
+        ("wide_inter", [50], (128, 640, 4, 2, 0), {}),  # I = 640: a partial 256-column tile
+        ("experts_without_tokens", [5], (128, 64, 64, 2, 0), {}),  # exact zero weight grads
+    ],
+)  # fmt: skip
+def test_edge_cases_match_oracle_and_repeat_bitwise(case, tokens, shape, kwargs, backward_calls):
+    problem = _problem(tokens, shape, seed=29, **kwargs)
+    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    _, got = run()
+    assert backward_calls, "the backward megakernel did not run"
+    failures = _check_accuracy(problem, got)
+    for i in range(2):
+        _, again = run()
+        failures += [f"repeat {i + 1} differs in {n}" for n in _bitwise_equal(got, again)]
+    assert not failures, failures
+
+
+def test_knobs_change_the_launch_not_the_result(backward_calls):
+    """bwd_num_comm_sms and minibatch_size reach the backward's launch but not its arithmetic;
+    a grid that cannot spare bwd_num_comm_sms raises naming the knob."""
+    problem = _problem([257], SHAPES["qwen3-30b-a3b"], seed=9)
+    results = []
+    for comm, mini in ((1, 128), (8, 256), (30, 512)):
+        config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8,
+                             bwd_num_comm_sms=comm, minibatch_size=mini)  # fmt: skip
+        results.append(Run(problem, "cuda", config=config, form="fused_auto")()[1])
+    assert backward_calls == [1, 8, 30]
+    for other in results[1:]:
+        assert not _bitwise_equal(results[0], other)
+    config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, bwd_num_comm_sms=8)
+    run = Run(problem, "cuda", config=config, form="fused")
+    run.ws.buffers.num_sms = 8  # the forward fits (4 of 8 pull), the backward cannot spare 8
+    with pytest.raises(RuntimeError, match=r"bwd_num_comm_sms=8 must be in \[1, 7\]"):
+        run()
+
+
+def test_wgrad_accumulation_into_caller_buffers(backward_calls):
+    """Megatron's gradient-accumulation fusion on this path: the weight gradients go into the
+    caller's float32 buffers (bitwise old + the sum into zeros), every other output as the
+    plain pass's."""
+    problem = _problem([300], SHAPES["deepseek-v3"], seed=11)
+    run = Run(problem, "cuda", config=MEGA, form="fused")
+    _, plain = run()
+    zeros = run.make_accumulators("zeros")
+    _, got = run(accumulators=zeros)
+    old = run.make_accumulators("random", seed=3)
+    acc = _clone(old)
+    run(accumulators=acc)
+    assert len(backward_calls) == 3
+    failures = [f"{n}: returned with accumulators" for n in ROUTED if got[n] is not None]
+    failures += [f"{n}: differs from the plain pass" for n in ("out", "d_x", "d_router_weights")
+                 if not torch.equal(got[n], plain[n])]  # fmt: skip
+    failures += [f"accumulator {i}: not bitwise old + the sum into zeros"
+                 for i, (a, o, z) in enumerate(zip(acc, old, zeros))
+                 if a is not None and not torch.equal(a, o + z)]  # fmt: skip
+    summed = {**plain, **run.split_accumulators(zeros)}
+    failures += _check_accuracy(problem, summed)
+    assert not failures, failures
+
+
+def test_rounds_take_stage1_or_fail_clearly(backward_calls):
+    """More routed rows than macrobatch_size: the forward keeps tokens, not one round's
+    activations; 'auto' runs stage 1's backward, 'megakernel' says why it cannot."""
+    problem = _problem([300], (128, 64, 8, 4, 0), seed=4)
+    rounds = dict(cuda_forward="megakernel", fwd_num_comm_sms=8, minibatch_size=128,
+                  macrobatch_size=256)  # fmt: skip
+    run = Run(problem, "cuda", config=F.MoKConfig(**rounds), form="fused_auto")
+    _, got = run()
+    assert run.rounds > 1 and not backward_calls
+    assert not _check_accuracy(problem, got)
+    strict = Run(problem, "cuda", config=F.MoKConfig(cuda_backward="megakernel", **rounds),
+                 form="fused_auto")  # fmt: skip
+    with pytest.raises(ValueError, match="cuda_backward='megakernel' cannot run: .*rounds"):
+        strict()
+
+
+def test_after_a_stage1_forward_megakernel_backward_fails_clearly():
+    with pytest.raises(ValueError, match="cuda_backward='megakernel' needs the megakernel's"):
+        F.MoKConfig(cuda_forward="stage1", cuda_backward="megakernel")
+
+
+_STALL_BACKWARD = """
+import torch
+from mok_megatron import functional as F
+from mok_megatron.ops import interleave_gate_up
+from mok_megatron.ops.moe import check_mega_error
+from mok_megatron.testing import random_moe_problem
+p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
+x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, bwd_num_comm_sms=4,
+                     minibatch_size=128, wait_timeout_ms=1500)
+ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
+                        num_experts=8, intermediate_size=64, backend="cuda")
+sched = F.build_schedule(ws, config, topk, router_weights=rw)
+gu = interleave_gate_up(g, u)
+out, ctx = F.forward(config, ws, sched, x, rw, None, None, None, gu, None, d)
+torch.cuda.synchronize()
+print("FORWARD-OK", flush=True)
+ws.buffers.stall_minibatch = 1  # the backward's comm CTAs never release minibatch 1
+try:
+    F.backward(config, ws, sched, ctx, torch.randn_like(out), x, rw, None, None, None, gu, None, d)
+    torch.cuda.synchronize()
+    print("NO-TIMEOUT", flush=True)
+except Exception as exc:
+    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
+    try:
+        check_mega_error(ws.buffers.error_record)
+    except RuntimeError as err:
+        print("RECORD", err, flush=True)
+"""
+
+
+def test_a_stalled_backward_minibatch_times_out_naming_the_backward_phase(tmp_path):
+    output = _child(_STALL_BACKWARD, tmp_path)
+    assert "FORWARD-OK" in output and "LAUNCH-FAILED" in output, output[-3000:]
+    assert "backward: L2-dgrad task waiting for its d_out rows" in output, output[-3000:]
+    assert "minibatch 1" in output and "arrive" in output, output[-3000:]
