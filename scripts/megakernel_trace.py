@@ -14,6 +14,10 @@ trace on and splits every CTA's time, from the first CTA's start to the last one
 - ``barrier``: end-of-round barriers;
 - ``start`` / ``end``: before the CTA started / after it finished its last task.
 
+``--backward`` traces the backward megakernel instead (forward + backward passes, its timeline
+from ``ws.buffers.last_backward_trace``): "l1" is then its first GEMM (the L2 dgrad, K = H) and
+"l2" its second (the L1 dgrad, K = 2I).
+
 It also reports each GEMM's mainloop time per k-tile (tasks whose inputs were ready before the
 consumers took them), against one k-tile's time at the BF16 ceiling of the floor model
 (timing.H200_CEILINGS, a measured dense-GEMM rate, below the data-sheet peak). JSON record.
@@ -55,6 +59,11 @@ def parse_args(argv=None):
         "--keep",
         action="store_true",
         help="trace forwards that keep h and y for a backward (default: no_grad)",
+    )
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="trace the backward megakernel (forward + backward passes)",
     )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -129,8 +138,9 @@ def ceiling_ns_per_ktile() -> float:
     return 2 * TILE_M * TILE_N * TILE_K / per_sm * 1e9
 
 
-def summarise(ctas, tasks, hidden, inter) -> dict:
-    k_tiles = {"l1": -(-hidden // TILE_K), "l2": -(-inter // TILE_K)}
+def summarise(ctas, tasks, k1, k2) -> dict:
+    """``k1`` / ``k2``: the K of the pass's first and second GEMM."""
+    k_tiles = {"l1": -(-k1 // TILE_K), "l2": -(-k2 // TILE_K)}
     split = split_time(ctas, tasks)
     cta_total = sum(split["cta_ns"].values())
     first_l1 = min((t["ready"] for t in tasks if not t["l2"]), default=0)
@@ -160,21 +170,27 @@ def trace_case(name, args, rank) -> dict:
         runtime.mok_config = dataclasses.replace(runtime.mok_config, **knobs)
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
                                  config.params_dtype, 1234, rank)  # fmt: skip
-    with contextlib.nullcontext() if args.keep else torch.no_grad():
-        bench_moe.run_layer(layer, sets[0], backward=False)  # the workspace, warm
+    hidden, inter = shape[0], shape[1]
+    ks = (hidden, 2 * inter) if args.backward else (hidden, inter)
+    grad = contextlib.nullcontext() if args.keep or args.backward else torch.no_grad()
+    with grad:
+        bench_moe.run_layer(layer, sets[0], backward=args.backward)  # the workspace, warm
         ws = runtime.last_workspace
         ws.buffers.trace = True
         passes = []
         for _ in range(args.passes):
-            bench_moe.run_layer(layer, sets[0], backward=False)
+            bench_moe.run_layer(layer, sets[0], backward=args.backward)
             torch.cuda.synchronize()
-            ctas, tasks = decode(*ws.buffers.last_trace)
-            passes.append(summarise(ctas, tasks, shape[0], shape[1]))
+            trace = ws.buffers.last_backward_trace if args.backward else ws.buffers.last_trace
+            ctas, tasks = decode(*trace)
+            passes.append(summarise(ctas, tasks, *ks))
+            layer.zero_grad(set_to_none=True)
         ws.buffers.trace = False
     resolved = ws.config
     middle = sorted(passes, key=lambda s: s["span_us"])[len(passes) // 2]
     case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing,
-            "keep": args.keep,
+            "keep": args.keep, "pass": "backward" if args.backward else "forward",
+            "bwd_num_comm_sms": resolved.bwd_num_comm_sms,
             "fwd_num_comm_sms": resolved.fwd_num_comm_sms,
             "minibatch_size": resolved.minibatch_size, "num_ctas": len(ctas),
             "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip
