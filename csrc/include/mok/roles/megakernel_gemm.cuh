@@ -276,11 +276,12 @@ CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulato
 // rounding, d_h is stage 1's arithmetic.
 // NOTE: the loads of a batch of kDswigluBatch groups (a, g, u: 3 x 16 bytes each) are all issued
 // before the first is used, and before the batch's stores (which the compiler may not move them
-// past): one latency per batch rather than per group. A first version loaded group by group and
-// spent ~20 us per task here (the trace: 26% of qwen3-30b-a3b's CTA time), against ~3.5 us for
-// the forward's L1 epilogue.
+// past): one latency per batch rather than per group. Group by group (b2984e7's parent) this
+// epilogue took ~20 us per task (the trace: 26% of qwen3-30b-a3b's CTA time), against ~3.5 us
+// for the forward's L1 epilogue; in batches of 4 (b2984e7) ~13 us; a batch is now a whole row
+// half (no spills: 96 registers of loads while the other half's accumulators are live).
 constexpr int kDswigluGroups = kFragBlocks / 4;  // 8-column groups per lane and row half
-constexpr int kDswigluBatch = 4;                 // groups whose loads are in flight at once
+constexpr int kDswigluBatch = 8;                 // groups whose loads are in flight at once
 static_assert(kDswigluGroups % kDswigluBatch == 0, "whole batches");
 
 CUTLASS_DEVICE void dswiglu_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
