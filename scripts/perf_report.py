@@ -389,22 +389,32 @@ def trace_tables(path):
     record = json.load(open(path))
     env = record["environment"]
     cats = list(record["cases"][0]["fractions"])
-    yield "## The megakernel's forward, from its timeline\n"
+    backward = record["cases"][0].get("pass") == "backward"
+    commit = (env.get("commit") or "unknown")[:12]
+    if backward:
+        yield f"## The backward megakernel's data gradients, from its timeline (`{commit}`)\n"
+    else:
+        yield "## The megakernel's forward, from its timeline\n"
+    gemms = "L2-dgrad / L1-dgrad" if backward else "L1 / L2"
     yield (
         f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
         f"`{(env.get('commit') or 'unknown')[:12]}`), written by `scripts/megakernel_trace.py`: "
         "the kernel's span (first CTA start to last CTA end, the median of the traced passes), the "
         "share of all CTAs' time in each category (see the script), and the median mainloop time "
         "of one 128 x 256 x 64 k-tile per GEMM against its time at the floor model's BF16 ceiling, "
-        f"{record['ceiling_ns_per_ktile']:.0f} ns.\n"
-    )
+        f"{record['ceiling_ns_per_ktile']:.0f} ns."
+        + (" The backward's GEMMs: its first, the L2 dgrad with the SwiGLU backward in its "
+           "epilogue; its second, the L1 dgrad." if backward else "")
+        + "\n"
+    )  # fmt: skip
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
-           + " | L1 / L2 ns per k-tile | L1 / L2 epilogue (us) |")  # fmt: skip
+           + f" | {gemms} ns per k-tile | {gemms} epilogue (us) |")  # fmt: skip
     yield "|---|---|---|---|" + "---|" * len(cats) + "---|---|"
     for case in record["cases"]:
         ml, ep = case["mainloop"], case["epilogue_median_ns"]
         yield (
-            f"| {case['shape']} | {case['tokens_per_rank']} | {case['fwd_num_comm_sms']} / "
+            f"| {case['shape']} | {case['tokens_per_rank']} "
+            f"| {case['bwd_num_comm_sms' if backward else 'fwd_num_comm_sms']} / "
             f"{case['minibatch_size']} | {case['span_us']:.0f} | "
             + " | ".join(f"{case['fractions'][c]:.2f}" for c in cats)
             + f" | {ml['l1']['median_ns_per_ktile']:.0f} / {ml['l2']['median_ns_per_ktile']:.0f}"
@@ -448,7 +458,12 @@ def main(argv=None) -> None:
     p.add_argument("--notes", default=None, help="a markdown file appended as the analysis")
     p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
     p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
-    p.add_argument("--trace", default=None, help="a scripts/megakernel_trace.py JSON")
+    p.add_argument(
+        "--trace",
+        nargs="+",
+        default=(),
+        help="scripts/megakernel_trace.py JSONs (forward or --backward), a table each",
+    )
     p.add_argument(
         "--compare",
         nargs=2,
@@ -495,8 +510,8 @@ def main(argv=None) -> None:
         parts += ["", *compare_tables(args.compare)]
     if args.breakdown:
         parts += ["", *breakdown_tables(args.breakdown)]
-    if args.trace:
-        parts += ["", *trace_tables(args.trace)]
+    for path in args.trace:
+        parts += ["", *trace_tables(path)]
     if args.host:
         parts += ["", *host_tables(args.host)]
     if args.profile:

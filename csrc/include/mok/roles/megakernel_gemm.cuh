@@ -278,8 +278,9 @@ CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulato
 // before the first is used, and before the batch's stores (which the compiler may not move them
 // past): one latency per batch rather than per group. Group by group (b2984e7's parent) this
 // epilogue took ~20 us per task (the trace: 26% of qwen3-30b-a3b's CTA time), against ~3.5 us
-// for the forward's L1 epilogue; in batches of 4 (b2984e7) ~13 us; a batch is now a whole row
-// half (no spills: 96 registers of loads while the other half's accumulators are live).
+// for the forward's L1 epilogue; in batches of 4 (b2984e7) ~13 us; in batches of a whole row
+// half (no spills: 96 registers of loads while the other half's accumulators are live) ~12.5 us
+// (15fe76a, docs/PERF.md's backward timeline tables).
 constexpr int kDswigluGroups = kFragBlocks / 4;  // 8-column groups per lane and row half
 constexpr int kDswigluBatch = 8;                 // groups whose loads are in flight at once
 static_assert(kDswigluGroups % kDswigluBatch == 0, "whole batches");
