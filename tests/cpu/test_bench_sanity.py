@@ -201,3 +201,26 @@ def test_gpu_state_reads_nvidia_smi_and_falls_back_without_the_reasons_field(tmp
                                               ["1755", "1980", "612.40", "57"]))  # fmt: skip
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert bench_moe._gpu_state() is None
+
+
+def test_stage1_backward_rows_render_the_fwd_bwd_pass_of_cases_that_have_them():
+    """perf_report's backward-paths table (bench_moe.py --mok-stage1-backward): a row per
+    forward + backward pass with 'mok_stage1_bwd' (synthetic record); forward passes and cases
+    without the contender are skipped."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+    mok = {"median_ms_all_ranks_max": 2.0, "p10_ms": 1.9, "p90_ms": 2.1, "fraction_of_floor": 0.5,
+           "peak_mem_bytes": 2**30}  # fmt: skip
+    stage1 = {**mok, "median_ms_all_ranks_max": 2.5, "p10_ms": 2.4, "p90_ms": 2.6,
+              "fraction_of_floor": 0.4, "peak_mem_bytes": 2**31}  # fmt: skip
+    both = {"mok": mok, "mok_stage1_bwd": stage1, "stage1_bwd_speedup": 1.25}
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
+            "mok_backend": "cuda/megakernel", "fwd": both, "fwd_bwd": both}  # fmt: skip
+    record = {"cases": [case, {**case, "fwd_bwd": {"mok": mok}}]}
+    rows = list(perf_report.stage1_rows([("r.json", record)], "mok_stage1_bwd",
+                                        "stage1_bwd_speedup", ("fwd_bwd",)))  # fmt: skip
+    assert rows == ["| s | 1 | 64 | uniform | fwd+bwd | cuda/megakernel | 2.000 (1.900-2.100) "
+                    "| 2.500 (2.400-2.600) | **1.25x** | 0.50 | 0.40 | 1.00 | 2.00 |"]  # fmt: skip
