@@ -213,6 +213,23 @@ def test_more_rows_than_one_ring(case):
     _assert_equal_to_stage1(got, want, except_out=True, grads="bitwise")
 
 
+def test_tiles_of_at_most_64_rows_equal_stage1():
+    """An m-tile of at most 64 rows (an expert's last, here about half the tiles) runs on one
+    consumer warpgroup while the other idles (roles/megakernel_gemm.cuh, consumer_rows_idle):
+    beside full tiles in the same pass its rows are bitwise stage 1's in the forward, and the
+    backward megakernel's gradients are as close to stage 1's and the oracle as elsewhere."""
+    problem = _problem([700], (256, 160, 16, 4, 0), seed=29)  # ~175 rows per expert
+    mega, sched, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
+    plan = sched.device_plan
+    count = int(plan["tile_count"][0])
+    rows = (plan["tiles"][0, :count, 2] - plan["tiles"][0, :count, 1]).tolist()
+    assert any(r <= 64 for r in rows) and any(r > 64 for r in rows), rows
+    failures = _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, MEGA, form="fused")
+    assert not failures, failures
+    _assert_equal_to_stage1(got, want)
+
+
 def test_full_width_qwen3_equals_stage1():
     problem = _problem([2000], (2048, 768, 64, 8, 0), seed=17)
     _, _, got, want = _mega_and_stage1(problem, MEGA, STAGE1)

@@ -136,6 +136,14 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
     trace_task(p, rd.round, ticket, layout::kTraceTaskId,
                (int64_t{task.l2} << 40) | (int64_t{task.tile} << 20) | task.n);
   }
+  const int k_tiles = task.l2 ? p.l2_ktiles : p.l1_ktiles;
+  if (gemm::consumer_rows_idle(mma_thread_idx, rows)) {
+    // This warpgroup has no row of the tile: nothing to compute or store; an L1 task's release
+    // still waits for the other warpgroup's stores.
+    gemm::idle_task(pipeline, state, k_tiles);
+    if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx);
+    return;
+  }
   // An L2 task's row destinations, loaded before the mainloop hides their latency (the epilogue
   // would otherwise wait on two dependent global loads per row half).
   const gemm::L2RowDsts dsts = task.l2 ? gemm::l2_row_dsts(p, mma_thread_idx, rd.round,
@@ -144,8 +152,8 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
   MegaAccumulators acc;
   // NOTE: the collective's mma() reads no Params field (the data comes through shared memory),
   // so one call serves both GEMMs; only the k-tile count differs.
-  gemm::mma_task<MegaMainloopOf<kBackward>>(gp.l1, pipeline, state, smem, acc,
-                                             task.l2 ? p.l2_ktiles : p.l1_ktiles, mma_thread_idx);
+  gemm::mma_task<MegaMainloopOf<kBackward>>(gp.l1, pipeline, state, smem, acc, k_tiles,
+                                             mma_thread_idx);
   if (tracer) trace_task(p, rd.round, ticket, layout::kTraceMmaEnd);
   if (!task.l2) {
     if constexpr (kBackward) {

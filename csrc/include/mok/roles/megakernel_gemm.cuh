@@ -142,6 +142,31 @@ CUTLASS_DEVICE void mma_task(typename Mainloop::Params const& mp, MegaPipeline& 
   state.advance(k_tiles);
 }
 
+// Rows of a tile per consumer warpgroup (warpgroup 1 computes rows [64, 128)).
+constexpr int kConsumerRows = layout::kBlockM / 2;
+
+// Whether this consumer thread's warpgroup has no row of a tile of `rows` rows: warpgroup 1 of
+// a tile of at most 64 rows, as an expert's last m-tile often is (at EP 1 about half of
+// deepseek-v3's experts spill a few rows into a third m-tile). Such a warpgroup runs idle_task
+// instead of mma_task and no epilogue.
+MOK_DEVICE bool consumer_rows_idle(int mma_thread_idx, int rows) {
+  return mma_thread_idx / cutlass::NumThreadsPerWarpGroup == 1 && rows <= kConsumerRows;
+}
+
+// An idle warpgroup's side of one task (consumer_rows_idle): no wgmma; it waits for each
+// k-tile's stage and releases it (the other warpgroup's release still gates the refill), so the
+// other warpgroup has the SM's tensor cores to itself and the tile takes about half the time.
+// The other warpgroup's wgmma sequence is unchanged: its rows are bitwise a full tile's.
+// Advances `state` past the task's k-tiles, as mma_task does.
+CUTLASS_DEVICE void idle_task(MegaPipeline& pipeline, MegaPipelineState& state, int k_tiles) {
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < k_tiles; ++k) {
+    pipeline.consumer_wait(state, pipeline.consumer_try_wait(state));
+    pipeline.consumer_release(state);
+    ++state;
+  }
+}
+
 // Tile-local (row, col) of each accumulator element of this consumer thread.
 CUTLASS_DEVICE auto thread_coords(int mma_thread_idx) {
   using namespace cute;
@@ -279,10 +304,11 @@ CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulato
 // past): one latency per batch rather than per group. Group by group (b2984e7's parent) this
 // epilogue took ~20 us per task (the trace: 26% of qwen3-30b-a3b's CTA time), against ~3.5 us
 // for the forward's L1 epilogue; in batches of 4 (b2984e7) ~13 us; in batches of a whole row
-// half (no spills: 96 registers of loads while the other half's accumulators are live) ~12.5 us
-// (15fe76a, docs/PERF.md's backward timeline tables).
+// half (96 registers of loads while the other half's accumulators are live) ~12.5 us (15fe76a,
+// docs/PERF.md's backward timeline tables). Back to 4: with an idle warpgroup's path
+// (consumer_rows_idle) beside it, a batch of 8 spilled in the mainloop (ptxas: 160 bytes).
 constexpr int kDswigluGroups = kFragBlocks / 4;  // 8-column groups per lane and row half
-constexpr int kDswigluBatch = 8;                 // groups whose loads are in flight at once
+constexpr int kDswigluBatch = 4;                 // groups whose loads are in flight at once
 static_assert(kDswigluGroups % kDswigluBatch == 0, "whole batches");
 
 CUTLASS_DEVICE void dswiglu_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
