@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Sweep the megakernel's forward knobs on the GPU it runs on and write the tuned table.
+"""Sweep the megakernels' knobs on the GPU it runs on and write the tuned table.
 
 For each benchmark shape (the layers, weights and routing of scripts/bench_moe.py) it times the
 MoK layer's forward with ``cuda_forward='megakernel'`` under every (fwd_num_comm_sms,
-minibatch_size) pair, and writes ``mok_megatron/tuned/<gpu>_ep<N>.yaml`` (the table MoKConfig's
-"auto" knobs read on that GPU and EP size): a ``mok:`` section with the
-pair that is best on the geometric mean over the shapes (usable as ``--mok-config`` or
-``MoKConfig.from_yaml``) and, per shape, its own best pair and time. The full sweep goes to the
-JSON record (``--out``).
+minibatch_size) pair, then, at the shape's best pair, its forward + backward (the backward
+megakernel, ``cuda_backward='auto'``) under every ``bwd_num_comm_sms``; and writes
+``mok_megatron/tuned/<gpu>_ep<N>.yaml`` (the table MoKConfig's "auto" knobs read on that GPU and
+EP size): a ``mok:`` section with the forward pair and the backward's comm SMs that are best on
+the geometric mean over the shapes (usable as ``--mok-config`` or ``MoKConfig.from_yaml``) and,
+per shape, its own best knobs and times. The full sweep goes to the JSON record (``--out``).
 
   python3 scripts/tune.py --out docs/results/tune_h200_ep1.json          # one GPU: EP 1
   torchrun --standalone --nproc-per-node 2 scripts/tune.py --out ...     # EP 2
@@ -38,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--comm-sms", default="2,4,8,16,20")
     p.add_argument("--minibatch", default="256,1024,4096")
+    p.add_argument("--bwd-comm-sms", default="8,16,20,32",
+                   help="bwd_num_comm_sms values, timed by forward + backward")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--out", required=True, help="JSON record of the sweep")
@@ -64,28 +67,50 @@ def sweep_shape(name, args, points, rank) -> dict:
         with torch.no_grad():
             t = time_fn(lambda i: bench_moe.run_layer(layer, sets[i % 2], backward=False),
                         warmup=args.warmup, iters=args.iters, device="cuda")  # fmt: skip
-        worst = torch.tensor([t.median_ms], device="cuda")
-        if dist.get_world_size() > 1:
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        times[f"{comm},{mini}"] = float(worst.item())
+        times[f"{comm},{mini}"] = _slowest_rank(t.median_ms)
+        bench_moe._release_memory()
+    best = min(times, key=times.get)
+    comm, mini = map(int, best.split(","))
+    # The backward's comm SMs, each timed by forward + backward at the forward's best pair: the
+    # forward is the same in every point, so the differences are the backward megakernel's.
+    bwd_times = {}
+    for bwd_comm in (int(v) for v in args.bwd_comm_sms.split(",")):
+        runtime.mok_config = dataclasses.replace(default, cuda_forward="megakernel",
+                                                 fwd_num_comm_sms=comm, minibatch_size=mini,
+                                                 bwd_num_comm_sms=bwd_comm)  # fmt: skip
+        t = time_fn(lambda i: bench_moe.run_layer(layer, sets[i % 2], backward=True),
+                    warmup=args.warmup, iters=args.iters, device="cuda")  # fmt: skip
+        bwd_times[str(bwd_comm)] = _slowest_rank(t.median_ms)
         bench_moe._release_memory()
     runtime.mok_config = default
-    best = min(times, key=times.get)
-    return {"shape": name, "tokens_per_rank": args.tokens, "forward_ms": times, "best": best}
+    return {"shape": name, "tokens_per_rank": args.tokens, "forward_ms": times, "best": best,
+            "fwd_bwd_ms": bwd_times, "bwd_best": min(bwd_times, key=bwd_times.get)}  # fmt: skip
+
+
+def _slowest_rank(ms: float) -> float:
+    worst = torch.tensor([ms], device="cuda")
+    if dist.get_world_size() > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
+def _geomean_best(cases, field: str, keys) -> str:
+    """The key of ``field``'s times that is best on the geometric mean over the shapes."""
+    geo = {k: math.exp(sum(math.log(c[field][k]) for c in cases) / len(cases)) for k in keys}
+    return min(geo, key=geo.get)
 
 
 def write_table(path, record, points) -> None:
     import yaml
 
     cases = record["cases"]
-    geo = {
-        key: math.exp(sum(math.log(c["forward_ms"][key]) for c in cases) / len(cases))
-        for key in (f"{c},{m}" for c, m in points)
-    }
-    comm, mini = map(int, min(geo, key=geo.get).split(","))
+    pair = _geomean_best(cases, "forward_ms", [f"{c},{m}" for c, m in points])
+    comm, mini = map(int, pair.split(","))
+    bwd_comm = int(_geomean_best(cases, "fwd_bwd_ms", list(cases[0]["fwd_bwd_ms"])))
     env = record["environment"]
     table = {
-        "mok": {"cuda_forward": "megakernel", "fwd_num_comm_sms": comm, "minibatch_size": mini},
+        "mok": {"cuda_forward": "megakernel", "fwd_num_comm_sms": comm, "minibatch_size": mini,
+                "bwd_num_comm_sms": bwd_comm},
         "tuned_on": {"gpu": env.get("gpu"), "ep": env["world_size"], "commit": env["commit"],
                      "utc": env["utc"], "record": os.path.basename(record["path"])},
         "shapes": {
@@ -94,16 +119,18 @@ def write_table(path, record, points) -> None:
                 "fwd_num_comm_sms": int(c["best"].split(",")[0]),
                 "minibatch_size": int(c["best"].split(",")[1]),
                 "forward_ms": round(c["forward_ms"][c["best"]], 4),
+                "bwd_num_comm_sms": int(c["bwd_best"]),
+                "fwd_bwd_ms": round(c["fwd_bwd_ms"][c["bwd_best"]], 4),
             }
             for c in cases
         },
     }  # fmt: skip
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write("# Written by scripts/tune.py: the megakernel's forward knobs on this GPU and EP "
-                "size.\n# `mok:` is the best pair on the geometric mean over the shapes. MoKConfig's "
-                "'auto' knobs read its\n# fwd_num_comm_sms and minibatch_size on this GPU and EP "
-                "size; as --mok-config it also selects the megakernel.\n")  # fmt: skip
+        f.write("# Written by scripts/tune.py: the megakernels' knobs on this GPU and EP size.\n"
+                "# `mok:` holds the best on the geometric mean over the shapes. MoKConfig's 'auto' "
+                "knobs read its\n# fwd_num_comm_sms, minibatch_size and bwd_num_comm_sms on this "
+                "GPU and EP size; as --mok-config it also\n# selects the megakernel.\n")  # fmt: skip
         yaml.safe_dump(table, f, sort_keys=False)
 
 
@@ -119,7 +146,9 @@ def main(argv=None) -> None:
             case = record["cases"][-1]
             print(f"{name}: best (fwd_num_comm_sms, minibatch_size) = ({case['best']}): "
                   f"{case['forward_ms'][case['best']]:.3f} ms; fallback (16,256): "
-                  f"{case['forward_ms'].get('16,256', float('nan')):.3f} ms", flush=True)  # fmt: skip
+                  f"{case['forward_ms'].get('16,256', float('nan')):.3f} ms; best "
+                  f"bwd_num_comm_sms = {case['bwd_best']}: forward + backward "
+                  f"{case['fwd_bwd_ms'][case['bwd_best']]:.3f} ms", flush=True)  # fmt: skip
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -32,7 +32,7 @@ __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARD
 #: AUTO_FALLBACKS.
 AUTO = "auto"
 #: The knobs that may be "auto", and their values where no tuned table covers the GPU and EP size.
-AUTO_FALLBACKS = {"fwd_num_comm_sms": 16, "minibatch_size": 256}
+AUTO_FALLBACKS = {"fwd_num_comm_sms": 16, "bwd_num_comm_sms": 20, "minibatch_size": 256}
 #: Where the tuned tables live (package data).
 TUNED_DIR = Path(__file__).resolve().parent.parent / "tuned"
 #: Row tile height of the expert GEMMs: minibatches and macrobatches are multiples of it.
@@ -93,10 +93,10 @@ class MoKConfig:
         "SMs that pull tokens in the megakernel's forward before they run GEMM tasks too; 'auto': "
         "the GPU's tuned table (scripts/tune.py), else 16.",
     )
-    bwd_num_comm_sms: int = _knob(
-        20,
+    bwd_num_comm_sms: int | str = _knob(
+        AUTO,
         "SMs that pull d_out rows in the backward megakernel before they run GEMM tasks too; "
-        "tuned separately from the forward.",
+        "'auto': the GPU's tuned table (scripts/tune.py, swept apart from the forward), else 20.",
     )
     minibatch_size: int | str = _knob(
         AUTO,

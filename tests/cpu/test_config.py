@@ -68,18 +68,21 @@ def test_auto_knobs_resolve_from_the_tuned_table_or_the_fallbacks(tmp_path, monk
     from mok_megatron.functional import config as config_module
 
     config = MoKConfig()
-    assert config.fwd_num_comm_sms == "auto" and config.minibatch_size == "auto"
+    assert config.fwd_num_comm_sms == config.minibatch_size == config.bwd_num_comm_sms == "auto"
     # No table (a CPU device): the documented fallbacks.
     resolved = config.resolve("cpu", 1)
     assert (resolved.fwd_num_comm_sms, resolved.minibatch_size) == (16, 256)
+    assert resolved.bwd_num_comm_sms == 20
     assert resolved.resolve("cpu", 1) is resolved  # nothing left to resolve
     # A table: its values; knobs given explicitly stay as given.
     table = tmp_path / "gpu_ep2.yaml"
     table.write_text("mok:\n  cuda_forward: megakernel\n  fwd_num_comm_sms: 8\n"
-                     "  minibatch_size: 1024\n")  # fmt: skip
+                     "  minibatch_size: 1024\n  bwd_num_comm_sms: 12\n")  # fmt: skip
     monkeypatch.setattr(config_module, "tuned_table_path", lambda device, num_ranks: table)
     resolved = MoKConfig(macrobatch_size=4096).resolve("cuda", 2)
     assert (resolved.fwd_num_comm_sms, resolved.minibatch_size) == (8, 1024)
+    assert resolved.bwd_num_comm_sms == 12
+    assert MoKConfig(bwd_num_comm_sms=5).resolve("cuda", 2).bwd_num_comm_sms == 5
     assert resolved.cuda_forward == "stage1"  # only the "auto" knobs come from the table
     assert MoKConfig(fwd_num_comm_sms=4).resolve("cuda", 2).fwd_num_comm_sms == 4
     # A resolved minibatch that the macrobatch is no multiple of breaks the rule, loudly.
@@ -104,6 +107,7 @@ def test_the_shipped_tuned_tables_hold_valid_knobs():
 def test_a_workspace_holds_its_resolved_config():
     ws = _tiny_workspace(MoKConfig())
     assert ws.config.fwd_num_comm_sms == 16 and ws.config.minibatch_size == 256
+    assert ws.config.bwd_num_comm_sms == 20
 
 
 @pytest.mark.parametrize("choice", ["auto", "torch", "engine", "l1", "l1,l2", "l1+wgrad",
