@@ -8,7 +8,9 @@ megakernel, ``cuda_backward='auto'``) under every ``bwd_num_comm_sms``; and writ
 ``mok_megatron/tuned/<gpu>_ep<N>.yaml`` (the table MoKConfig's "auto" knobs read on that GPU and
 EP size): a ``mok:`` section with the forward pair and the backward's comm SMs that are best on
 the geometric mean over the shapes (usable as ``--mok-config`` or ``MoKConfig.from_yaml``) and,
-per shape, its own best knobs and times. The full sweep goes to the JSON record (``--out``).
+per shape (with its dimensions), its own best knobs and times: a layer of one of those shapes
+resolves its "auto" knobs from its own entry, any other from ``mok:``. The full sweep goes to the
+JSON record (``--out``).
 
   python3 scripts/tune.py --out docs/results/tune_h200_ep1.json          # one GPU: EP 1
   torchrun --standalone --nproc-per-node 2 scripts/tune.py --out ...     # EP 2
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_moe  # noqa: E402
 
-from mok_megatron.functional.config import tuned_table_path  # noqa: E402
+from mok_megatron.functional.config import LayerDims, tuned_table_path  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -115,6 +117,7 @@ def write_table(path, record, points) -> None:
                      "utc": env["utc"], "record": os.path.basename(record["path"])},
         "shapes": {
             c["shape"]: {
+                **dict(zip(LayerDims._fields, bench_moe.SHAPES[c["shape"]])),
                 "tokens_per_rank": c["tokens_per_rank"],
                 "fwd_num_comm_sms": int(c["best"].split(",")[0]),
                 "minibatch_size": int(c["best"].split(",")[1]),
@@ -128,9 +131,11 @@ def write_table(path, record, points) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("# Written by scripts/tune.py: the megakernels' knobs on this GPU and EP size.\n"
-                "# `mok:` holds the best on the geometric mean over the shapes. MoKConfig's 'auto' "
-                "knobs read its\n# fwd_num_comm_sms, minibatch_size and bwd_num_comm_sms on this "
-                "GPU and EP size; as --mok-config it also\n# selects the megakernel.\n")  # fmt: skip
+                "# `mok:` holds the best on the geometric mean over the shapes, `shapes:` each "
+                "shape's own. MoKConfig's 'auto'\n# knobs (fwd_num_comm_sms, minibatch_size, "
+                "bwd_num_comm_sms) on this GPU and EP size read the entry\n# of the layer's shape "
+                "where there is one, else `mok:`; as --mok-config `mok:` also selects the "
+                "megakernel.\n")  # fmt: skip
         yaml.safe_dump(table, f, sort_keys=False)
 
 

@@ -17,14 +17,15 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
            "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS",
-           "FP8_BACKWARDS", "MOK_ROW_ALIGN", "KNOB_USERS", "engine_step_list", "tuned_table_path",
+           "FP8_BACKWARDS", "MOK_ROW_ALIGN", "KNOB_USERS", "LayerDims", "engine_step_list",
+           "tuned_table_path",
            "warn_ignored_knobs"]  # fmt: skip
 
 #: A knob left "auto" takes its value from the tuned table of the GPU and EP size the workspace
@@ -258,9 +259,13 @@ class MoKConfig:
             )
 
     # ------------------------------------------------------------------------------ "auto" knobs
-    def resolve(self, device: torch.device | str | None, num_ranks: int) -> MoKConfig:
+    def resolve(
+        self, device: torch.device | str | None, num_ranks: int, layer: LayerDims | None = None
+    ) -> MoKConfig:
         """This config with every "auto" knob replaced: from the tuned table of ``device``'s GPU
-        at this EP size (``tuned_table_path``) where there is one, else ``AUTO_FALLBACKS``.
+        at this EP size (``tuned_table_path``) where there is one, else ``AUTO_FALLBACKS``. From
+        the table, the knobs tuned for ``layer``'s shape where the table has that shape (its
+        ``shapes:`` entries), else its ``mok:`` section (the best over all its shapes).
 
         The workspace resolves its config when it is made; a config without "auto" knobs is
         returned as it is. Raises if the resolved knobs break a rule (macrobatch_size a multiple
@@ -269,7 +274,7 @@ class MoKConfig:
         if not auto:
             return self
         path = tuned_table_path(device, num_ranks)
-        table = _tuned_knobs(path)
+        table = _tuned_knobs(path, layer)
         values = {name: table.get(name, AUTO_FALLBACKS[name]) for name in auto}
         try:
             return dataclasses.replace(self, **values)
@@ -357,14 +362,31 @@ def tuned_table_path(device: torch.device | str | None, num_ranks: int) -> Path 
     return TUNED_DIR / f"{gpu}_ep{num_ranks}.yaml"
 
 
-def _tuned_knobs(path: Path | None) -> dict[str, int]:
-    """The "auto"-able knobs of a tuned table's ``mok:`` section ({} without a table)."""
+class LayerDims(NamedTuple):
+    """The MoE layer's shape, as a tuned table's ``shapes:`` entries record it."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    topk: int
+
+
+def _tuned_knobs(path: Path | None, layer: LayerDims | None = None) -> dict[str, int]:
+    """The "auto"-able knobs of a tuned table ({} without a table): those of its ``shapes:``
+    entry for ``layer`` (all four dimensions equal) where it has one with every knob, else its
+    ``mok:`` section's."""
     if path is None or not path.is_file():
         return {}
     import yaml
 
     with open(path) as f:
-        section = (yaml.safe_load(f) or {}).get("mok", {})
+        doc = yaml.safe_load(f) or {}
+    section = doc.get("mok", {})
+    for entry in (doc.get("shapes") or {}).values():
+        dims = [entry.get(name) for name in LayerDims._fields]
+        if layer is not None and dims == list(layer) and all(n in entry for n in AUTO_FALLBACKS):
+            section = entry
+            break
     knobs = {name: section[name] for name in AUTO_FALLBACKS if name in section}
     for name, value in knobs.items():
         if isinstance(value, bool) or not isinstance(value, int):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import MOK_ROW_ALIGN, MoKConfig, warn_ignored_knobs
+from .config import MOK_ROW_ALIGN, LayerDims, MoKConfig, warn_ignored_knobs
 from .schedule import MOK_ERR_EXPERT_ID, MOK_ERR_ROW_OVERFLOW
 
 __all__ = [
@@ -225,7 +225,8 @@ def create_workspace(
     device = _resolve_device(device)
     rank, num_ranks = _group_info(group)
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
-    resolved = config.resolve(device, num_ranks)
+    resolved = config.resolve(device, num_ranks,
+                              LayerDims(hidden_size, intermediate_size, num_experts, topk))  # fmt: skip
     resolved.check_same_across_ranks(group, _collective_device(group, device))
     ws = _new_workspace(
         resolved,
@@ -382,7 +383,8 @@ def workspace_bytes(
 
     _validate_shape(num_ranks, num_local_tokens, hidden_size, topk, num_experts, intermediate_size)
     # "auto" knobs as a workspace on the current GPU would resolve them.
-    config = config.resolve("cuda" if backend != "reference" else None, num_ranks)
+    config = config.resolve("cuda" if backend != "reference" else None, num_ranks,
+                            LayerDims(hidden_size, intermediate_size, num_experts, topk))  # fmt: skip
     cap = row_capacity(config, num_ranks, num_local_tokens, topk)
     return backend_class(backend).workspace_bytes(
         config=config, num_ranks=num_ranks, num_local_tokens=num_local_tokens,

@@ -98,10 +98,17 @@ def test_the_shipped_tuned_tables_hold_valid_knobs():
 
     tables = sorted(TUNED_DIR.glob("*_ep*.yaml"))
     assert tables, f"no tuned tables under {TUNED_DIR}"
+    import yaml
+
+    from mok_megatron.functional.config import LayerDims
+
     for path in tables:
         knobs = _tuned_knobs(path)
         assert set(knobs) == set(AUTO_FALLBACKS), path
         MoKConfig(**knobs)  # validates
+        for name, entry in yaml.safe_load(path.read_text())["shapes"].items():
+            layer = LayerDims(*(entry[d] for d in LayerDims._fields))
+            assert _tuned_knobs(path, layer) == {k: entry[k] for k in AUTO_FALLBACKS}, name
 
 
 def test_a_workspace_holds_its_resolved_config():
