@@ -287,7 +287,7 @@ std::vector<at::Tensor> moe_mega_forward(
   }
   launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
-  launch::moe_bump_epoch(comm, stream);
+  launch::moe_bump_epoch(comm, static_cast<int>(shape.num_rounds()), stream);
 
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, plan, stall_minibatch,
                                  out[kForward_trace_ctas], out[kForward_trace_tasks]);
@@ -375,7 +375,7 @@ std::vector<at::Tensor> moe_mega_backward(
   launch::moe_stage_tokens(comm, d_out.data_ptr(), num_tokens, stream);
   launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
-  launch::moe_bump_epoch(comm, stream);
+  launch::moe_bump_epoch(comm, static_cast<int>(shape.num_rounds()), stream);
 
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, plan, stall_minibatch,
                                  out[kBackward_trace_ctas], out[kBackward_trace_tasks]);

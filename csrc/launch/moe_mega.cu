@@ -14,9 +14,22 @@ using detail::grid_for;
 using detail::kThreads;
 
 // The pass's epoch, and the first round's task ticket back to 0 (layout/mega.cuh).
-__global__ void bump_epoch_kernel(int32_t* counters) {
-  counters[layout::kEpoch] += 1;
-  counters[layout::kTicket] = 0;
+// One block. Round r of a pass waits for gen = epoch * R + r (layout/mega.cuh). Before the
+// pass whose last generation would pass INT32_MAX (signed compares would then read every old
+// flag as set) every word goes back to zero and the epoch restarts at 1: the counters are this
+// rank's alone and stream-ordered, so no kernel of an earlier pass still reads them.
+__global__ void bump_epoch_kernel(int32_t* counters, int64_t words, int32_t num_rounds) {
+  const int64_t epoch = counters[layout::kEpoch] + int64_t{1};
+  const bool wrap = (epoch + 1) * num_rounds > INT32_MAX;
+  __syncthreads();  // every thread read the epoch before anyone writes
+  if (wrap) {
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) counters[i] = 0;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    counters[layout::kEpoch] = wrap ? 1 : static_cast<int32_t>(epoch);
+    counters[layout::kTicket] = 0;
+  }
 }
 
 }  // namespace
@@ -38,6 +51,10 @@ void moe_build_plan(const scheduler::PlanParams& p, cudaStream_t stream) {
 
 void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaStream_t stream) {
   const auto& lay = comm.lay;
+  // NOTE: peers read this rank's tokens after kDispatchStaged, and where a pass ends with that
+  // read (the backward's dispatch of x for the gate/up weight gradient) no later barrier orders
+  // it before the next staging (the next layer's d_out): this one does, before the copy.
+  moe_barrier(comm, static_cast<int>(comm::Phase::kTokensRead), stream);
   if (num_tokens > 0) {
     MOK_CUDA_CHECK(cudaMemcpyAsync(lay.at<void>(comm.my_base, layout::Region::kTokens), x,
                                    static_cast<size_t>(num_tokens) * lay.hidden * 2,
@@ -46,10 +63,13 @@ void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaSt
   moe_barrier(comm, static_cast<int>(comm::Phase::kDispatchStaged), stream);
 }
 
-void moe_bump_epoch(const MoeComm& comm, cudaStream_t stream) {
+void moe_bump_epoch(const MoeComm& comm, int num_rounds, cudaStream_t stream) {
   MOK_HOST_CHECK(comm.lay.counter_words > layout::kTicket, "the workspace has no counters region");
-  bump_epoch_kernel<<<1, 1, 0, stream>>>(
-      comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters));
+  MOK_HOST_CHECK(num_rounds >= 1 && num_rounds < INT32_MAX / 2, "num_rounds=%d out of range",
+                 num_rounds);
+  bump_epoch_kernel<<<1, 256, 0, stream>>>(
+      comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters), comm.lay.counter_words,
+      num_rounds);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

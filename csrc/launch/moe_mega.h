@@ -18,9 +18,10 @@ void moe_build_plan(const scheduler::PlanParams& params, cudaStream_t stream);
 // Copy x [T, H] bf16 into this rank's tokens region, then barrier: peers may pull it.
 void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaStream_t stream);
 
-// counters[kEpoch] += 1 (one thread): the pass's generation base for the megakernel's flags; and
-// counters[kTicket] = 0, the first round's task ticket.
-void moe_bump_epoch(const MoeComm& comm, cudaStream_t stream);
+// counters[kEpoch] += 1: the pass's generation base for the megakernel's flags (every counter
+// back to zero and the epoch to 1 before a pass of `num_rounds` rounds whose generations would
+// pass INT32_MAX); and counters[kTicket] = 0, the first round's task ticket.
+void moe_bump_epoch(const MoeComm& comm, int num_rounds, cudaStream_t stream);
 
 // Zero rows into the sources' slot_rows for slots routed here that the schedule dropped.
 void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, const int* slot_row,

@@ -129,6 +129,25 @@ def test_knobs_change_the_launch_not_the_result(backward_calls):
         run()
 
 
+def test_passes_across_the_counters_wrap_repeat_bitwise(backward_calls):
+    """The megakernels' flags hold gen = epoch * R + round and are never reset between passes;
+    before a pass whose generations would pass INT32_MAX (signed compares would read every old
+    flag as set) the epoch kernel zeroes them and restarts the epoch at 1 (launch/moe_mega.cu).
+    Forward and backward passes on both sides of that point give the first pass's results."""
+    problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=13)
+    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    _, want = run()
+    rounds = run.ws.buffers.mega.num_rounds
+    counters = run.ws.buffers.region("counters", torch.int32)
+    epoch = (2**31 - 1) // rounds - 2  # the next pass is the last before the wrap
+    counters[0] = epoch  # layout/mega.cuh's kEpoch
+    for _ in range(3):
+        _, got = run()
+        assert not _bitwise_equal(want, got)
+    assert 1 <= int(counters[0]) <= 6, int(counters[0])  # wrapped (two bumps per run)
+    assert len(backward_calls) == 4
+
+
 def test_wgrad_accumulation_into_caller_buffers(backward_calls):
     """Megatron's gradient-accumulation fusion on this path: the weight gradients go into the
     caller's float32 buffers (bitwise old + the sum into zeros), every other output as the

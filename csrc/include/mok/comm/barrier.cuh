@@ -22,6 +22,7 @@ enum class Phase : int {
   kCombinePushed = 3,    // every rank pushed its per-token partial sums
   kSlotsPushed = 4,      // every rank pushed its per-slot values
   kSlotRowsPushed = 5,   // every rank's megakernel stored its result rows (slot_rows)
+  kTokensRead = 6,       // every rank is done reading the tokens region's previous contents
 };
 
 MOK_DEVICE const char* phase_name(int phase) {
@@ -32,6 +33,7 @@ MOK_DEVICE const char* phase_name(int phase) {
     case 3: return "combine/partials pushed";
     case 4: return "combine/slot values pushed";
     case 5: return "megakernel/slot rows stored";
+    case 6: return "dispatch/previous tokens read";
     default: return "unknown";
   }
 }
