@@ -35,12 +35,13 @@ TIMEOUT_MS = 1500
 #: timeout plus the time the child takes to launch the remaining steps and sync.
 ERROR_WITHIN_S = 20.0
 
-#: The phase rank 0's first unanswered wait names, by the step rank 1 stopped at (both paths'
-#: backward is stage 1's; the megakernel's forward also starts with the token-staging barrier).
+#: The phase rank 0's first unanswered wait names, by the step rank 1 stopped at: a forward or a
+#: backward (either path's) first restages the tokens region, after the barrier that says every
+#: rank is done reading its previous contents (launch/moe_mega.cu, moe_stage_tokens).
 PHASE = {
     "schedule": "schedule/routing staged",
-    "forward": "dispatch/tokens staged",
-    "backward": "dispatch/tokens staged",
+    "forward": "dispatch/previous tokens read",
+    "backward": "dispatch/previous tokens read",
 }
 
 _SCRIPT = """
