@@ -10,6 +10,7 @@ GPU tests and usable by anyone checking a config.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ __all__ = [
     "LayerCase",
     "assert_same_weights",
     "build_moe_layer",
+    "full_recompute_losses",
     "canonical_weights",
     "init_megatron_parallel",
     "layer_step",
@@ -248,3 +250,42 @@ def relative_errors(actual: dict, expected: dict) -> dict[str, float]:
         denom = float(e.norm()) or 1.0
         errors[name] = float((a - e).norm()) / denom if finite else float("inf")
     return errors
+
+
+def full_recompute_losses(run, checkpoint_dir: str) -> dict:
+    """The GPT run ``run`` with the mok dispatcher trained twice from one start (saved to and
+    loaded from ``checkpoint_dir``): without recompute and with Megatron's full activation
+    recompute (``--recompute-granularity full``: each transformer layer's forward run without
+    gradients, rerun in the backward). Returns both runs' losses and, per run, how often the MoK
+    layer's forward ran (``functional.api.forward``: "layer") and how often the megakernel's
+    (``functional.cuda.mega.forward``: "megakernel"); a recomputed layer runs twice per pass."""
+    from mok_megatron.functional import api
+    from mok_megatron.functional.cuda import mega
+
+    from .training import train
+
+    calls: list[dict[str, int]] = []
+    sites = {"layer": (api, "forward"), "megakernel": (mega, "forward")}
+    originals = {key: getattr(module, name) for key, (module, name) in sites.items()}
+
+    def counting(key):
+        def call(*args, **kwargs):
+            calls[-1][key] += 1
+            return originals[key](*args, **kwargs)
+
+        return call
+
+    for key, (module, name) in sites.items():
+        setattr(module, name, counting(key))
+    try:
+        calls.append(dict.fromkeys(sites, 0))
+        plain = train(run, "mok", save_initial_to=checkpoint_dir, progress=False).losses
+        full = dataclasses.replace(
+            run, training=dataclasses.replace(run.training, recompute_granularity="full")
+        )
+        calls.append(dict.fromkeys(sites, 0))
+        recomputed = train(full, "mok", load_from=checkpoint_dir, progress=False).losses
+    finally:
+        for key, (module, name) in sites.items():
+            setattr(module, name, originals[key])
+    return {"plain": plain, "recomputed": recomputed, "calls": calls}

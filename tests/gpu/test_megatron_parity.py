@@ -238,6 +238,27 @@ def test_moe_recompute_is_bitwise_the_plain_layer(ep):
     assert not bad, f"recompute differs from the plain layer in {bad}"
 
 
+@pytest.mark.gpu
+def test_gpt_full_recompute_trains_bitwise_like_no_recompute():
+    """Megatron's ``--recompute-granularity full`` with the mok dispatcher at EP 1, bf16, on the
+    CUDA backend: a 2-layer GPT-MoE (configs/tiny_gpu_ep1.yaml) trains from the same weights and
+    data to bitwise the same losses as without recompute; the MoK layers' forwards (the
+    megakernel's, and so the backward megakernel's backward) ran twice per pass."""
+    from mok_megatron.megatron.parity import full_recompute_losses
+    from mok_megatron.megatron.training import replace_training
+    from mok_megatron.megatron.yaml_config import load_run_config
+
+    if _world() != 1 or DEVICE != "cuda" or not _cuda_backend_built():
+        pytest.skip("one CUDA rank with the CUDA backend built")
+    run = replace_training(load_run_config(ROOT / "configs" / "tiny_gpu_ep1.yaml"), train_iters=3)
+    got = full_recompute_losses(run, os.path.join(_shared_dir(), "gpt_recompute"))
+    calls, rerun_calls = got["calls"]
+    assert calls["megakernel"] == calls["layer"] > 0, got["calls"]
+    assert rerun_calls["megakernel"] == rerun_calls["layer"] == 2 * calls["layer"], got["calls"]
+    assert got["plain"][-1] < got["plain"][0]
+    assert got["recomputed"] == got["plain"], got
+
+
 @pytest.mark.multigpu
 def test_gpt_training_matches_alltoall():
     from mok_megatron.megatron.training import replace_training, train
