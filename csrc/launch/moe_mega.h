@@ -15,7 +15,8 @@ namespace mok::launch {
 // The plan from a schedule (scheduler/plan.cuh); outputs preallocated.
 void moe_build_plan(const scheduler::PlanParams& params, cudaStream_t stream);
 
-// Copy x [T, H] bf16 into this rank's tokens region, then barrier: peers may pull it.
+// Barrier (every peer is done reading the tokens region's previous contents), copy x [T, H] bf16
+// into this rank's tokens region, then barrier: peers may pull it.
 void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaStream_t stream);
 
 // counters[kEpoch] += 1: the pass's generation base for the megakernel's flags (every counter

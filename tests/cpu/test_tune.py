@@ -21,10 +21,10 @@ def _case(shape, forward_ms, fwd_bwd_ms):
             "bwd_best": min(fwd_bwd_ms, key=fwd_bwd_ms.get)}  # fmt: skip
 
 
-def test_table_holds_the_geometric_mean_best_of_each_sweep(tmp_path):
-    points = [(8, 128), (16, 256)]
-    # qwen3 prefers (8, 128) by a little, deepseek (16, 256) by a lot: the geometric mean picks
-    # deepseek's. Backward: qwen3 prefers 8 comm SMs by a lot, deepseek 32 by a little: 8.
+def _sweep_table(tmp_path):
+    """The table tune.write_table makes of a synthetic two-shape sweep. qwen3 prefers (8, 128) by
+    a little, deepseek (16, 256) by a lot: the geometric mean picks deepseek's. Backward: qwen3
+    prefers 8 comm SMs by a lot, deepseek 32 by a little: the mean picks 8."""
     cases = [
         _case("qwen3-30b-a3b", {"8,128": 1.0, "16,256": 1.1}, {"8": 3.0, "32": 6.0}),
         _case("deepseek-v3", {"8,128": 20.0, "16,256": 10.0}, {"8": 31.0, "32": 30.0}),
@@ -33,7 +33,12 @@ def test_table_holds_the_geometric_mean_best_of_each_sweep(tmp_path):
               "environment": {"gpu": "NVIDIA H200", "world_size": 1, "commit": "abc",
                               "utc": "now"}}  # fmt: skip
     path = tmp_path / "h200_ep1.yaml"
-    tune.write_table(str(path), record, points)
+    tune.write_table(str(path), record, [(8, 128), (16, 256)])
+    return path
+
+
+def test_table_holds_the_geometric_mean_best_of_each_sweep(tmp_path):
+    path = _sweep_table(tmp_path)
     knobs = _tuned_knobs(path)
     assert knobs == {"fwd_num_comm_sms": 16, "minibatch_size": 256, "bwd_num_comm_sms": 8}
     assert set(knobs) == set(AUTO_FALLBACKS)
@@ -53,16 +58,7 @@ def test_a_layer_of_a_tuned_shape_resolves_its_own_knobs(tmp_path, monkeypatch):
     from mok_megatron.functional import config as config_module
     from mok_megatron.functional.config import LayerDims
 
-    points = [(8, 128), (16, 256)]
-    cases = [
-        _case("qwen3-30b-a3b", {"8,128": 1.0, "16,256": 1.1}, {"8": 3.0, "32": 6.0}),
-        _case("deepseek-v3", {"8,128": 20.0, "16,256": 10.0}, {"8": 31.0, "32": 30.0}),
-    ]
-    record = {"cases": cases, "path": str(tmp_path / "tune_x.json"),
-              "environment": {"gpu": "NVIDIA H200", "world_size": 1, "commit": "abc",
-                              "utc": "now"}}  # fmt: skip
-    path = tmp_path / "h200_ep1.yaml"
-    tune.write_table(str(path), record, points)
+    path = _sweep_table(tmp_path)
     monkeypatch.setattr(config_module, "tuned_table_path", lambda device, num_ranks: path)
     qwen3 = LayerDims(2048, 768, 128, 8)  # scripts/bench_moe.py's qwen3-30b-a3b
     assert _tuned_knobs(path, qwen3) == {"fwd_num_comm_sms": 8, "minibatch_size": 128,
