@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Nsight Compute's view of one megakernel launch: runs scripts/bench_moe.py's MoK layer (weights,
+routing, "auto" knobs) for one shape under ``ncu`` and profiles one forward (or, with
+``--backward``, one backward) megakernel launch after the warm-up ones, then writes a JSON record
+of what ncu read:
+
+- ``metrics``: the details page (speed of light, memory and compute workload, scheduler and warp
+  state statistics: every row as section / name / unit / value);
+- ``stall_reasons``: the warp-state section's stall rows, largest first;
+- ``hot_instructions``: the SASS instructions with the most warp-stall samples (the source
+  page), with their share of all samples.
+
+The hardware counters need a machine that lends them (docs: the device's KINDS.md; Firecracker
+machines do). The clocks are left alone (``--clock-control none``). ncu replays the kernel once
+per counter pass, restoring device memory in between, so every pass sees the same counters and
+epoch as the first.
+
+  python3 scripts/ncu_megakernel.py --shape qwen3-30b-a3b --out docs/results/ncu_<...>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: ncu sections read (each costs replay passes; the source counters carry the stall sampling).
+SECTIONS = (
+    "SpeedOfLight",
+    "ComputeWorkloadAnalysis",
+    "MemoryWorkloadAnalysis",
+    "SchedulerStats",
+    "WarpStateStats",
+    "SourceCounters",
+    "LaunchStats",
+    "Occupancy",
+)
+#: Launches of the profiled kernel before the one profiled (the workspace's first pass, warm-up).
+WARMUP_LAUNCHES = 2
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
+    p.add_argument("--backward", action="store_true", help="profile the backward megakernel")
+    p.add_argument("--top", type=int, default=60, help="hot instructions kept")
+    p.add_argument("--out", required=True)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def child(args) -> None:
+    """The profiled program: the layer's passes, one more than the launches ncu skips."""
+    import bench_moe
+    import torch
+
+    rank, _ = bench_moe.init_distributed("cuda")
+    shape = bench_moe.SHAPES[args.shape]
+    config = bench_moe.transformer_config(shape, "cuda")
+    _, layer = bench_moe.build_layers(config, "cuda", args.tokens, "megakernel")
+    sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
+                                 config.params_dtype, 1234, rank)  # fmt: skip
+    grad = contextlib.nullcontext() if args.backward else torch.no_grad()
+    with grad:
+        for _ in range(WARMUP_LAUNCHES + 1):
+            bench_moe.run_layer(layer, sets[0], backward=args.backward)
+            layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    print(f"[ncu_megakernel] child ran {WARMUP_LAUNCHES + 1} passes", flush=True)
+
+
+def ncu_binary() -> str:
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for root in ("/usr/local/cuda/bin", "/opt/nvidia/nsight-compute"):
+        for dirpath, _, files in os.walk(root):
+            if "ncu" in files:
+                return os.path.join(dirpath, "ncu")
+    raise SystemExit("ncu not found (Nsight Compute is not installed on this machine)")
+
+
+def read_csv(text: str) -> list[dict]:
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    return list(csv.DictReader(io.StringIO("\n".join(lines))))
+
+
+def number(value: str) -> float | None:
+    try:
+        return float(value.replace(",", ""))
+    except (AttributeError, ValueError):
+        return None
+
+
+def details(rows: list[dict]) -> tuple[list, list]:
+    metrics = [{"section": r.get("Section Name"), "name": r.get("Metric Name"),
+                "unit": r.get("Metric Unit"), "value": r.get("Metric Value")} for r in rows]  # fmt: skip
+    stalls = [m for m in metrics if m["section"] == "Warp State Statistics"
+              and (m["name"] or "").lower().startswith("stall")]  # fmt: skip
+    stalls.sort(key=lambda m: -(number(m["value"]) or 0.0))
+    return metrics, stalls
+
+
+def hot_instructions(rows: list[dict], top: int) -> tuple[list, float]:
+    if not rows:
+        return [], 0.0
+    keys = list(rows[0])
+    sample_key = next((k for k in keys if "Warp Stall Sampling (All" in k), None)
+    if sample_key is None:
+        return [{"columns": keys}], 0.0
+    total = sum(number(r[sample_key]) or 0.0 for r in rows)
+    ranked = sorted(rows, key=lambda r: -(number(r[sample_key]) or 0.0))[:top]
+    keep = [k for k in keys if any(s in k for s in ("Address", "Source", "Warp Stall",
+                                                    "Instructions Executed"))]  # fmt: skip
+    out = []
+    for r in ranked:
+        rec = {k: r[k] for k in keep}
+        rec["share"] = (number(r[sample_key]) or 0.0) / total if total else 0.0
+        out.append(rec)
+    return out, total
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child(args)
+        return
+    import bench_moe
+
+    ncu = ncu_binary()
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    rep = os.path.splitext(os.path.abspath(args.out))[0]
+    kernel = "moe_backward_megakernel" if args.backward else "moe_forward_megakernel"
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "all",
+           "-k", f"regex:{kernel}", "--launch-skip", str(WARMUP_LAUNCHES), "--launch-count", "1",
+           *[a for s in SECTIONS for a in ("--section", s)], "-f", "-o", rep,
+           sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape,
+           "--tokens", str(args.tokens), "--routing", args.routing,
+           *(["--backward"] if args.backward else []), "--out", args.out]  # fmt: skip
+    os.makedirs(out_dir, exist_ok=True)
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    print(run.stdout[-4000:], run.stderr[-4000:], sep="\n", flush=True)
+    if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
+        raise SystemExit(f"ncu exited {run.returncode}")
+    page = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--csv"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    source = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv",
+                             "--print-source", "sass"], capture_output=True, text=True)  # fmt: skip
+    metrics, stalls = details(read_csv(page))
+    hot, samples = hot_instructions(read_csv(source.stdout), args.top)
+    record = {"benchmark": "ncu_megakernel",
+              "environment": bench_moe.environment(bench_moe.parse_args([])),
+              "args": vars(args), "kernel": kernel, "sections": list(SECTIONS),
+              "ncu": subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout,
+              "stall_reasons": stalls, "stall_samples": samples, "hot_instructions": hot,
+              "metrics": metrics, "source_page_error": source.stderr[-2000:]}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    for m in stalls[:12]:
+        print(f"  {m['name']}: {m['value']} {m['unit']}")
+    for h in hot[:25]:
+        print(f"  {h.get('share', 0):.3f} {h.get('Address', '')} {h.get('Source', '')}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
