@@ -237,6 +237,18 @@ def test_full_width_qwen3_equals_stage1():
     _assert_equal_to_stage1(got, want)
 
 
+def test_rows_longer_than_one_pull_batch_equal_stage1():
+    """A comm warp loads several rows' vectors before it stores them (roles/megakernel_comm.cuh,
+    kPullVectors per lane); a row of more vectors than that (hidden 8320: 1040 16-byte vectors,
+    33 per lane) is copied in chunks, the last one partial. Forward and backward pull their rows
+    so (x, then d_out): bitwise stage 1's output, gradients as close as elsewhere."""
+    problem = _problem([150], (8320, 128, 4, 2, 0), seed=37)
+    _, _, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
+    failures = _check_accuracy(problem, got)
+    assert not failures, failures
+    _assert_equal_to_stage1(got, want)
+
+
 def test_bitwise_repeatable_graph_replay_and_no_host_sync():
     problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
     run = Run(problem, "cuda", config=MEGA, form="fused_auto")

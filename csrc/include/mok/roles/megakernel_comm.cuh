@@ -1,7 +1,8 @@
 // Role: the megakernel's comm work. The first num_comm_ctas CTAs, each round, first pull the
 // round's routed rows from the source ranks' token buffers (peer memory over NVLink, 16-byte
-// vector loads) into the ring, minibatch by minibatch, releasing each minibatch's arrive flag,
-// which the L1 tasks reading those rows wait on (roles/megakernel_compute.cuh); then they take
+// vector loads, several rows' in flight per warp) into the ring, minibatch by minibatch,
+// releasing each minibatch's arrive flag, which the L1 tasks reading those rows wait on
+// (roles/megakernel_compute.cuh); then they take
 // GEMM tasks like every other CTA. The pulls run on the CTA's two consumer warpgroups (the
 // producer warpgroup holds 40 registers per thread, setmaxnreg).
 #pragma once
@@ -14,47 +15,74 @@
 
 namespace mok::roles {
 
-constexpr int kPullWarps = 8;    // the consumer warpgroups' warps
-constexpr int kPullUnroll = 8;   // 16-byte loads in flight per lane
-
-// One warp: ring row x_ring[ring_row] = token t of rank s for src = s * T_max + t, or zeros for
-// src < 0. NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
-MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lane) {
-  const int vecs = p.hidden / 8;
-  uint4* dst = reinterpret_cast<uint4*>(p.x_ring) + static_cast<int64_t>(ring_row) * vecs;
-  const uint4* row = nullptr;
-  if (src >= 0) {
-    const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
-    const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
-    row = reinterpret_cast<const uint4*>(p.peer_bases[s] + p.tokens_offset) +
-          static_cast<int64_t>(t) * vecs;  // peer memory
-  }
-  for (int base = 0; base < vecs; base += 32 * kPullUnroll) {
-    uint4 v[kPullUnroll];
-#pragma unroll
-    for (int u = 0; u < kPullUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      v[u] = make_uint4(0, 0, 0, 0);
-      // NOTE: the source tokens are not written while the megakernel runs (a cross-rank barrier
-      // preceded it), so the non-coherent path is safe; each vector is read once.
-      if (row != nullptr && i < vecs) v[u] = ptx::ld_global_nc_v4(row + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kPullUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < vecs) dst[i] = v[u];
-    }
-  }
-}
+constexpr int kPullWarps = 8;     // the consumer warpgroups' warps
+constexpr int kPullVectors = 16;  // 16-byte loads in flight per lane: 64 KB per CTA
+// NOTE: a local copy (EP 1) or an NVLink read moves about (bytes in flight) / latency: with one
+// row of 8 vectors per lane in flight (qwen3-30b-a3b's 4 KB rows, 32 KB per CTA) a comm SM pulled
+// 20-40 GB/s. A warp now loads several rows' vectors before it stores any (kPullVectors per lane,
+// 128 registers; the consumers' mainloop needs more, so the pulls do not raise their count).
 
 // The pulling warps (warp index `warp` of kPullWarps): ring rows [row_begin, row_end) of round
-// `round`, one warp per row.
+// `round`; warp w copies rows row_begin + w + kPullWarps * j. Ring row x_ring[ring_row] = token t
+// of rank s for src = row_src[ring_row] = s * T_max + t, or zeros for src < 0.
+// NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
 MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end,
                                int warp) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
-  for (int row = row_begin + warp; row < row_end; row += kPullWarps) {
-    pull_row(p, row_src[row], row, lane);
+  const int vecs = p.hidden / 8;
+  const int per_row = (vecs + 31) / 32;                // one row's vectors per lane
+  const int chunk = min(per_row, kPullVectors);        // of them, per batch
+  const int batch_rows = max(1, kPullVectors / per_row);  // rows per batch (<= 32)
+  const int mine = row_end - row_begin - warp;
+  const int num_rows = mine > 0 ? (mine + kPullWarps - 1) / kPullWarps : 0;
+  uint4* ring = reinterpret_cast<uint4*>(p.x_ring);
+  for (int j0 = 0; j0 < num_rows; j0 += batch_rows) {
+    const int n = min(batch_rows, num_rows - j0);
+    // Lane r < n holds the source address of the batch's row r (0: zeros).
+    uint64_t my_src = 0;
+    if (lane < n) {
+      const int64_t src = row_src[row_begin + warp + kPullWarps * (j0 + lane)];
+      if (src >= 0) {
+        const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
+        const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
+        my_src = p.peer_bases[s] + p.tokens_offset +
+                 static_cast<uint64_t>(t) * static_cast<uint64_t>(p.hidden) * 2;  // peer memory
+      }
+    }
+    for (int c0 = 0; c0 < per_row; c0 += chunk) {  // once, unless a row exceeds kPullVectors
+      uint4 v[kPullVectors];
+      int r = 0, c = c0;  // v[u] is vector c * 32 + lane of the batch's row r
+#pragma unroll
+      for (int u = 0; u < kPullVectors; ++u) {
+        const uint64_t src = __shfl_sync(0xffffffffu, my_src, r < n ? r : 0);
+        const int i = c * 32 + lane;
+        v[u] = make_uint4(0, 0, 0, 0);
+        // NOTE: the source tokens are not written while the megakernel runs (a cross-rank
+        // barrier preceded it), so the non-coherent path is safe; each vector is read once.
+        if (r < n && src != 0 && i < vecs) {
+          v[u] = ptx::ld_global_nc_v4(reinterpret_cast<const uint4*>(src) + i);
+        }
+        if (++c == c0 + chunk) {
+          c = c0;
+          ++r;
+        }
+      }
+      r = 0;
+      c = c0;
+#pragma unroll
+      for (int u = 0; u < kPullVectors; ++u) {
+        const int i = c * 32 + lane;
+        if (r < n && i < vecs) {
+          const int64_t ring_row = row_begin + warp + kPullWarps * (j0 + r);
+          ring[ring_row * vecs + i] = v[u];
+        }
+        if (++c == c0 + chunk) {
+          c = c0;
+          ++r;
+        }
+      }
+    }
   }
 }
 
