@@ -16,7 +16,7 @@
 namespace mok::roles {
 
 constexpr int kPullWarps = 8;     // the consumer warpgroups' warps
-constexpr int kPullVectors = 16;  // 16-byte loads in flight per lane: 64 KB per CTA
+constexpr int kPullVectors = 32;  // 16-byte loads in flight per lane: 128 KB per CTA
 // NOTE: a local copy (EP 1) or an NVLink read moves about (bytes in flight) / latency: with one
 // row of 8 vectors per lane in flight (qwen3-30b-a3b's 4 KB rows, 32 KB per CTA) a comm SM pulled
 // 20-40 GB/s. A warp now loads several rows' vectors before it stores any (kPullVectors per lane,
