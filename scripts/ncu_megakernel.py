@@ -10,6 +10,9 @@ of what ncu read:
 - ``hot_instructions``: the SASS instructions with the most warp-stall samples (the source
   page), with their share of all samples.
 
+The raw details and source pages are written beside the record (``<out>_details.csv.gz``,
+``<out>_source.csv.gz``).
+
 The hardware counters need a machine that lends them (docs: the device's KINDS.md; Firecracker
 machines do). The clocks are left alone (``--clock-control none``). ncu replays the kernel once
 per counter pass, restoring device memory in between, so every pass sees the same counters and
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gzip
 import io
 import json
 import os
@@ -114,7 +118,7 @@ def details(rows: list[dict]) -> tuple[list, list]:
 def hot_instructions(rows: list[dict], top: int) -> tuple[list, float]:
     if not rows:
         return [], 0.0
-    keys = list(rows[0])
+    keys = [k for k in rows[0] if k]  # a row longer than the header gives a None key
     sample_key = next((k for k in keys if "Warp Stall Sampling (All" in k), None)
     if sample_key is None:
         return [{"columns": keys}], 0.0
@@ -124,7 +128,7 @@ def hot_instructions(rows: list[dict], top: int) -> tuple[list, float]:
                                                     "Instructions Executed"))]  # fmt: skip
     out = []
     for r in ranked:
-        rec = {k: r[k] for k in keep}
+        rec = {k: r.get(k) for k in keep}
         rec["share"] = (number(r[sample_key]) or 0.0) / total if total else 0.0
         out.append(rec)
     return out, total
@@ -156,6 +160,9 @@ def main(argv=None) -> None:
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     source = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv",
                              "--print-source", "sass"], capture_output=True, text=True)  # fmt: skip
+    for name, text in (("details", page), ("source", source.stdout)):  # the raw pages, beside
+        with gzip.open(f"{rep}_{name}.csv.gz", "wt") as f:
+            f.write(text)
     metrics, stalls = details(read_csv(page))
     hot, samples = hot_instructions(read_csv(source.stdout), args.top)
     record = {"benchmark": "ncu_megakernel",

@@ -251,6 +251,8 @@ def test_gpt_full_recompute_trains_bitwise_like_no_recompute():
     if _world() != 1 or DEVICE != "cuda" or not _cuda_backend_built():
         pytest.skip("one CUDA rank with the CUDA backend built")
     run = replace_training(load_run_config(ROOT / "configs" / "tiny_gpu_ep1.yaml"), train_iters=3)
+    # NOTE: MoKConfig.cuda_forward defaults to 'stage1'; the megakernel is asked for here.
+    run = dataclasses.replace(run, mok=dataclasses.replace(run.mok, cuda_forward="megakernel"))
     got = full_recompute_losses(run, os.path.join(_shared_dir(), "gpt_recompute"))
     calls, rerun_calls = got["calls"]
     assert calls["megakernel"] == calls["layer"] > 0, got["calls"]
