@@ -17,10 +17,22 @@ namespace mok::roles {
 
 constexpr int kPullWarps = 8;     // the consumer warpgroups' warps
 constexpr int kPullVectors = 32;  // 16-byte loads in flight per lane: 128 KB per CTA
+constexpr int kPullMinLanes = 8;  // lanes per row at least: 128-byte pieces of a row per load
 // NOTE: a local copy (EP 1) or an NVLink read moves about (bytes in flight) / latency: with one
 // row of 8 vectors per lane in flight (qwen3-30b-a3b's 4 KB rows, 32 KB per CTA) a comm SM pulled
-// 20-40 GB/s. A warp now loads several rows' vectors before it stores any (kPullVectors per lane,
-// 128 registers; the consumers' mainloop needs more, so the pulls do not raise their count).
+// 20-40 GB/s. Now a warp copies 32 / lanes rows at a time, each lane kPullVectors vectors of its
+// own row (strided by the row's lanes), all loaded before any is stored; the per-vector work is
+// one address step and one bound check (a version that had every lane walk every row of the
+// batch, a shuffle and a row/column step per vector, was slower than one row per warp: the
+// pulls became instruction-bound). 128 registers of loads: the consumers' mainloop needs more.
+
+// Lanes per row of hidden/8 16-byte vectors: the fewest (a power of two, kPullMinLanes..32)
+// that hold a row in kPullVectors per lane, 32 for longer rows (copied in chunks).
+MOK_DEVICE int pull_lanes_per_row(int vecs) {
+  int lanes = kPullMinLanes;
+  while (lanes < 32 && lanes * kPullVectors < vecs) lanes *= 2;
+  return lanes;
+}
 
 // The pulling warps (warp index `warp` of kPullWarps): ring rows [row_begin, row_end) of round
 // `round`; warp w copies rows row_begin + w + kPullWarps * j. Ring row x_ring[ring_row] = token t
@@ -31,56 +43,41 @@ MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, in
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
   const int vecs = p.hidden / 8;
-  const int per_row = (vecs + 31) / 32;                // one row's vectors per lane
-  const int chunk = min(per_row, kPullVectors);        // of them, per batch
-  const int batch_rows = max(1, kPullVectors / per_row);  // rows per batch (<= 32)
+  const int lanes = pull_lanes_per_row(vecs);
+  const int batch_rows = 32 / lanes;
+  const int sub = lane % lanes;  // this lane's first vector of its row
   const int mine = row_end - row_begin - warp;
   const int num_rows = mine > 0 ? (mine + kPullWarps - 1) / kPullWarps : 0;
-  uint4* ring = reinterpret_cast<uint4*>(p.x_ring);
   for (int j0 = 0; j0 < num_rows; j0 += batch_rows) {
-    const int n = min(batch_rows, num_rows - j0);
-    // Lane r < n holds the source address of the batch's row r (0: zeros).
-    uint64_t my_src = 0;
-    if (lane < n) {
-      const int64_t src = row_src[row_begin + warp + kPullWarps * (j0 + lane)];
-      if (src >= 0) {
-        const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
-        const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
-        my_src = p.peer_bases[s] + p.tokens_offset +
-                 static_cast<uint64_t>(t) * static_cast<uint64_t>(p.hidden) * 2;  // peer memory
+    const int j = j0 + lane / lanes;  // this lane's row of the warp's rows
+    const bool has_row = j < num_rows;
+    const int64_t ring_row = row_begin + warp + static_cast<int64_t>(kPullWarps) * j;
+    const uint4* src = nullptr;
+    if (has_row) {
+      const int64_t s_t = row_src[ring_row];
+      if (s_t >= 0) {
+        const uint32_t s = static_cast<uint32_t>(s_t) / static_cast<uint32_t>(p.max_tokens);
+        const uint32_t t = static_cast<uint32_t>(s_t) % static_cast<uint32_t>(p.max_tokens);
+        src = reinterpret_cast<const uint4*>(p.peer_bases[s] + p.tokens_offset) +
+              static_cast<int64_t>(t) * vecs;  // peer memory
       }
     }
-    for (int c0 = 0; c0 < per_row; c0 += chunk) {  // once, unless a row exceeds kPullVectors
+    uint4* dst = reinterpret_cast<uint4*>(p.x_ring) + ring_row * vecs;
+    // NOTE: one chunk unless a row exceeds 32 lanes x kPullVectors vectors (hidden > 8192).
+    for (int c0 = sub; c0 < vecs; c0 += lanes * kPullVectors) {
       uint4 v[kPullVectors];
-      int r = 0, c = c0;  // v[u] is vector c * 32 + lane of the batch's row r
 #pragma unroll
       for (int u = 0; u < kPullVectors; ++u) {
-        const uint64_t src = __shfl_sync(0xffffffffu, my_src, r < n ? r : 0);
-        const int i = c * 32 + lane;
+        const int i = c0 + u * lanes;
         v[u] = make_uint4(0, 0, 0, 0);
         // NOTE: the source tokens are not written while the megakernel runs (a cross-rank
         // barrier preceded it), so the non-coherent path is safe; each vector is read once.
-        if (r < n && src != 0 && i < vecs) {
-          v[u] = ptx::ld_global_nc_v4(reinterpret_cast<const uint4*>(src) + i);
-        }
-        if (++c == c0 + chunk) {
-          c = c0;
-          ++r;
-        }
+        if (src != nullptr && i < vecs) v[u] = ptx::ld_global_nc_v4(src + i);
       }
-      r = 0;
-      c = c0;
 #pragma unroll
       for (int u = 0; u < kPullVectors; ++u) {
-        const int i = c * 32 + lane;
-        if (r < n && i < vecs) {
-          const int64_t ring_row = row_begin + warp + kPullWarps * (j0 + r);
-          ring[ring_row * vecs + i] = v[u];
-        }
-        if (++c == c0 + chunk) {
-          c = c0;
-          ++r;
-        }
+        const int i = c0 + u * lanes;
+        if (has_row && i < vecs) dst[i] = v[u];
       }
     }
   }
