@@ -1,8 +1,7 @@
 // Role: the megakernel's comm work. The first num_comm_ctas CTAs, each round, first pull the
 // round's routed rows from the source ranks' token buffers (peer memory over NVLink, 16-byte
-// vector loads, several rows' in flight per warp) into the ring, minibatch by minibatch,
-// releasing each minibatch's arrive flag, which the L1 tasks reading those rows wait on
-// (roles/megakernel_compute.cuh); then they take
+// vector loads) into the ring, minibatch by minibatch, releasing each minibatch's arrive flag,
+// which the L1 tasks reading those rows wait on (roles/megakernel_compute.cuh); then they take
 // GEMM tasks like every other CTA. The pulls run on the CTA's two consumer warpgroups (the
 // producer warpgroup holds 40 registers per thread, setmaxnreg).
 #pragma once
@@ -15,71 +14,51 @@
 
 namespace mok::roles {
 
-constexpr int kPullWarps = 8;     // the consumer warpgroups' warps
-constexpr int kPullVectors = 32;  // 16-byte loads in flight per lane: 128 KB per CTA
-constexpr int kPullMinLanes = 8;  // lanes per row at least: 128-byte pieces of a row per load
-// NOTE: a local copy (EP 1) or an NVLink read moves about (bytes in flight) / latency: with one
-// row of 8 vectors per lane in flight (qwen3-30b-a3b's 4 KB rows, 32 KB per CTA) a comm SM pulled
-// 20-40 GB/s. Now a warp copies 32 / lanes rows at a time, each lane kPullVectors vectors of its
-// own row (strided by the row's lanes), all loaded before any is stored; the per-vector work is
-// one address step and one bound check (a version that had every lane walk every row of the
-// batch, a shuffle and a row/column step per vector, was slower than one row per warp: the
-// pulls became instruction-bound). 128 registers of loads: the consumers' mainloop needs more.
+constexpr int kPullWarps = 8;    // the consumer warpgroups' warps
+constexpr int kPullUnroll = 8;   // 16-byte loads in flight per lane
+// NOTE: more loads in flight per lane (several rows per warp, 16 or 32 vectors per lane: commits
+// 025df57, 9665dea and 3941f23) made the pulls slower, not faster, in their traces (the comm CTAs'
+// pull share and the L1 tasks' stalls grew on qwen3-30b-a3b and deepseek-v3; docs/perf_notes.md):
+// one row per warp stays until a profile says what bounds a comm SM's copy.
 
-// Lanes per row of hidden/8 16-byte vectors: the fewest (a power of two, kPullMinLanes..32)
-// that hold a row in kPullVectors per lane, 32 for longer rows (copied in chunks).
-MOK_DEVICE int pull_lanes_per_row(int vecs) {
-  int lanes = kPullMinLanes;
-  while (lanes < 32 && lanes * kPullVectors < vecs) lanes *= 2;
-  return lanes;
+// One warp: ring row x_ring[ring_row] = token t of rank s for src = s * T_max + t, or zeros for
+// src < 0. NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
+MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lane) {
+  const int vecs = p.hidden / 8;
+  uint4* dst = reinterpret_cast<uint4*>(p.x_ring) + static_cast<int64_t>(ring_row) * vecs;
+  const uint4* row = nullptr;
+  if (src >= 0) {
+    const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
+    const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
+    row = reinterpret_cast<const uint4*>(p.peer_bases[s] + p.tokens_offset) +
+          static_cast<int64_t>(t) * vecs;  // peer memory
+  }
+  for (int base = 0; base < vecs; base += 32 * kPullUnroll) {
+    uint4 v[kPullUnroll];
+#pragma unroll
+    for (int u = 0; u < kPullUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      v[u] = make_uint4(0, 0, 0, 0);
+      // NOTE: the source tokens are not written while the megakernel runs (a cross-rank barrier
+      // preceded it), so the non-coherent path is safe; each vector is read once.
+      if (row != nullptr && i < vecs) v[u] = ptx::ld_global_nc_v4(row + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kPullUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < vecs) dst[i] = v[u];
+    }
+  }
 }
 
 // The pulling warps (warp index `warp` of kPullWarps): ring rows [row_begin, row_end) of round
-// `round`; warp w copies rows row_begin + w + kPullWarps * j. Ring row x_ring[ring_row] = token t
-// of rank s for src = row_src[ring_row] = s * T_max + t, or zeros for src < 0.
-// NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
+// `round`, one warp per row.
 MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end,
                                int warp) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
-  const int vecs = p.hidden / 8;
-  const int lanes = pull_lanes_per_row(vecs);
-  const int batch_rows = 32 / lanes;
-  const int sub = lane % lanes;  // this lane's first vector of its row
-  const int mine = row_end - row_begin - warp;
-  const int num_rows = mine > 0 ? (mine + kPullWarps - 1) / kPullWarps : 0;
-  for (int j0 = 0; j0 < num_rows; j0 += batch_rows) {
-    const int j = j0 + lane / lanes;  // this lane's row of the warp's rows
-    const bool has_row = j < num_rows;
-    const int64_t ring_row = row_begin + warp + static_cast<int64_t>(kPullWarps) * j;
-    const uint4* src = nullptr;
-    if (has_row) {
-      const int64_t s_t = row_src[ring_row];
-      if (s_t >= 0) {
-        const uint32_t s = static_cast<uint32_t>(s_t) / static_cast<uint32_t>(p.max_tokens);
-        const uint32_t t = static_cast<uint32_t>(s_t) % static_cast<uint32_t>(p.max_tokens);
-        src = reinterpret_cast<const uint4*>(p.peer_bases[s] + p.tokens_offset) +
-              static_cast<int64_t>(t) * vecs;  // peer memory
-      }
-    }
-    uint4* dst = reinterpret_cast<uint4*>(p.x_ring) + ring_row * vecs;
-    // NOTE: one chunk unless a row exceeds 32 lanes x kPullVectors vectors (hidden > 8192).
-    for (int c0 = sub; c0 < vecs; c0 += lanes * kPullVectors) {
-      uint4 v[kPullVectors];
-#pragma unroll
-      for (int u = 0; u < kPullVectors; ++u) {
-        const int i = c0 + u * lanes;
-        v[u] = make_uint4(0, 0, 0, 0);
-        // NOTE: the source tokens are not written while the megakernel runs (a cross-rank
-        // barrier preceded it), so the non-coherent path is safe; each vector is read once.
-        if (src != nullptr && i < vecs) v[u] = ptx::ld_global_nc_v4(src + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kPullVectors; ++u) {
-        const int i = c0 + u * lanes;
-        if (has_row && i < vecs) dst[i] = v[u];
-      }
-    }
+  for (int row = row_begin + warp; row < row_end; row += kPullWarps) {
+    pull_row(p, row_src[row], row, lane);
   }
 }
 
