@@ -165,6 +165,9 @@ def main(argv=None) -> None:
             f.write(text)
     metrics, stalls = details(read_csv(page))
     hot, samples = hot_instructions(read_csv(source.stdout), args.top)
+    # NOTE: after the child exited: it inherits this process's environment, and the rendezvous
+    # variables init_distributed sets would point it at this process's store.
+    bench_moe.init_distributed("cuda")  # the record's environment names the world size
     record = {"benchmark": "ncu_megakernel",
               "environment": bench_moe.environment(bench_moe.parse_args([])),
               "args": vars(args), "kernel": kernel, "sections": list(SECTIONS),
