@@ -6,12 +6,14 @@ of what ncu read:
 
 - ``metrics``: the details page (speed of light, memory and compute workload, scheduler and warp
   state statistics: every row as section / name / unit / value);
-- ``stall_reasons``: the warp-state section's stall rows, largest first;
+- ``stall_reasons``: each stall reason's share of the warp-stall samples (the source page's
+  per-instruction reasons, summed), largest first;
 - ``hot_instructions``: the SASS instructions with the most warp-stall samples (the source
   page), with their share of all samples.
 
 The raw details and source pages are written beside the record (``<out>_details.csv.gz``,
-``<out>_source.csv.gz``).
+``<out>_source.csv.gz``); ``--resummarise RECORD`` rebuilds a record's stall reasons and hot
+instructions from the source page beside it (no GPU), e.g. after a change to their parsing.
 
 The hardware counters need a machine that lends them (docs: the device's KINDS.md; Firecracker
 machines do). The clocks are left alone (``--clock-control none``). ncu replays the kernel once
@@ -58,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
     p.add_argument("--backward", action="store_true", help="profile the backward megakernel")
     p.add_argument("--top", type=int, default=60, help="hot instructions kept")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the record (JSON) to write")
+    p.add_argument("--resummarise", metavar="RECORD", help="rebuild RECORD's summary (no run)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -94,8 +97,13 @@ def ncu_binary() -> str:
     raise SystemExit("ncu not found (Nsight Compute is not installed on this machine)")
 
 
-def read_csv(text: str) -> list[dict]:
+def read_csv(text: str, header: str | None = None) -> list[dict]:
+    """The CSV rows of an ncu page; ``header``: the first column's name, where the page has
+    lines before its header (the source page starts with a "Kernel Name" line)."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    if header is not None:
+        first = next((i for i, ln in enumerate(lines) if ln.startswith(f'"{header}"')), None)
+        lines = lines[first:] if first is not None else []
     return list(csv.DictReader(io.StringIO("\n".join(lines))))
 
 
@@ -106,13 +114,21 @@ def number(value: str) -> float | None:
         return None
 
 
-def details(rows: list[dict]) -> tuple[list, list]:
-    metrics = [{"section": r.get("Section Name"), "name": r.get("Metric Name"),
-                "unit": r.get("Metric Unit"), "value": r.get("Metric Value")} for r in rows]  # fmt: skip
-    stalls = [m for m in metrics if m["section"] == "Warp State Statistics"
-              and (m["name"] or "").lower().startswith("stall")]  # fmt: skip
-    stalls.sort(key=lambda m: -(number(m["value"]) or 0.0))
-    return metrics, stalls
+def details(rows: list[dict]) -> list:
+    return [{"section": r.get("Section Name"), "name": r.get("Metric Name"),
+             "unit": r.get("Metric Unit"), "value": r.get("Metric Value")} for r in rows]  # fmt: skip
+
+
+def stall_reasons(rows: list[dict]) -> list:
+    """Each stall reason's share of all warp-stall samples, summed over the source page's
+    instructions (its ``stall_*`` columns), largest first."""
+    reasons = [k for k in (rows[0] if rows else {}) if k and k.startswith("stall_")
+               and "Not Issued" not in k]  # fmt: skip
+    sums = {k: sum(number(r.get(k)) or 0.0 for r in rows) for k in reasons}
+    total = sum(sums.values())
+    out = [{"reason": k, "samples": v, "share": v / total if total else 0.0}
+           for k, v in sums.items()]  # fmt: skip
+    return sorted(out, key=lambda m: -m["samples"])
 
 
 def hot_instructions(rows: list[dict], top: int) -> tuple[list, float]:
@@ -134,11 +150,29 @@ def hot_instructions(rows: list[dict], top: int) -> tuple[list, float]:
     return out, total
 
 
+def resummarise(path: str, top: int) -> None:
+    """``path``'s stall reasons and hot instructions again, from ``<path>_source.csv.gz``."""
+    with open(path) as f:
+        record = json.load(f)
+    with gzip.open(os.path.splitext(path)[0] + "_source.csv.gz", "rt") as f:
+        rows = read_csv(f.read(), header="Address")
+    record["stall_reasons"] = stall_reasons(rows)
+    record["hot_instructions"], record["stall_samples"] = hot_instructions(rows, top)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"rewrote {path}: {len(rows)} instructions, {record['stall_samples']:.0f} samples")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
         child(args)
         return
+    if args.resummarise:
+        resummarise(args.resummarise, args.top)
+        return
+    if not args.out:
+        raise SystemExit("--out is required")
     import bench_moe
 
     ncu = ncu_binary()
@@ -163,8 +197,10 @@ def main(argv=None) -> None:
     for name, text in (("details", page), ("source", source.stdout)):  # the raw pages, beside
         with gzip.open(f"{rep}_{name}.csv.gz", "wt") as f:
             f.write(text)
-    metrics, stalls = details(read_csv(page))
-    hot, samples = hot_instructions(read_csv(source.stdout), args.top)
+    metrics = details(read_csv(page))
+    rows = read_csv(source.stdout, header="Address")
+    stalls = stall_reasons(rows)
+    hot, samples = hot_instructions(rows, args.top)
     # NOTE: after the child exited: it inherits this process's environment, and the rendezvous
     # variables init_distributed sets would point it at this process's store.
     bench_moe.init_distributed("cuda")  # the record's environment names the world size
@@ -177,7 +213,7 @@ def main(argv=None) -> None:
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     for m in stalls[:12]:
-        print(f"  {m['name']}: {m['value']} {m['unit']}")
+        print(f"  {m['reason']}: {m['share']:.3f}")
     for h in hot[:25]:
         print(f"  {h.get('share', 0):.3f} {h.get('Address', '')} {h.get('Source', '')}")
     print(f"wrote {args.out}")
