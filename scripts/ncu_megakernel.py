@@ -184,7 +184,7 @@ def main(argv=None) -> None:
            *[a for s in SECTIONS for a in ("--section", s)], "-f", "-o", rep,
            sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape,
            "--tokens", str(args.tokens), "--routing", args.routing,
-           *(["--backward"] if args.backward else []), "--out", args.out]  # fmt: skip
+           *(["--backward"] if args.backward else [])]  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
     run = subprocess.run(cmd, capture_output=True, text=True)
     print(run.stdout[-4000:], run.stderr[-4000:], sep="\n", flush=True)

@@ -238,10 +238,11 @@ def test_full_width_qwen3_equals_stage1():
 
 
 def test_rows_longer_than_one_pull_batch_equal_stage1():
-    """A comm warp loads several rows' vectors before it stores them (roles/megakernel_comm.cuh,
-    kPullVectors per lane); a row of more vectors than that (hidden 8320: 1040 16-byte vectors,
-    33 per lane) is copied in chunks, the last one partial. Forward and backward pull their rows
-    so (x, then d_out): bitwise stage 1's output, gradients as close as elsewhere."""
+    """A comm warp copies a row in steps of 32 lanes x kPullUnroll 16-byte vectors
+    (roles/megakernel_comm.cuh, pull_row); a row of several steps whose last is partial (hidden
+    8320: 1040 vectors, four steps of 256 and one of 16) is copied whole. Forward and backward
+    pull their rows so (x, then d_out): bitwise stage 1's output, gradients as close as
+    elsewhere."""
     problem = _problem([150], (8320, 128, 4, 2, 0), seed=37)
     _, _, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
     failures = _check_accuracy(problem, got)
