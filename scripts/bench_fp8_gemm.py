@@ -58,8 +58,20 @@ def problem(model: str, ep: int, tokens: int) -> dict:
     )  # fmt: skip
 
 
-def ops_of(p: dict) -> dict:
-    """op: (flops, {impl: fn})."""
+#: The tile orders ``--sweep-tuning`` adds (raster, swizzle); (m, 1) is the default, fp8_mok.
+SWEEP = [(r, s) for r in ("m", "n") for s in (1, 2, 4, 8) if (r, s) != ("m", 1)]
+
+
+def m_tile_fill(offs: torch.Tensor, tile_m: int = 128) -> float:
+    """The routed rows over the rows of the 128-row M tiles the grouped GEMM runs (each group's
+    last tile is partly empty and costs a full tile's mainloop)."""
+    counts = torch.diff(offs.cpu().long(), prepend=torch.zeros(1, dtype=torch.long))
+    tiles = (counts + tile_m - 1) // tile_m
+    return float(counts.sum()) / float(tiles.sum() * tile_m)
+
+
+def ops_of(p: dict, sweep: bool = False) -> dict:
+    """op: (flops, {impl: fn}); ``sweep``: also the FP8 ops at every tile order of SWEEP."""
     x, act, offs = p["x"], p["act"], p["offs"]
     x_q = fb.fp8_blockwise_quantize(x, (1, 128))
     act_q = fb.fp8_blockwise_quantize(act, (1, 128))
@@ -67,6 +79,12 @@ def ops_of(p: dict) -> dict:
     l1_flops = 2.0 * p["rows"] * p["hidden"] * 2 * p["inter"]
     l2_flops = 2.0 * p["rows"] * p["hidden"] * p["inter"]
     pingpong = gg.GemmTuning("pingpong")
+    orders = {f"_r{r}_s{z}": gg.GemmTuning("cooperative", r, z) for r, z in SWEEP} if sweep else {}
+    l1_sweep = {f"fp8_mok{k}": (lambda t=t: gf.grouped_gemm_fp8_l1_swiglu(x_q, w_gu_q, offs,
+                                                                          tuning=t))
+                for k, t in orders.items()}  # fmt: skip
+    l2_sweep = {f"fp8_mok{k}": (lambda t=t: gf.grouped_gemm_fp8_nt(act_q, w_down_q, offs, t))
+                for k, t in orders.items()}  # fmt: skip
     return {
         "l1": (l1_flops, {
             "bf16_mok": lambda: gg.grouped_gemm_l1_swiglu(x, w_gu, offs),
@@ -74,12 +92,14 @@ def ops_of(p: dict) -> dict:
             "fp8_mok": lambda: gf.grouped_gemm_fp8_l1_swiglu(x_q, w_gu_q, offs),
             "fp8_mok_save_h": lambda: gf.grouped_gemm_fp8_l1_swiglu(x_q, w_gu_q, offs,
                                                                     save_h=True),
+            **l1_sweep,
         }),
         "l2": (l2_flops, {
             "bf16_mok": lambda: gg.grouped_gemm_nt(act, w_down, offs),
             "bf16_torch": lambda: torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs),
             "fp8_mok": lambda: gf.grouped_gemm_fp8_nt(act_q, w_down_q, offs),
             "fp8_mok_pingpong": lambda: gf.grouped_gemm_fp8_nt(act_q, w_down_q, offs, pingpong),
+            **l2_sweep,
         }),
         "quantize_x": (0.0, {"fp8_mok": lambda: fb.fp8_blockwise_quantize(x, (1, 128))}),
     }  # fmt: skip
@@ -177,6 +197,11 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument(
+        "--sweep-tuning",
+        action="store_true",
+        help="also time the FP8 ops at every raster / swizzle (GemmTuning)",
+    )
     args = ap.parse_args()
     if args.render or args.render_layer:
         with open(args.render or args.render_layer) as f:
@@ -193,12 +218,15 @@ def main() -> None:
     rows = []
     for model in args.models.split(","):
         p = problem(model, args.ep, args.tokens)
-        for op, (flops, impls) in ops_of(p).items():
+        fill = m_tile_fill(p["offs"])
+        print(f"{model}: the 128-row M tiles hold {fill:.3f} routed rows per tile row", flush=True)
+        for op, (flops, impls) in ops_of(p, args.sweep_tuning).items():
             for impl, fn in impls.items():
                 t = time_fn(lambda i, fn=fn: fn(), warmup=3, iters=args.iters, device="cuda")
                 tflops = flops / (t.median_ms * 1e-3) / 1e12 if flops else None
                 rows.append(dict(model=model, op=op, impl=impl, rows=p["rows"],
-                                 groups=p["groups"], tflops=tflops, **t.as_dict()))  # fmt: skip
+                                 groups=p["groups"], m_tile_fill=fill, tflops=tflops,
+                                 **t.as_dict()))  # fmt: skip
                 rate = f"{tflops:7.1f} TFLOP/s" if tflops else ""
                 print(f"{model:14s} {op:10s} {impl:18s} {t.median_ms:8.3f} ms "
                       f"[{t.p10_ms:.3f}, {t.p90_ms:.3f}] {rate}", flush=True)  # fmt: skip
