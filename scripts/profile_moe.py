@@ -35,6 +35,12 @@ def parse_args(argv=None):
         help="also the host side of one forward: seconds until the call returns, "
         "and cProfile's top functions",
     )
+    p.add_argument(
+        "--mok-fp8",
+        action="store_true",
+        help="also profile MoK with expert_precision='fp8_blockwise' (stage 1) as mok_fp8_fwd "
+        "and mok_fp8 (forward + backward)",
+    )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -196,6 +202,12 @@ def main(argv=None) -> None:
         case["mok_fwd"] = profile(layer, sets, args.iters, args.top, backward=False)
         case["baseline_fwd"] = profile(base, sets, args.iters, args.top, backward=False)
         case["mok"] = profile(layer, sets, args.iters, args.top)
+        if args.mok_fp8:
+            fp8 = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
+            with bench_moe._mok_knobs(layer, **fp8):
+                case["mok_fp8_fwd"] = profile(layer, sets, args.iters, args.top, backward=False)
+                case["mok_fp8"] = profile(layer, sets, args.iters, args.top)
+            layer.zero_grad(set_to_none=True)
         case["mok_backend"] = bench_moe._backend_name(layer)
         case["baseline"] = profile(base, sets, args.iters, args.top)
         record["cases"].append(case)
@@ -209,6 +221,15 @@ def main(argv=None) -> None:
                   f"{base_fwd['launches_per_iter']:.0f}; forward + backward: mok "
                   f"{case['mok']['gpu_time_us_per_iter'] / 1e3:.2f} ms, baseline "
                   f"{case['baseline']['gpu_time_us_per_iter'] / 1e3:.2f} ms")  # fmt: skip
+            if args.mok_fp8:
+                for label in ("mok_fp8_fwd", "mok_fp8"):
+                    print(
+                        f"  {label}: {case[label]['gpu_time_us_per_iter'] / 1e3:.2f} ms GPU "
+                        f"time in {case[label]['launches_per_iter']:.0f} launches; top:"
+                    )
+                    for k in case[label]["kernels"][:14]:
+                        print(f"    {k['us_per_iter']:9.1f} us x{k['calls_per_iter']:.0f} "
+                              f"{k['name'][:90]}")  # fmt: skip
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
