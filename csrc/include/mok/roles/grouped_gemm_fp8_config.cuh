@@ -44,7 +44,7 @@ using Fp8LayoutSFB = decltype(Fp8ScaleConfig::deduce_layoutSFB());
 // warpgroup, one's epilogue overlapping the other's mainloop; no cluster.
 struct Fp8Cooperative {
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_4, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
