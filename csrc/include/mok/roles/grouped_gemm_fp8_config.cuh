@@ -40,11 +40,13 @@ using Fp8LayoutSFB = decltype(Fp8ScaleConfig::deduce_layoutSFB());
 // spills (measured: 4x slower than BF16). And the tile's N is one weight-scale block: CUTLASS
 // 4.2's mainloop does not partition several N scales per tile with a 256-wide one.
 // Cooperative: a 128 x 128 tile over both consumer warpgroups, in clusters of 2 CTAs along N
-// that share (TMA-multicast) their A tile, halving A's L2 reads. Pingpong: 64 x 128 per
+// that share (TMA-multicast) their A tile, halving A's L2 reads (measured on one H200 against
+// no cluster and clusters of 4, docs/results/bench_fp8_gemm_h200_{78467a1,b913f2d}.json: both
+// slower on deepseek-v3's and qwen3-30b-a3b's L1; docs/FP8.md). Pingpong: 64 x 128 per
 // warpgroup, one's epilogue overlapping the other's mainloop; no cluster.
 struct Fp8Cooperative {
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_4, cute::_1>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
