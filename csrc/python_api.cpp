@@ -42,6 +42,7 @@ TORCH_LIBRARY(mok, m) {
       "moe_workspace_layout(int num_ranks, int max_tokens, int topk, int hidden, int slot_rows, "
       "int counter_words) -> int[]",
       &mok::apis::moe_workspace_layout);
+  m.def("moe_fp8_packed_row_width(int hidden) -> int", &mok::apis::moe_fp8_packed_row_width);
   m.def(
       "moe_mega_shape(int row_capacity, int num_local_experts, int hidden, int inter, "
       "int minibatch_rows, int macrobatch_rows) -> int[]",
@@ -78,6 +79,8 @@ TORCH_LIBRARY(mok, m) {
       "moe_combine_slots(Tensor row_values, Tensor token_rows, Tensor recv_token_src, "
       "Tensor send_to, int num_tokens, int[] comm) -> Tensor");
   m.def("moe_gather_rows(Tensor src, Tensor row_tok) -> Tensor");
+  m.def("moe_fp8_pack_rows(Tensor data, Tensor scales) -> Tensor");
+  m.def("moe_gather_rows_fp8(Tensor packed, Tensor row_tok, int hidden) -> (Tensor, Tensor)");
   m.def("moe_swiglu(Tensor g, Tensor u) -> Tensor");
   m.def("moe_swiglu_backward(Tensor da, Tensor g, Tensor u) -> (Tensor, Tensor)");
   m.def("moe_swiglu_interleaved(Tensor h) -> Tensor");
@@ -104,6 +107,8 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("moe_combine", &mok::apis::moe_combine);
   m.impl("moe_combine_slots", &mok::apis::moe_combine_slots);
   m.impl("moe_gather_rows", &mok::apis::moe_gather_rows);
+  m.impl("moe_fp8_pack_rows", &mok::apis::moe_fp8_pack_rows);
+  m.impl("moe_gather_rows_fp8", &mok::apis::moe_gather_rows_fp8);
   m.impl("moe_swiglu", &mok::apis::moe_swiglu);
   m.impl("moe_swiglu_backward", &mok::apis::moe_swiglu_backward);
   m.impl("moe_swiglu_interleaved", &mok::apis::moe_swiglu_interleaved);

@@ -10,6 +10,7 @@
 #include "apis/tensor_arena.h"
 #include "apis/tensor_checks.h"
 #include "launch/moe.h"
+#include "mok/common/fp8_blockwise.cuh"
 #include "mok/layout/mega.cuh"
 
 namespace mok::apis {
@@ -134,12 +135,15 @@ at::Tensor moe_dispatch(const at::Tensor& x, const at::Tensor& recv_token_src,
   const auto comm = comm_of(comm_ints);
   check(x, "x", at::kBFloat16, 2);
   check(recv_token_src, "recv_token_src", at::kLong, 1);
-  TORCH_CHECK(x.size(0) <= comm.lay.max_tokens && x.size(1) == comm.lay.hidden,
-              "mok::moe_dispatch: x ", x.sizes(), " does not fit the workspace");
+  TORCH_CHECK(x.size(0) <= comm.lay.max_tokens && x.size(1) <= comm.lay.hidden &&
+                  x.size(1) % 8 == 0,
+              "mok::moe_dispatch: x ", x.sizes(), " does not fit the workspace (at most ",
+              comm.lay.max_tokens, " rows of at most hidden=", comm.lay.hidden,
+              " columns, a multiple of 8: the tokens, or their packed FP8 rows)");
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t num_recv = recv_token_src.size(0);
-  auto recv = at::empty({num_recv, comm.lay.hidden}, x.options());
-  launch::moe_dispatch(comm, x.data_ptr(), static_cast<int>(x.size(0)),
+  auto recv = at::empty({num_recv, x.size(1)}, x.options());
+  launch::moe_dispatch(comm, x.data_ptr(), static_cast<int>(x.size(0)), x.size(1),
                        recv_token_src.data_ptr<int64_t>(), static_cast<int>(num_recv),
                        recv.data_ptr(), stream_of(x));
   return recv;
@@ -237,6 +241,47 @@ at::Tensor moe_gather_rows(const at::Tensor& src, const at::Tensor& row_tok) {
   launch::moe_gather_rows(src.data_ptr(), row_tok.data_ptr<int64_t>(), out.data_ptr(),
                           row_tok.size(0), src.size(1), stream_of(src));
   return out;
+}
+
+int64_t moe_fp8_packed_row_width(int64_t hidden) {
+  TORCH_CHECK(hidden > 0 && hidden % fp8_blockwise::kBlock == 0,
+              "mok::moe_fp8_packed_row_width: hidden=", hidden,
+              " must be a positive multiple of 128 (the FP8 scale blocks)");
+  return fp8_blockwise::packed_row_bytes(hidden) / 2;
+}
+
+at::Tensor moe_fp8_pack_rows(const at::Tensor& data, const at::Tensor& scales) {
+  check(data, "data", at::kFloat8_e4m3fn, 2);
+  check(scales, "scales", at::kFloat, 2);
+  const int64_t rows = data.size(0), hidden = data.size(1);
+  TORCH_CHECK(hidden % fp8_blockwise::kBlock == 0 && scales.size(0) == rows &&
+                  scales.size(1) == hidden / fp8_blockwise::kBlock,
+              "mok::moe_fp8_pack_rows: data ", data.sizes(), " and scales ", scales.sizes(),
+              " must be one (1, 128)-quantised [R, H] (H a multiple of 128) and its [R, H / 128]");
+  c10::cuda::CUDAGuard guard(data.device());
+  auto packed = at::empty({rows, moe_fp8_packed_row_width(hidden)}, opts(data, at::kBFloat16));
+  launch::moe_fp8_pack_rows(data.data_ptr(), scales.data_ptr<float>(), rows, hidden,
+                            packed.data_ptr(), stream_of(data));
+  return packed;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_gather_rows_fp8(const at::Tensor& packed,
+                                                       const at::Tensor& row_tok,
+                                                       int64_t hidden) {
+  check(packed, "packed", at::kBFloat16, 2);
+  check(row_tok, "row_tok", at::kLong, 1);
+  TORCH_CHECK(hidden > 0 && hidden % fp8_blockwise::kBlock == 0 &&
+                  packed.size(1) == moe_fp8_packed_row_width(hidden),
+              "mok::moe_gather_rows_fp8: packed ", packed.sizes(), " are not the packed FP8 rows "
+              "of hidden=", hidden, " (moe_fp8_pack_rows' [R, ", moe_fp8_packed_row_width(hidden),
+              "] bf16)");
+  c10::cuda::CUDAGuard guard(packed.device());
+  const int64_t rows = row_tok.size(0);
+  auto data = at::empty({rows, hidden}, opts(packed, at::kFloat8_e4m3fn));
+  auto scales = at::empty({rows, hidden / fp8_blockwise::kBlock}, opts(packed, at::kFloat));
+  launch::moe_gather_rows_fp8(packed.data_ptr(), row_tok.data_ptr<int64_t>(), data.data_ptr(),
+                              scales.data_ptr<float>(), rows, hidden, stream_of(packed));
+  return {data, scales};
 }
 
 namespace {

@@ -72,6 +72,19 @@ at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& tok
 // src [C, H], row_tok [P] int64 -> [P, H] bf16: src rows in row_tok order, zeros where -1.
 at::Tensor moe_gather_rows(const at::Tensor& src, const at::Tensor& row_tok);
 
+// The packed FP8 token row's width in bf16 (packed_row_bytes(hidden) / 2; host only).
+int64_t moe_fp8_packed_row_width(int64_t hidden);
+
+// data [R, H] float8_e4m3fn, scales [R, H / 128] float32 ((1, 128) blocks) -> the packed FP8
+// rows [R, packed_row_bytes(H) / 2] bf16 (common/fp8_blockwise.cuh), what moe_dispatch moves.
+at::Tensor moe_fp8_pack_rows(const at::Tensor& data, const at::Tensor& scales);
+
+// packed [C, packed_row_bytes(H) / 2] bf16, row_tok [P] int64 -> (data [P, H] float8_e4m3fn,
+// scales [P, H / 128] float32): packed[row_tok[p]] split; where row_tok[p] < 0, an all-zero
+// row's quantisation (data 0, scales 1).
+std::tuple<at::Tensor, at::Tensor> moe_gather_rows_fp8(const at::Tensor& packed,
+                                                       const at::Tensor& row_tok, int64_t hidden);
+
 // g, u: [P, I] bf16 (rows may be strided) -> a [P, I]; backward: (da [P, I], g, u) -> (dg, du).
 at::Tensor moe_swiglu(const at::Tensor& g, const at::Tensor& u);
 // The same on one [P, 2I] tensor whose gate and up columns alternate in blocks of 8.

@@ -279,11 +279,11 @@ std::vector<at::Tensor> moe_mega_forward(
       trace_buffers(x, trace, grid, shape);
   const int num_tokens = static_cast<int>(x.size(0));
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
-    launch::moe_dispatch(comm, x.data_ptr(), num_tokens,
+    launch::moe_dispatch(comm, x.data_ptr(), num_tokens, comm.lay.hidden,
                          plan[kPlan_recv_token_src].data_ptr<int64_t>(),
                          static_cast<int>(token_capacity), out[kForward_x_recv].data_ptr(), stream);
   } else {
-    launch::moe_stage_tokens(comm, x.data_ptr(), num_tokens, stream);
+    launch::moe_stage_tokens(comm, x.data_ptr(), num_tokens, comm.lay.hidden, stream);
   }
   launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
@@ -372,7 +372,7 @@ std::vector<at::Tensor> moe_mega_backward(
   std::tie(out[kBackward_trace_ctas], out[kBackward_trace_tasks]) =
       trace_buffers(d_out, trace, grid, shape);
   const int num_tokens = static_cast<int>(d_out.size(0));
-  launch::moe_stage_tokens(comm, d_out.data_ptr(), num_tokens, stream);
+  launch::moe_stage_tokens(comm, d_out.data_ptr(), num_tokens, comm.lay.hidden, stream);
   launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
   launch::moe_bump_epoch(comm, static_cast<int>(shape.num_rounds()), stream);

@@ -80,17 +80,52 @@ void moe_build_schedule(const scheduler::ScheduleParams& p, cudaStream_t stream)
   check_launch();
 }
 
-void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens,
+void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens, int64_t width,
                   const int64_t* recv_token_src, int num_recv, void* recv, cudaStream_t stream) {
   const auto& lay = comm.lay;
   MOK_HOST_CHECK(lay.hidden % 8 == 0, "hidden=%lld must be a multiple of 8",
                  static_cast<long long>(lay.hidden));
-  moe_stage_tokens(comm, x, num_tokens, stream);
+  moe_stage_tokens(comm, x, num_tokens, width, stream);
   if (num_recv > 0) {
-    roles::pull_tokens<<<num_recv, row_threads(lay.hidden), 0, stream>>>(
-        lay, comm.peer_bases, recv_token_src, static_cast<__nv_bfloat16*>(recv), num_recv);
+    roles::pull_tokens<<<num_recv, row_threads(width), 0, stream>>>(
+        lay, comm.peer_bases, recv_token_src, static_cast<__nv_bfloat16*>(recv), num_recv,
+        width);
     check_launch();
   }
+}
+
+void moe_fp8_pack_rows(const void* data, const float* scales, int64_t num_rows, int64_t hidden,
+                       void* packed, cudaStream_t stream) {
+  MOK_HOST_CHECK(hidden % fp8_blockwise::kBlock == 0, "hidden=%lld must be a multiple of 128",
+                 static_cast<long long>(hidden));
+  if (num_rows == 0) return;
+  const size_t pitch = static_cast<size_t>(fp8_blockwise::packed_row_bytes(hidden));
+  const size_t scale_bytes = static_cast<size_t>(hidden / fp8_blockwise::kBlock) * sizeof(float);
+  const size_t tail = pitch - static_cast<size_t>(hidden) - scale_bytes;
+  auto* dst = static_cast<char*>(packed);
+  const auto rows = static_cast<size_t>(num_rows);
+  MOK_CUDA_CHECK(cudaMemcpy2DAsync(dst, pitch, data, static_cast<size_t>(hidden),
+                                   static_cast<size_t>(hidden), rows, cudaMemcpyDeviceToDevice,
+                                   stream));
+  MOK_CUDA_CHECK(cudaMemcpy2DAsync(dst + fp8_blockwise::packed_scales_offset(hidden), pitch,
+                                   scales, scale_bytes, scale_bytes, rows,
+                                   cudaMemcpyDeviceToDevice, stream));
+  if (tail > 0) {  // the padding to whole vectors: zeros, so a row's bytes are all defined
+    MOK_CUDA_CHECK(cudaMemset2DAsync(dst + pitch - tail, pitch, 0, tail, rows, stream));
+  }
+}
+
+void moe_gather_rows_fp8(const void* packed, const int64_t* row_tok, void* data, float* scales,
+                         int64_t num_rows, int64_t hidden, cudaStream_t stream) {
+  MOK_HOST_CHECK(hidden % fp8_blockwise::kBlock == 0, "hidden=%lld must be a multiple of 128",
+                 static_cast<long long>(hidden));
+  if (num_rows == 0) return;
+  MOK_HOST_CHECK(num_rows < (int64_t{1} << 31), "too many rows (%lld)",
+                 static_cast<long long>(num_rows));
+  roles::gather_rows_fp8<<<static_cast<unsigned>(num_rows), row_threads(hidden / 2), 0,
+                           stream>>>(static_cast<const uint8_t*>(packed), row_tok,
+                                     static_cast<uint8_t*>(data), scales, hidden);
+  check_launch();
 }
 
 void moe_combine(const MoeComm& comm, const MoeCombineArgs& a, cudaStream_t stream) {

@@ -36,10 +36,21 @@ void moe_gather_routing(const MoeComm& comm, const int64_t* topk, const float* w
 // The schedule from global_topk (params.global_topk); scratch and outputs preallocated.
 void moe_build_schedule(const scheduler::ScheduleParams& params, cudaStream_t stream);
 
-// Stage x [T, H] bf16, barrier, then recv[j] = token recv_token_src[j] of its source (zeros when
-// -1), recv: [num_recv, H] bf16.
-void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens,
+// Stage x [T, width] bf16 (width <= H, a multiple of 8: H, or the packed FP8 token rows),
+// barrier, then recv[j] = token recv_token_src[j] of its source (zeros when -1), recv:
+// [num_recv, width] bf16.
+void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens, int64_t width,
                   const int64_t* recv_token_src, int num_recv, void* recv, cudaStream_t stream);
+
+// The packed FP8 token rows (common/fp8_blockwise.cuh) of (1, 128)-quantised rows: data [R, H]
+// e4m3 and scales [R, H / 128] float32 into packed [R, packed_row_bytes(H)] (copies, no kernel).
+void moe_fp8_pack_rows(const void* data, const float* scales, int64_t num_rows, int64_t hidden,
+                       void* packed, cudaStream_t stream);
+
+// data [P, H] e4m3 / scales [P, H / 128] float32 = the packed FP8 row packed[row_tok[p]] split,
+// an all-zero row's quantisation (data 0, scales 1) where row_tok[p] < 0 (local gather).
+void moe_gather_rows_fp8(const void* packed, const int64_t* row_tok, void* data, float* scales,
+                         int64_t num_rows, int64_t hidden, cudaStream_t stream);
 
 struct MoeCombineArgs {
   const void* rows = nullptr;             // [P, H] bf16

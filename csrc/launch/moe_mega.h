@@ -15,9 +15,11 @@ namespace mok::launch {
 // The plan from a schedule (scheduler/plan.cuh); outputs preallocated.
 void moe_build_plan(const scheduler::PlanParams& params, cudaStream_t stream);
 
-// Barrier (every peer is done reading the tokens region's previous contents), copy x [T, H] bf16
-// into this rank's tokens region, then barrier: peers may pull it.
-void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, cudaStream_t stream);
+// Barrier (every peer is done reading the tokens region's previous contents), copy x [T, width]
+// bf16 (width <= H, a multiple of 8; the region's rows are H wide) into this rank's tokens
+// region, then barrier: peers may pull it.
+void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, int64_t width,
+                      cudaStream_t stream);
 
 // counters[kEpoch] += 1: the pass's generation base for the megakernel's flags (every counter
 // back to zero and the epoch to 1 before a pass of `num_rounds` rounds whose generations would

@@ -22,6 +22,8 @@ CUDA_OPS = (
     "moe_combine",
     "moe_combine_slots",
     "moe_gather_rows",
+    "moe_fp8_pack_rows",
+    "moe_gather_rows_fp8",
     "moe_swiglu",
     "moe_swiglu_backward",
     "moe_swiglu_interleaved",
@@ -37,7 +39,7 @@ MEGA_OPS = ("moe_mega_plan", "moe_mega_forward", "moe_mega_backward")
 __all__ = [
     "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "moe_mega_backward", "mega_plan_fields",
     "mega_forward_fields", "mega_backward_fields",
-    "MoeWorkspaceLayout", "moe_workspace_layout", "MegaShape", "moe_mega_shape", "make_comm",
+    "MoeWorkspaceLayout", "moe_workspace_layout", "moe_fp8_packed_row_width", "MegaShape", "moe_mega_shape", "make_comm",
     "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "MEGA_TRACE_CTA_FIELDS",
     "MEGA_TRACE_TASK_FIELDS", "check_mega_error", "routing_to_topk", "CUDA_OPS", *CUDA_OPS,
 ]  # fmt: skip
@@ -240,6 +242,25 @@ def moe_combine_slots(row_values, token_rows, recv_token_src, send_to, num_token
 def moe_gather_rows(src: torch.Tensor, row_tok: torch.Tensor) -> torch.Tensor:
     """src: [C, H] bf16, row_tok: [P] int64 → [P, H]: src[row_tok[p]], zeros where it is -1."""
     return torch.ops.mok.moe_gather_rows(src, row_tok)
+
+
+def moe_fp8_packed_row_width(hidden: int) -> int:
+    """The packed FP8 token row's width in bf16 (the C++ format header's; never recomputed)."""
+    return int(torch.ops.mok.moe_fp8_packed_row_width(hidden))
+
+
+def moe_fp8_pack_rows(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(1, 128)-quantised rows, data [R, H] float8_e4m3fn and scales [R, H / 128] float32 →
+    packed [R, moe_fp8_packed_row_width(H)] bf16: each row's data bytes, then its scales (what
+    ``moe_dispatch`` moves: FP8 tokens over the peers' links, about half the bf16 bytes)."""
+    return torch.ops.mok.moe_fp8_pack_rows(data, scales)
+
+
+def moe_gather_rows_fp8(packed: torch.Tensor, row_tok: torch.Tensor, hidden: int):
+    """packed: [C, moe_fp8_packed_row_width(H)] bf16, row_tok: [P] int64 → (data [P, H]
+    float8_e4m3fn, scales [P, H / 128] float32): packed[row_tok[p]] split, and where row_tok[p]
+    is -1 an all-zero row's quantisation (data 0, scales 1), as quantising the gathered rows."""
+    return torch.ops.mok.moe_gather_rows_fp8(packed, row_tok, hidden)
 
 
 def moe_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -466,6 +487,17 @@ def _gather_rows_fake(src, row_tok):
     return src.new_empty(row_tok.shape[0], src.shape[1])
 
 
+def _fp8_pack_rows_fake(data, scales):
+    return data.new_empty(data.shape[0], moe_fp8_packed_row_width(data.shape[1]),
+                          dtype=torch.bfloat16)  # fmt: skip
+
+
+def _gather_rows_fp8_fake(packed, row_tok, hidden):
+    rows = row_tok.shape[0]
+    return (packed.new_empty(rows, hidden, dtype=torch.float8_e4m3fn),
+            packed.new_empty(rows, hidden // 128, dtype=torch.float32))  # fmt: skip
+
+
 def _swiglu_fake(g, u):
     return g.new_empty(g.shape)
 
@@ -513,6 +545,8 @@ _FAKES = {
     "moe_combine": _combine_fake,
     "moe_combine_slots": _combine_slots_fake,
     "moe_gather_rows": _gather_rows_fake,
+    "moe_fp8_pack_rows": _fp8_pack_rows_fake,
+    "moe_gather_rows_fp8": _gather_rows_fp8_fake,
     "moe_swiglu": _swiglu_fake,
     "moe_swiglu_backward": _swiglu_backward_fake,
     "moe_swiglu_interleaved": _swiglu_interleaved_fake,

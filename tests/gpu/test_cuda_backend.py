@@ -749,6 +749,46 @@ def test_virtual_ranks_match_oracle(case, form):
     assert not failures, failures
 
 
+# FP8 experts: H and I multiples of 128 (tokens per rank, shape, problem kwargs)
+FP8_VIRTUAL_CASES = {
+    "deepseek-v3": ([200, 160], (512, 256, 16, 8, 128), {}),
+    "rank_without_tokens": ([61, 0], (128, 128, 8, 2, 0), {}),
+    "four_ranks": ([70, 0, 33, 81], (256, 128, 16, 4, 0), {"empty_slot_fraction": 0.2}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(FP8_VIRTUAL_CASES))
+def test_virtual_ranks_fp8_token_dispatch_equals_quantising_after_a_bf16_dispatch(
+    case, monkeypatch
+):
+    """FP8 experts dispatch the tokens quantised at their source (packed FP8 rows over the
+    peers' memory): forward and every gradient bit for bit those of the bf16 dispatch with the
+    rows quantised after the gather, on every virtual rank (a rank with no tokens, unused slots
+    included); both passes from poisoned memory."""
+    from mok_megatron.functional.cuda import stage1
+    from mok_megatron.ops.grouped_gemm_fp8 import grouped_gemm_fp8_available
+
+    if not grouped_gemm_fp8_available():
+        pytest.skip("FP8 grouped GEMMs not built")
+    tokens, shape, kwargs = FP8_VIRTUAL_CASES[case]
+    problem = _problem(tokens, shape, seed=43, **kwargs)
+    config = F.MoKConfig(expert_precision="fp8_blockwise",
+                         schedule_capacity_multiplier=float(len(tokens)))  # fmt: skip
+    vruns = VirtualRuns(problem, len(tokens), config=config, form="fused")
+    calls = []
+    chosen = stage1.dispatches_fp8_tokens
+    monkeypatch.setattr(stage1, "dispatches_fp8_tokens",
+                        lambda *a: calls.append(chosen(*a)) or calls[-1])  # fmt: skip
+    _, fp8_tokens = vruns()
+    assert calls and all(calls), "the FP8 forward did not dispatch FP8 tokens"
+    monkeypatch.setattr(stage1, "dispatches_fp8_tokens", lambda *a: False)
+    _, bf16_tokens = vruns()
+    failures = [f"rank {r}: {n}" for r, (a, b) in enumerate(zip(fp8_tokens, bf16_tokens))
+                for n in _bitwise_equal(a, b)]  # fmt: skip
+    assert not failures, failures
+
+
 def _overflowing_problem(tokens=(256, 256)):
     # every token on expert 0 of rank 0: rank 0 gets 2x its balanced load, its capacity is 1x
     return _problem(list(tokens), (128, 64, 8, 2, 0), seed=7, routing="one_expert")

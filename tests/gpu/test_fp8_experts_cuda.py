@@ -115,6 +115,41 @@ def test_fp8_matches_the_reference_emulation_and_stays_near_bf16(shape, config):
             assert torch.equal(got[name], bf16_bwd[name]), name
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_token_dispatch_equals_quantising_the_gathered_rows(shape, monkeypatch):
+    """The tokens quantised at their source and dispatched as packed FP8 rows give, bit for
+    bit, the forward and gradients of a bf16 dispatch whose gathered rows are quantised (a
+    row's (1, 128) quantisation depends on that row alone); both passes from poisoned memory.
+    Under torch.no_grad() (nothing saved) the FP8 dispatch serves macrobatch rounds as well."""
+    from mok_megatron.functional.cuda import stage1
+
+    problem = problem_of(shape, seed=5)
+    layer = Pass(problem, FP8, "cuda", "cuda")
+    calls = []
+    chosen = stage1.dispatches_fp8_tokens
+    monkeypatch.setattr(stage1, "dispatches_fp8_tokens",
+                        lambda *a: calls.append(chosen(*a)) or calls[-1])  # fmt: skip
+    got = layer(poison=True)
+    assert calls == [True], calls
+    monkeypatch.setattr(stage1, "dispatches_fp8_tokens", lambda *a: False)
+    want = layer(poison=True)
+    for name in NAMES:
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+    # rounds without a backward: the FP8 dispatch, against the bf16 one, each round's rows
+    monkeypatch.setattr(stage1, "dispatches_fp8_tokens", chosen)
+    rounds = Pass(problem, dataclasses.replace(FP8, macrobatch_size=512), "cuda", "cuda")
+    if rounds.ws.row_capacity <= 512:
+        return  # one round only at this shape
+    with torch.no_grad():
+        sched = F.build_schedule(rounds.ws, rounds.config, rounds.topk,
+                                 rounds.ws.num_local_experts)  # fmt: skip
+        args = (rounds.config, rounds.ws, sched, rounds.x, rounds.rw, *rounds.weights)
+        out_fp8, _ = F.forward(*args)
+        monkeypatch.setattr(stage1, "dispatches_fp8_tokens", lambda *a: False)
+        out_bf16, _ = F.forward(*args)
+    assert torch.equal(out_fp8.view(torch.uint8), out_bf16.view(torch.uint8))
+
+
 @pytest.mark.parametrize("config", [FP8, FP8_DGRAD], ids=["bf16_backward", "fp8_dgrad"])
 def test_fp8_in_macrobatch_rounds_matches_the_reference_emulation(config):
     """More routed rows than macrobatch_size: the backward recomputes each round, y included

@@ -99,6 +99,59 @@ def test_gather_rows_matches_indexing_bitwise(hidden):
     assert torch.equal(moe_gather_rows(src, row_tok[:0]), src[:0])
 
 
+# --------------------------------------------------------------------- FP8 token rows
+@pytest.mark.skipif(not ops.has_op("moe_gather_rows_fp8"), reason="needs the FP8 token-row ops")
+@pytest.mark.parametrize("hidden", [128, 2048, 7168])
+def test_fp8_packed_rows_gather_like_indexing_bitwise(hidden):
+    """moe_fp8_pack_rows then moe_gather_rows_fp8 (what the FP8 dispatch moves, less the move)
+    give each row's data bytes and scales, and where the row index is -1 an all-zero row's
+    quantisation (data 0, scales 1). Data bytes are random in [0, 0x7E] (finite e4m3, never a
+    poison byte) and scales random positive floats, so an unwritten element shows."""
+    from mok_megatron.ops.moe import (
+        moe_fp8_pack_rows,
+        moe_fp8_packed_row_width,
+        moe_gather_rows_fp8,
+    )
+
+    tokens, rows = 50, 333
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    data = torch.randint(0, 0x7F, (tokens, hidden), generator=g, device="cuda", dtype=torch.uint8)
+    data = data.view(torch.float8_e4m3fn)
+    scales = torch.rand(tokens, hidden // 128, generator=g, device="cuda") + 0.25
+    row_tok = torch.randint(-1, tokens, (rows,), generator=g, device="cuda")
+    with poisoned_memory() as mem:
+        packed = moe_fp8_pack_rows(data, scales)
+        got_data, got_scales = moe_gather_rows_fp8(packed, row_tok, hidden)
+    mem.assert_covers(packed=packed, data=got_data, scales=got_scales)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (
+        tokens,
+        moe_fp8_packed_row_width(hidden),
+    )
+    assert 2 * packed.shape[1] >= hidden + 4 * (hidden // 128)  # data and scales fit
+    assert 2 * packed.shape[1] < 2 * hidden  # and the row is narrower than the bf16 token's
+    used = (row_tok >= 0)[:, None]
+    src = row_tok.clamp(min=0)
+    want_data = torch.where(used, data.view(torch.uint8)[src], 0)
+    want_scales = torch.where(used, scales[src], 1.0)
+    assert torch.equal(got_data.view(torch.uint8), want_data)
+    assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))
+    empty = moe_gather_rows_fp8(packed, row_tok[:0], hidden)
+    assert empty[0].shape == (0, hidden) and empty[1].shape == (0, hidden // 128)
+
+
+@pytest.mark.skipif(not ops.has_op("moe_gather_rows_fp8"), reason="needs the FP8 token-row ops")
+def test_fp8_packed_rows_reject_what_is_not_their_format():
+    from mok_megatron.ops.moe import moe_fp8_pack_rows, moe_gather_rows_fp8
+
+    data = torch.zeros(4, 192, dtype=torch.float8_e4m3fn, device="cuda")
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        moe_fp8_pack_rows(data, torch.ones(4, 1, device="cuda"))
+    packed = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    row_tok = torch.zeros(2, dtype=torch.long, device="cuda")
+    with pytest.raises(RuntimeError, match="packed FP8 rows of hidden=128"):
+        moe_gather_rows_fp8(packed, row_tok, 128)
+
+
 # ------------------------------------------------------------------------------- swiglu
 def _swiglu64(g, u, da):
     g, u, da = g.double(), u.double(), da.double()

@@ -103,9 +103,11 @@ class Experts:
         higher peak inside one layer's backward, for less memory kept by all the others.)"""
         return self.fp8 or "dswiglu" in self.engine
 
-    def forward(self, x_rows, offs, *, save_pre: bool, with_down: bool = True) -> ExpertRows:
+    def forward(self, x_rows, offs, *, save_pre: bool, with_down: bool = True,
+                x_q=None) -> ExpertRows:  # fmt: skip
         """x_rows [M, H] → ExpertRows; the pre-activation is kept only when ``save_pre`` (the
-        separate form always has it: it is the GEMMs' output)."""
+        separate form always has it: it is the GEMMs' output). ``x_q``: FP8 experts only, the
+        rows already quantised (``fp8.gather_rows``), x_rows None."""
         from mok_megatron.ops import grouped_gemm as gg
         from mok_megatron.ops import moe as mops
 
@@ -114,8 +116,11 @@ class Experts:
         if self.fp8:
             from . import fp8
 
-            a, y, h = fp8.forward(w, x_rows, offs, save_pre=save_pre, with_down=with_down)
+            a, y, h = fp8.forward(w, x_rows, offs, save_pre=save_pre, with_down=with_down,
+                                  x_q=x_q)  # fmt: skip
             return ExpertRows(x_rows, a, y, h=h)
+        if x_q is not None:
+            raise ValueError("Experts.forward: quantised rows (x_q) are for FP8 experts only")
         if "l1" in self.engine:
             a, h = gg.grouped_gemm_l1_swiglu(x_rows, w.gate_up, offs, save_h=save_pre)
         elif self.fused:

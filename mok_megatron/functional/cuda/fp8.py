@@ -1,8 +1,10 @@
 """The routed experts' blockwise-FP8 forward on the CUDA backend (MoKConfig.expert_precision =
 "fp8_blockwise"; issue 15).
 
-The forward's two expert GEMMs run in FP8 (ops.grouped_gemm_fp8): the rows are quantised in
-(1, 128) blocks, L1 + SwiGLU writes act (bf16, kept for the backward) and act in (1, 128) FP8 for
+The forward's two expert GEMMs run in FP8 (ops.grouped_gemm_fp8): the tokens are quantised in
+(1, 128) blocks at their source and dispatched in FP8 (``dispatch_tokens``, ``gather_rows``;
+where the backward recomputes from the received tokens, with macrobatch rounds, the bf16 tokens
+are dispatched and the rows quantised after the gather), L1 + SwiGLU writes act (bf16, kept for the backward) and act in (1, 128) FP8 for
 the L2. The backward is BF16 (stage1.backward on the BF16 weights and the FP8 forward's act
 and h: the gradient of the BF16 layer at the FP8 forward's activations), except, with
 MoKConfig.fp8_backward="dgrad", its two data-gradient GEMMs (``dgrad``): the rows quantised in
@@ -19,7 +21,7 @@ from ..fp8_weights import check_fp8_sizes, fp8_weight, fp8_weight_transposed
 from ..types import FusedExpertWeights
 from .experts import not_hopper
 
-__all__ = ["check_fp8_experts", "forward", "dgrad"]
+__all__ = ["check_fp8_experts", "dispatch_tokens", "gather_rows", "forward", "dgrad"]
 
 
 def check_fp8_experts(routed, device: torch.device) -> None:
@@ -43,13 +45,38 @@ def check_fp8_experts(routed, device: torch.device) -> None:
         )
 
 
-def forward(routed, x_rows: torch.Tensor, offs: torch.Tensor, *, save_pre: bool,
-            with_down: bool):  # fmt: skip
-    """x_rows [M, H] -> (act [M, I] bf16, y [M, H] or None, h [M, 2I] or None)."""
+def dispatch_tokens(x: torch.Tensor, recv_token_src: torch.Tensor, comm) -> torch.Tensor:
+    """The tokens x [T, H] quantised in (1, 128) blocks here, at their source, and dispatched
+    as packed FP8 rows (``ops.moe.moe_fp8_pack_rows``: about half the bf16 bytes) → recv
+    [C_tok, W] bf16-typed packed rows, for ``gather_rows``. Collective, as ``moe_dispatch``.
+    A row's quantisation depends on that row alone, so this gives bit for bit what quantising
+    the gathered bf16 rows gives, for 1/top-k of the rows."""
+    from mok_megatron.ops import fp8_blockwise as fb
+    from mok_megatron.ops import moe as mops
+
+    q = fb.fp8_blockwise_quantize(x.contiguous(), (1, fb.BLOCK))
+    return mops.moe_dispatch(mops.moe_fp8_pack_rows(q.data, q.scales), recv_token_src, comm)
+
+
+def gather_rows(recv: torch.Tensor, row_tok: torch.Tensor, hidden: int):
+    """The expert rows of ``dispatch_tokens``' packed tokens → an (1, 128) FP8BlockTensor
+    [P, H] (padding rows: an all-zero row's quantisation)."""
+    from mok_megatron.ops import fp8_blockwise as fb
+    from mok_megatron.ops import moe as mops
+
+    data, scales = mops.moe_gather_rows_fp8(recv, row_tok, hidden)
+    return fb.FP8BlockTensor(data, scales, (1, fb.BLOCK))
+
+
+def forward(routed, x_rows: torch.Tensor | None, offs: torch.Tensor, *, save_pre: bool,
+            with_down: bool, x_q=None):  # fmt: skip
+    """x_rows [M, H] (or ``x_q``, the rows already quantised: ``gather_rows``) -> (act [M, I]
+    bf16, y [M, H] or None, h [M, 2I] or None)."""
     from mok_megatron.ops import fp8_blockwise as fb
     from mok_megatron.ops import grouped_gemm_fp8 as gf
 
-    x_q = fb.fp8_blockwise_quantize(x_rows, (1, fb.BLOCK))
+    if x_q is None:
+        x_q = fb.fp8_blockwise_quantize(x_rows, (1, fb.BLOCK))
     l1 = gf.grouped_gemm_fp8_l1_swiglu(x_q, fp8_weight(routed.gate_up), offs, save_act=True,
                                        save_h=save_pre)  # fmt: skip
     y = gf.grouped_gemm_fp8_nt(l1.act_q, fp8_weight(routed.down), offs) if with_down else None

@@ -98,11 +98,13 @@ def window_offs(plan: CudaPlan, window: slice) -> torch.Tensor:
     return (plan.offs - window.start).clamp_(0, width).to(torch.int32)
 
 
-def round_accumulator(rounds: Rounds, recv: torch.Tensor) -> torch.Tensor | None:
-    """The float32 per-received-token sum carried between rounds (None for one round)."""
+def round_accumulator(rounds: Rounds, recv: torch.Tensor, hidden: int | None = None):
+    """The float32 per-received-token sum [C_tok, hidden] carried between rounds (None for one
+    round); ``hidden``: where ``recv``'s rows are not [H] wide (packed FP8 tokens)."""
     if rounds.count == 1:
         return None
-    return torch.empty(recv.shape, dtype=torch.float32, device=recv.device)
+    width = recv.shape[1] if hidden is None else hidden
+    return torch.empty(recv.shape[0], width, dtype=torch.float32, device=recv.device)
 
 
 def _row_weights(slot_weights: torch.Tensor, sched: MoKSchedule, plan: CudaPlan):

@@ -117,6 +117,14 @@ def shared_forward(x, shared):
     return _rows_mm(a, shared.down.T), gu, a
 
 
+def dispatches_fp8_tokens(experts, save: bool, rounds) -> bool:
+    """FP8 experts: the tokens quantised at their source and dispatched in FP8 (``fp8.
+    dispatch_tokens``), bit for bit the rows the GEMM would quantise after a bf16 dispatch;
+    not where the backward recomputes from the received bf16 tokens (rounds, kept in the
+    context), which then are what is dispatched."""
+    return experts.fp8 and not (save and rounds.count > 1)
+
+
 def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
     """``save``: keep what the backward needs (nothing when False)."""
     from mok_megatron.ops import moe as mops
@@ -125,16 +133,28 @@ def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
     plan = padded_plan(sched)
     slot_weights = slot_weights_of(ws, sched, router_weights)
     rounds = make_rounds(ws.config.macrobatch_size, sched, plan, slot_weights)
-    recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
-    shared_out, shared_gu, shared_a = shared_forward(x, shared)
-    acc = round_accumulator(rounds, recv)
     experts = Experts(routed, ws.config.expert_gemm, x.device,
                       precision=ws.config.expert_precision)  # fmt: skip
+    fp8_tokens = dispatches_fp8_tokens(experts, save, rounds)
+    if fp8_tokens:
+        from . import fp8
+
+        recv = fp8.dispatch_tokens(x, sched.recv_token_src, comm)
+    else:
+        recv = mops.moe_dispatch(x, sched.recv_token_src, comm)
+    shared_out, shared_gu, shared_a = shared_forward(x, shared)
+    acc = round_accumulator(rounds, recv, x.shape[1])
     for r in range(rounds.count):
         window = rounds.window(r)
         offs = window_offs(plan, window)
-        x_rows = mops.moe_gather_rows(recv, rounds.row_tok[window])
-        act = experts.forward(x_rows, offs, save_pre=save and rounds.count == 1)
+        save_pre = save and rounds.count == 1
+        if fp8_tokens:
+            x_q = fp8.gather_rows(recv, rounds.row_tok[window], x.shape[1])
+            act = experts.forward(None, offs, save_pre=save_pre, x_q=x_q)
+            del x_q
+        else:
+            x_rows = mops.moe_gather_rows(recv, rounds.row_tok[window])
+            act = experts.forward(x_rows, offs, save_pre=save_pre)
         out = mops.moe_combine(
             act.y, plan.token_rows, sched.recv_token_src, slot_weights, sched.send_to,
             shared_out, sched.num_tokens, comm, acc, window.start, r == 0,

@@ -45,4 +45,13 @@ MOK_HOST_DEVICE BlockScale block_scale(uint32_t amax_bits, bool pow2) {
   return BlockScale{zero ? 1.0f : s, s, false};
 }
 
+// Stage 1's FP8 token rows (the dispatch of (1, 128)-quantised tokens, half the bf16 bytes): a
+// row holds the token's `hidden` e4m3 bytes, then its hidden / 128 float32 scales, then zeros up
+// to whole 16-byte vectors. The dispatch and the row gather move it as bf16
+// (packed_row_bytes / 2 elements per row).
+MOK_HOST_DEVICE constexpr int64_t packed_scales_offset(int64_t hidden) { return hidden; }
+MOK_HOST_DEVICE constexpr int64_t packed_row_bytes(int64_t hidden) {
+  return (hidden + hidden / kBlock * static_cast<int64_t>(sizeof(float)) + 15) / 16 * 16;
+}
+
 }  // namespace mok::fp8_blockwise

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "mok/common/fp8_blockwise.cuh"
 #include "mok/common/macros.cuh"
 #include "mok/layout/workspace.cuh"
 
@@ -37,22 +38,24 @@ __global__ void gather_routing(WorkspaceLayout lay, const uint64_t* peer_bases,
   }
 }
 
-// One block per received token j: recv[j] = tokens[t] of source rank s (zeros when unused).
-// NOTE: hidden % 8 == 0, so every row is whole 16-byte vectors.
+// One block per received token j: recv[j] = the first `width` columns of tokens[t] of source
+// rank s (zeros when unused); recv rows are `width` wide, the tokens region's `hidden`.
+// NOTE: width <= hidden, both multiples of 8, so every row is whole 16-byte vectors.
 __global__ void pull_tokens(WorkspaceLayout lay, const uint64_t* peer_bases,
-                            const int64_t* recv_token_src, __nv_bfloat16* recv, int num_recv) {
+                            const int64_t* recv_token_src, __nv_bfloat16* recv, int num_recv,
+                            int64_t width) {
   const int j = blockIdx.x;
   if (j >= num_recv) return;
   const int64_t src = recv_token_src[j];
-  const int64_t vecs = lay.hidden / 8;
-  uint4* dst = reinterpret_cast<uint4*>(recv + static_cast<int64_t>(j) * lay.hidden);
+  const int64_t vecs = width / 8, stride = lay.hidden / 8;
+  uint4* dst = reinterpret_cast<uint4*>(recv + static_cast<int64_t>(j) * width);
   if (src < 0) {
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
     return;
   }
   const int64_t s = src / lay.max_tokens, t = src % lay.max_tokens;
   const uint4* row =
-      lay.at<const uint4>(peer_bases[s], Region::kTokens) + t * vecs;  // peer memory
+      lay.at<const uint4>(peer_bases[s], Region::kTokens) + t * stride;  // peer memory
   for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = row[v];
 }
 
@@ -68,6 +71,31 @@ __global__ void gather_rows(const __nv_bfloat16* src, const int64_t* row_tok, __
   }
   const uint4* row = reinterpret_cast<const uint4*>(src + tok * hidden);
   for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = row[v];
+}
+
+// One block per padded row p: the packed FP8 token row src[row_tok[p]] (common/fp8_blockwise.cuh)
+// split into data[p] (`hidden` e4m3 bytes) and scales[p] (hidden / 128 float32), both
+// contiguous (the FP8 GEMM's operand); where row_tok[p] < 0 (padding), an all-zero row's
+// quantisation: data 0, scales 1.
+__global__ void gather_rows_fp8(const uint8_t* src, const int64_t* row_tok, uint8_t* data,
+                                float* scales, int64_t hidden) {
+  const int64_t p = blockIdx.x, tok = row_tok[p], vecs = hidden / 16;
+  const int64_t num_scales = hidden / fp8_blockwise::kBlock;
+  uint4* dst = reinterpret_cast<uint4*>(data + p * hidden);
+  float* dst_scales = scales + p * num_scales;
+  if (tok < 0) {
+    // NOTE: 1 with or without power-of-two scales (block_scale's all-zero rule)
+    const float zero_scale = fp8_blockwise::block_scale(0u, false).scale;
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+    for (int64_t i = threadIdx.x; i < num_scales; i += blockDim.x) dst_scales[i] = zero_scale;
+    return;
+  }
+  const uint8_t* row = src + tok * fp8_blockwise::packed_row_bytes(hidden);
+  const uint4* row_data = reinterpret_cast<const uint4*>(row);
+  for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = row_data[v];
+  const float* row_scales =
+      reinterpret_cast<const float*>(row + fp8_blockwise::packed_scales_offset(hidden));
+  for (int64_t i = threadIdx.x; i < num_scales; i += blockDim.x) dst_scales[i] = row_scales[i];
 }
 
 }  // namespace mok::roles
