@@ -138,3 +138,13 @@ def test_kernel_rejects_bad_input():
     ]:  # fmt: skip
         with pytest.raises(RuntimeError, match=match):
             torch.ops.mok.fp8_blockwise_quantize(*args)
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+def test_kernel_quantises_no_rows(block):
+    """No rows (a rank without tokens quantising its tokens): empty data and scales of the
+    right shapes, no error (empty outputs may have null data pointers)."""
+    x = torch.empty(0, 256, device="cuda", dtype=torch.bfloat16)
+    got = fb.fp8_blockwise_quantize(x, block)
+    assert got.data.shape == (0, 256) and got.data.dtype == torch.float8_e4m3fn
+    assert tuple(got.scales.shape) == tuple(fb.scale_shape(x.shape, block))
