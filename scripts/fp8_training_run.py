@@ -11,6 +11,11 @@ The band: after the first ``BAND_FROM_STEP`` steps (the loss falls fast there an
 in time is a large difference), every step's FP8 loss is within ``BAND_RELATIVE`` of the BF16
 loss at that step. The record says whether it held; it is a measurement, not a check that
 fails the run.
+
+The noise floor: a third run, BF16 experts again from the same weights and data but with the
+other expert-GEMM engine (``MoKConfig.expert_gemm``: the same bf16 arithmetic summed in another
+order), measures how far two runs of equal precision drift apart on this config; the record
+gives its gaps beside FP8's (beside the band, never instead of it).
 """
 
 from __future__ import annotations
@@ -41,7 +46,17 @@ def rank_body(rank: int, world: int, run, ckpt: str) -> dict:
     fp8_run = dataclasses.replace(run, mok=dataclasses.replace(run.mok,
                                                                expert_precision="fp8_blockwise"))  # fmt: skip
     fp8 = train(fp8_run, "mok", load_from=ckpt, progress=False)
-    return {"bf16": bf16.losses, "fp8": fp8.losses, "seconds": [bf16.seconds, fp8.seconds]}
+    other = noise_floor_gemm(run.mok.expert_gemm)
+    alt_run = dataclasses.replace(run, mok=dataclasses.replace(run.mok, expert_gemm=other))
+    alt = train(alt_run, "mok", load_from=ckpt, progress=False)
+    return {"bf16": bf16.losses, "fp8": fp8.losses, "bf16_other_gemm": alt.losses,
+            "other_gemm": other, "seconds": [bf16.seconds, fp8.seconds, alt.seconds]}  # fmt: skip
+
+
+def noise_floor_gemm(expert_gemm: str) -> str:
+    """The noise-floor run's expert GEMM: torch's grouped GEMM, or the engine where the config
+    already asks for torch's."""
+    return "engine" if expert_gemm == "torch" else "torch"
 
 
 def summarise(losses_bf16: list[float], losses_fp8: list[float]) -> dict:
@@ -74,8 +89,12 @@ def run_and_record(args) -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
         "config": {"file": args.config, "steps": len(result["bf16"])},
         "losses_bf16": result["bf16"], "losses_fp8": result["fp8"],
-        "seconds_bf16_fp8": result["seconds"], **summarise(result["bf16"], result["fp8"]),
+        "losses_bf16_other_gemm": result["bf16_other_gemm"], "other_gemm": result["other_gemm"],
+        "seconds_bf16_fp8_other": result["seconds"], **summarise(result["bf16"], result["fp8"]),
+        "noise_floor": summarise(result["bf16"], result["bf16_other_gemm"]),
     }  # fmt: skip
+    if result["bf16_other_gemm"] == result["bf16"]:
+        raise SystemExit("the noise-floor run repeated the BF16 run bit for bit: no floor")
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps({k: v for k, v in record.items() if not k.startswith("losses")}, indent=1))
@@ -112,6 +131,9 @@ def render(args) -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(record["losses_bf16"], label="MoK, BF16 experts")
         ax.plot(record["losses_fp8"], label="MoK, FP8 blockwise experts", linestyle="--")
+        if "losses_bf16_other_gemm" in record:
+            ax.plot(record["losses_bf16_other_gemm"], linestyle=":",
+                    label=f"MoK, BF16 experts, expert_gemm={record['other_gemm']}")  # fmt: skip
         ax.set_xlabel("step")
         ax.set_ylabel("lm loss")
         ax.set_title(f"{record['config']['file']} on {record['gpu']} ({record['commit'][:7]})")
@@ -132,6 +154,14 @@ def render(args) -> None:
         f"{record['band_relative']:.0%} | {'yes' if record['within_band'] else 'no'} | "
         f"{smooth:.2e} |",
     ])  # fmt: skip
+    if "noise_floor" in record:  # the BF16 run against BF16 with the other expert GEMM
+        floor = record["noise_floor"]
+        other = smoothed_gap(record["losses_bf16"], record["losses_bf16_other_gemm"])
+        table += (
+            f"\n| {record['final_loss_bf16']:.4f} | BF16, expert_gemm={record['other_gemm']}: "
+            f"{floor['final_loss_fp8']:.4f} | {floor['max_relative_gap']:.2e} | "
+            f"{floor['max_relative_gap_from_band_step']:.2e} | (noise floor) | - | {other:.2e} |"
+        )
     if args.md:
         text = Path(args.md).read_text()
         head, rest = text.split(TABLE_BEGIN, 1)
