@@ -33,6 +33,9 @@ SHAPES = [
     ("qwen3-30b-a3b", 2048, 768, [300, 0, 77, 513, 128, 1]),
     ("deepseek-v3", 7168, 2048, [129, 0, 260]),
     ("mixtral-8x7b", 4096, 14336, [200, 57]),
+    # last tiles of 64, 65, 63 and 1 rows: the second consumer warpgroup idle (its slice past
+    # the group's end: roles/fp8_mainloop.cuh) or not, groups before and after
+    ("idle_warpgroup", 1024, 256, [64, 193, 191, 0, 129, 65]),
 ]
 IDS = [s[0] for s in SHAPES]
 
