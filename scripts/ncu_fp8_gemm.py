@@ -11,7 +11,6 @@ megakernel (details page, stall reasons, hot SASS instructions; the raw pages be
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
@@ -64,17 +63,7 @@ def main(argv=None) -> None:
            *[a for s in nm.SECTIONS for a in ("--section", s)], "-f", "-o", rep,
            sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,
            "--op", args.op, "--tokens", str(args.tokens)]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    print(run.stdout[-4000:], run.stderr[-4000:], sep="\n", flush=True)
-    if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
-        raise SystemExit(f"ncu exited {run.returncode}")
-    page = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--csv"],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    source = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv",
-                             "--print-source", "sass"], capture_output=True, text=True)  # fmt: skip
-    for name, text in (("details", page), ("source", source.stdout)):
-        with gzip.open(f"{rep}_{name}.csv.gz", "wt") as f:
-            f.write(text)
+    page, source = nm.profile_pages(ncu, cmd, rep)
     rows = nm.read_csv(source.stdout, header="Address")
     hot, samples = nm.hot_instructions(rows, args.top)
     import torch
@@ -94,10 +83,7 @@ def main(argv=None) -> None:
         if m["section"] in ("GPU Speed Of Light Throughput", "Memory Workload Analysis",
                             "Compute Workload Analysis"):  # fmt: skip
             print(f"  {m['section'][:24]:24s} {m['name']}: {m['value']} {m['unit']}")
-    for m in record["stall_reasons"][:10]:
-        print(f"  {m['reason']}: {m['share']:.3f}")
-    for h in hot[:20]:
-        print(f"  {h.get('share', 0):.3f} {h.get('Address', '')} {h.get('Source', '')}")
+    nm.print_summary(record["stall_reasons"][:10], hot[:20])
     print(f"wrote {args.out}")
 
 

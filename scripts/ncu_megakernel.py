@@ -163,6 +163,32 @@ def resummarise(path: str, top: int) -> None:
     print(f"rewrote {path}: {len(rows)} instructions, {record['stall_samples']:.0f} samples")
 
 
+def print_summary(stalls: list, hot: list) -> None:
+    """The stall reasons' shares and the hot instructions, one per line."""
+    for m in stalls:
+        print(f"  {m['reason']}: {m['share']:.3f}")
+    for h in hot:
+        print(f"  {h.get('share', 0):.3f} {h.get('Address', '')} {h.get('Source', '')}")
+
+
+def profile_pages(ncu: str, cmd: list, rep: str):
+    """Run the ncu command ``cmd`` (writing ``rep``.ncu-rep), then read its details and source
+    pages: (details CSV text, the source page's CompletedProcess), each raw page written beside
+    as ``<rep>_details.csv.gz`` / ``<rep>_source.csv.gz``."""
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    print(run.stdout[-4000:], run.stderr[-4000:], sep="\n", flush=True)
+    if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
+        raise SystemExit(f"ncu exited {run.returncode}")
+    page = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--csv"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    source = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv",
+                             "--print-source", "sass"], capture_output=True, text=True)  # fmt: skip
+    for name, text in (("details", page), ("source", source.stdout)):  # the raw pages, beside
+        with gzip.open(f"{rep}_{name}.csv.gz", "wt") as f:
+            f.write(text)
+    return page, source
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:
@@ -186,17 +212,7 @@ def main(argv=None) -> None:
            "--tokens", str(args.tokens), "--routing", args.routing,
            *(["--backward"] if args.backward else [])]  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    print(run.stdout[-4000:], run.stderr[-4000:], sep="\n", flush=True)
-    if run.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
-        raise SystemExit(f"ncu exited {run.returncode}")
-    page = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--csv"],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    source = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv",
-                             "--print-source", "sass"], capture_output=True, text=True)  # fmt: skip
-    for name, text in (("details", page), ("source", source.stdout)):  # the raw pages, beside
-        with gzip.open(f"{rep}_{name}.csv.gz", "wt") as f:
-            f.write(text)
+    page, source = profile_pages(ncu, cmd, rep)
     metrics = details(read_csv(page))
     rows = read_csv(source.stdout, header="Address")
     stalls = stall_reasons(rows)
@@ -212,10 +228,7 @@ def main(argv=None) -> None:
               "metrics": metrics, "source_page_error": source.stderr[-2000:]}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    for m in stalls[:12]:
-        print(f"  {m['reason']}: {m['share']:.3f}")
-    for h in hot[:25]:
-        print(f"  {h.get('share', 0):.3f} {h.get('Address', '')} {h.get('Source', '')}")
+    print_summary(stalls[:12], hot[:25])
     print(f"wrote {args.out}")
 
 
