@@ -65,8 +65,21 @@ def layer_run(problem, config, backend: str, d_out) -> dict:
     return {n: result[n].double().cpu() for n in NAMES}
 
 
-def measure(shapes, record: dict, out: str) -> list[dict]:
-    """The rows for ``shapes``; ``record`` is rewritten to ``out`` after each shape."""
+def on_device(problem, device: str):
+    """``problem`` with its tensors on ``device`` (where its float64 oracle then runs)."""
+    move = lambda t: t.to(device)  # noqa: E731
+    return dataclasses.replace(
+        problem, x=move(problem.x), topk_experts=move(problem.topk_experts),
+        router_weights=move(problem.router_weights), w_gate=move(problem.w_gate),
+        w_up=move(problem.w_up), w_down=move(problem.w_down),
+        shared=tuple(map(move, problem.shared)) if problem.shared else None,
+    )  # fmt: skip
+
+
+def measure(shapes, record: dict, out: str, oracle_device: str = "cpu") -> list[dict]:
+    """The rows for ``shapes``; ``record`` is rewritten to ``out`` after each shape.
+    ``oracle_device``: where the dense float64 oracle runs (the GPU's float64 for the full
+    widths, whose CPU oracle takes minutes)."""
     import torch
 
     from mok_megatron import functional as F
@@ -82,7 +95,8 @@ def measure(shapes, record: dict, out: str) -> list[dict]:
                                      shared_inter=shared, seed=11)  # fmt: skip
         d_out64 = global_d_out(problem, 1)
         d_out = d_out64.to("cuda", torch.bfloat16)
-        oracle = run_oracle(problem, d_out.double().cpu())
+        oracle = run_oracle(on_device(problem, oracle_device), d_out.double().to(oracle_device))
+        oracle = {n: None if v is None else v.cpu() for n, v in oracle.items()}
         runs = {
             "bf16": layer_run(problem, bf16, "cuda", d_out),
             "fp8": layer_run(problem, fp8, "cuda", d_out),
@@ -132,6 +146,8 @@ def main() -> None:
         help="'scaled': the three scaled-down shapes only (the full widths' float64 "
         "oracle takes minutes)",
     )
+    ap.add_argument("--oracle-device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the float64 oracle runs (cuda: the GPU's float64)")  # fmt: skip
     ap.add_argument("--render")
     ap.add_argument("--md")
     args = ap.parse_args()
@@ -154,7 +170,7 @@ def main() -> None:
     record = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": commit(), "rows": []}  # fmt: skip
     shapes = [s for s in SHAPES if args.shapes == "all" or "(scaled)" in s[0]]
-    measure(shapes, record, args.out)
+    measure(shapes, record, args.out, args.oracle_device)
     print(f"wrote {args.out}")
 
 
