@@ -65,17 +65,6 @@ def layer_run(problem, config, backend: str, d_out) -> dict:
     return {n: result[n].double().cpu() for n in NAMES}
 
 
-def on_device(problem, device: str):
-    """``problem`` with its tensors on ``device`` (where its float64 oracle then runs)."""
-    move = lambda t: t.to(device)  # noqa: E731
-    return dataclasses.replace(
-        problem, x=move(problem.x), topk_experts=move(problem.topk_experts),
-        router_weights=move(problem.router_weights), w_gate=move(problem.w_gate),
-        w_up=move(problem.w_up), w_down=move(problem.w_down),
-        shared=tuple(map(move, problem.shared)) if problem.shared else None,
-    )  # fmt: skip
-
-
 def measure(shapes, record: dict, out: str, oracle_device: str = "cpu") -> list[dict]:
     """The rows for ``shapes``; ``record`` is rewritten to ``out`` after each shape.
     ``oracle_device``: where the dense float64 oracle runs (the GPU's float64 for the full
@@ -95,7 +84,7 @@ def measure(shapes, record: dict, out: str, oracle_device: str = "cpu") -> list[
                                      shared_inter=shared, seed=11)  # fmt: skip
         d_out64 = global_d_out(problem, 1)
         d_out = d_out64.to("cuda", torch.bfloat16)
-        oracle = run_oracle(on_device(problem, oracle_device), d_out.double().to(oracle_device))
+        oracle = run_oracle(problem.to(oracle_device), d_out.double().to(oracle_device))
         oracle = {n: None if v is None else v.cpu() for n, v in oracle.items()}
         runs = {
             "bf16": layer_run(problem, bf16, "cuda", d_out),

@@ -67,6 +67,18 @@ class MoEProblem:
         e_l = self.w_gate.shape[0] // self.num_ranks
         return slice(rank * e_l, (rank + 1) * e_l)
 
+    def to(self, device) -> MoEProblem:
+        """The same problem with its tensors on ``device`` (e.g. where its float64 oracle runs)."""
+        from dataclasses import replace
+
+        move = lambda t: t.to(device)  # noqa: E731
+        return replace(
+            self, x=move(self.x), topk_experts=move(self.topk_experts),
+            router_weights=move(self.router_weights), w_gate=move(self.w_gate),
+            w_up=move(self.w_up), w_down=move(self.w_down),
+            shared=tuple(map(move, self.shared)) if self.shared else None,
+        )  # fmt: skip
+
     def local(self, rank: int, dtype=None, device="cpu"):
         """This rank's (x, topk, router_weights, routed weights, shared) as fresh contiguous
         tensors (copies, not views of the problem's: each starts on an aligned address, as the

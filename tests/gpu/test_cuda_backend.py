@@ -284,24 +284,11 @@ def _summed_shared(result: dict) -> dict:
     return out
 
 
-def _on_device(problem, device):
-    """The same problem with its tensors on ``device`` (the float64 oracle then runs there)."""
-    from dataclasses import replace
-
-    move = lambda t: t.to(device)  # noqa: E731
-    return replace(
-        problem, x=move(problem.x), topk_experts=move(problem.topk_experts),
-        router_weights=move(problem.router_weights), w_gate=move(problem.w_gate),
-        w_up=move(problem.w_up), w_down=move(problem.w_down),
-        shared=tuple(map(move, problem.shared)) if problem.shared else None,
-    )  # fmt: skip
-
-
 def _check_accuracy(problem, result: dict, seed=0, oracle_device="cpu", rank=None) -> list[str]:
     """Every output against float64 and PyTorch bf16; returns failure messages (empty = pass).
     ``rank``: a virtual rank (whose shared-weight gradients the caller summed over ranks)."""
     d_out64 = global_d_out(problem, seed).to(oracle_device)
-    oracle = run_oracle(_on_device(problem, oracle_device), d_out64)
+    oracle = run_oracle(problem.to(oracle_device), d_out64)
     torch_bf16 = _torch_bf16(problem, d_out64)
     if rank is None:
         rank, _ = _world()
