@@ -52,13 +52,14 @@ void moe_build_plan(const scheduler::PlanParams& p, cudaStream_t stream) {
 void moe_stage_tokens(const MoeComm& comm, const void* x, int num_tokens, int64_t width,
                       cudaStream_t stream) {
   const auto& lay = comm.lay;
+  // NOTE: checked before the first barrier: a refused call enqueues nothing peers wait on
+  MOK_HOST_CHECK(width > 0 && width <= lay.hidden && width % 8 == 0,
+                 "staged token rows of %lld bf16 must be a multiple of 8, at most hidden=%lld",
+                 static_cast<long long>(width), static_cast<long long>(lay.hidden));
   // NOTE: peers read this rank's tokens after kDispatchStaged, and where a pass ends with that
   // read (the backward's dispatch of x for the gate/up weight gradient) no later barrier orders
   // it before the next staging (the next layer's d_out): this one does, before the copy.
   moe_barrier(comm, static_cast<int>(comm::Phase::kTokensRead), stream);
-  MOK_HOST_CHECK(width > 0 && width <= lay.hidden && width % 8 == 0,
-                 "staged token rows of %lld bf16 must be a multiple of 8, at most hidden=%lld",
-                 static_cast<long long>(width), static_cast<long long>(lay.hidden));
   if (num_tokens > 0) {  // rows `width` wide into the region's rows of `hidden`
     MOK_CUDA_CHECK(cudaMemcpy2DAsync(lay.at<void>(comm.my_base, layout::Region::kTokens),
                                      static_cast<size_t>(lay.hidden) * 2, x,
