@@ -387,10 +387,11 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_stage1_backward and backward:
             contenders.append(("mok_stage1_bwd", layer, {"cuda_backward": "stage1"}))
         if args.mok_fp8:
-            fp8 = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
-            contenders.append(("mok_fp8", layer, fp8))
+            contenders.append(("mok_fp8", layer, MOK_FP8_KNOBS))
             if backward:  # the forward is mok_fp8's
-                contenders.append(("mok_fp8_dgrad", layer, {**fp8, "fp8_backward": "dgrad"}))
+                contenders.append(
+                    ("mok_fp8_dgrad", layer, {**MOK_FP8_KNOBS, "fp8_backward": "dgrad"})
+                )
         for who, module, knobs in contenders:
             with _mok_knobs(module, **knobs):
                 t = measure(module, sets, args, backward)
@@ -430,6 +431,11 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             p.grad_added_to_main_grad for p in (experts.weight_gate_up, experts.weight_down)
         )
     return case
+
+
+#: The MoK knobs of the FP8-experts contender (``--mok-fp8``; profile_moe.py's too): stage 1,
+#: the megakernel having no FP8 mainloop.
+MOK_FP8_KNOBS = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
 
 
 @contextlib.contextmanager

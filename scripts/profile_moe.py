@@ -203,8 +203,7 @@ def main(argv=None) -> None:
         case["baseline_fwd"] = profile(base, sets, args.iters, args.top, backward=False)
         case["mok"] = profile(layer, sets, args.iters, args.top)
         if args.mok_fp8:
-            fp8 = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
-            with bench_moe._mok_knobs(layer, **fp8):
+            with bench_moe._mok_knobs(layer, **bench_moe.MOK_FP8_KNOBS):
                 case["mok_fp8_fwd"] = profile(layer, sets, args.iters, args.top, backward=False)
                 case["mok_fp8"] = profile(layer, sets, args.iters, args.top)
             layer.zero_grad(set_to_none=True)

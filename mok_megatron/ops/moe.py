@@ -39,7 +39,8 @@ MEGA_OPS = ("moe_mega_plan", "moe_mega_forward", "moe_mega_backward")
 __all__ = [
     "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "moe_mega_backward", "mega_plan_fields",
     "mega_forward_fields", "mega_backward_fields",
-    "MoeWorkspaceLayout", "moe_workspace_layout", "moe_fp8_packed_row_width", "MegaShape", "moe_mega_shape", "make_comm",
+    "MoeWorkspaceLayout", "moe_workspace_layout", "moe_fp8_packed_row_width", "MegaShape",
+    "moe_mega_shape", "make_comm",
     "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "MEGA_TRACE_CTA_FIELDS",
     "MEGA_TRACE_TASK_FIELDS", "check_mega_error", "routing_to_topk", "CUDA_OPS", *CUDA_OPS,
 ]  # fmt: skip
@@ -493,9 +494,11 @@ def _fp8_pack_rows_fake(data, scales):
 
 
 def _gather_rows_fp8_fake(packed, row_tok, hidden):
+    from mok_megatron.ops.fp8_blockwise import BLOCK
+
     rows = row_tok.shape[0]
     return (packed.new_empty(rows, hidden, dtype=torch.float8_e4m3fn),
-            packed.new_empty(rows, hidden // 128, dtype=torch.float32))  # fmt: skip
+            packed.new_empty(rows, hidden // BLOCK, dtype=torch.float32))  # fmt: skip
 
 
 def _swiglu_fake(g, u):

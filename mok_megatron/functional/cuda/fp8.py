@@ -4,8 +4,8 @@
 The forward's two expert GEMMs run in FP8 (ops.grouped_gemm_fp8): the tokens are quantised in
 (1, 128) blocks at their source and dispatched in FP8 (``dispatch_tokens``, ``gather_rows``;
 where the backward recomputes from the received tokens, with macrobatch rounds, the bf16 tokens
-are dispatched and the rows quantised after the gather), L1 + SwiGLU writes act (bf16, kept for the backward) and act in (1, 128) FP8 for
-the L2. The backward is BF16 (stage1.backward on the BF16 weights and the FP8 forward's act
+are dispatched and the rows quantised after the gather), L1 + SwiGLU writes act (bf16, kept for
+the backward) and act in (1, 128) FP8 for the L2. The backward is BF16 (stage1.backward on the BF16 weights and the FP8 forward's act
 and h: the gradient of the BF16 layer at the FP8 forward's activations), except, with
 MoKConfig.fp8_backward="dgrad", its two data-gradient GEMMs (``dgrad``): the rows quantised in
 (1, 128) blocks, times the weights' FP8 copies transposed.
