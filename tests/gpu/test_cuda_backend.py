@@ -31,7 +31,7 @@ from mok_megatron.functional.schedule import build_schedule_from_global
 from mok_megatron.functional.workspace import MoKCapacityError
 from mok_megatron.ops import deinterleave_gate_up, interleave_gate_up
 from mok_megatron.testing import dense_moe, random_moe_problem, relative_error
-from mok_megatron.testing.poison import poison_, poisoned_memory
+from mok_megatron.testing.poison import assert_fully_written, poison_, poisoned_memory
 from mok_megatron.testing.runs import GRAD_NAMES, global_d_out, run_oracle
 from mok_megatron.testing.virtual import rank_streams, run_ranks
 
@@ -769,6 +769,10 @@ def test_virtual_ranks_fp8_token_dispatch_equals_quantising_after_a_bf16_dispatc
                         lambda *a: calls.append(chosen(*a)) or calls[-1])  # fmt: skip
     _, fp8_tokens = vruns()
     assert calls and all(calls), "the FP8 forward did not dispatch FP8 tokens"
+    for r, result in enumerate(fp8_tokens):  # every element written (NaN poison in each dtype)
+        for name, value in result.items():
+            if value is not None and value.is_floating_point():
+                assert_fully_written(f"rank {r} {name}", value)
     monkeypatch.setattr(stage1, "dispatches_fp8_tokens", lambda *a: False)
     _, bf16_tokens = vruns()
     failures = [f"rank {r}: {n}" for r, (a, b) in enumerate(zip(fp8_tokens, bf16_tokens))

@@ -17,7 +17,7 @@ from mok_megatron import functional as F
 from mok_megatron.ops import interleave_gate_up
 from mok_megatron.ops.grouped_gemm_fp8 import grouped_gemm_fp8_available
 from mok_megatron.testing import random_moe_problem, relative_error
-from mok_megatron.testing.poison import poisoned_memory
+from mok_megatron.testing.poison import assert_fully_written, poisoned_memory
 from mok_megatron.testing.runs import global_d_out
 
 pytestmark = [
@@ -131,6 +131,8 @@ def test_fp8_token_dispatch_equals_quantising_the_gathered_rows(shape, monkeypat
                         lambda *a: calls.append(chosen(*a)) or calls[-1])  # fmt: skip
     got = layer(poison=True)
     assert calls == [True], calls
+    for name in NAMES:  # every element written (the poison is NaN in each output's dtype)
+        assert_fully_written(name, got[name])
     monkeypatch.setattr(stage1, "dispatches_fp8_tokens", lambda *a: False)
     want = layer(poison=True)
     for name in NAMES:
