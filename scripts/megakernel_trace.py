@@ -10,9 +10,7 @@ trace on and splits every CTA's time, from the first CTA's start to the last one
 - ``stall``: a task's consumers hold its ticket but its inputs are not ready yet (its rows have
   not landed, or its m-tile's L1 tasks are not done);
 - ``mainloop``: the wgmma mainloop once the inputs are ready (TMA latency included);
-- ``epilogue``: the epilogue (an L1 task's act stores and flag release; since the deferred
-  stores, the stores nothing in the launch waits for, the second GEMM's rows and the forward
-  L1's h, are only packed here and made during the next task's mainloop, inside its time);
+- ``epilogue``: the epilogue's stores (and an L1 task's flag release);
 - ``barrier``: end-of-round barriers;
 - ``start`` / ``end``: before the CTA started / after it finished its last task.
 

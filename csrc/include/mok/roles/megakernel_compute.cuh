@@ -4,9 +4,7 @@
 // round's tasks one ticket at a time (roles/megakernel_tasks.cuh), waits each task's inputs
 // (arrive flags for L1, l1_done flags for L2), loads it, and passes the ticket to the consumers
 // through a small shared-memory queue; the consumers run the mainloop and the epilogue, and an L1
-// task's consumers release its l1_done flag. The stores nothing in the launch waits for (the
-// second GEMM's rows, the forward L1's h) are made during the consumers' next mainloop
-// (roles/megakernel_mainloop.cuh).
+// task's consumers release its l1_done flag.
 // NOTE: producer and consumers walk the same tickets, and each advances its pipeline state by the
 // same k-tiles per task, across tasks and rounds (as a CUTLASS persistent kernel does).
 // kBackward: the backward megakernel, the same roles over its two data-gradient GEMMs (the
@@ -20,7 +18,6 @@
 #include "mok/common/ptx.cuh"
 #include "mok/roles/megakernel_comm.cuh"
 #include "mok/roles/megakernel_gemm.cuh"
-#include "mok/roles/megakernel_mainloop.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
 
 namespace mok::roles {
@@ -122,14 +119,19 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
   }
 }
 
-// Consumers (both warpgroups): one task's mainloop (making `deferred`'s stores, the task before's)
-// and epilogue, whose stores that nothing in the launch waits for go into `deferred`.
+// Consumers (both warpgroups): one task's mainloop and epilogue.
+// NOTE: the epilogue's stores stay here, though both warpgroups (and the tensor cores) wait for
+// them. Commit 05618ca made the stores nothing in the launch waits for (the second GEMM's rows, the
+// forward L1's h) during the next task's mainloop, between its wgmma: bitwise the same, the
+// epilogue shorter, but the mainloop's k-tiles slower and the consumers waiting longer for
+// tickets; every shape's span was longer, forward and backward (docs/perf_notes.md).
 template <bool kBackward>
-CUTLASS_DEVICE void consume_task(const MegaParams& p, MegaPipeline& pipeline,
-                                 MegaPipelineState& state,
+CUTLASS_DEVICE void consume_task(const MegaParams& p,
+                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
+                                 MegaPipeline& pipeline, MegaPipelineState& state,
                                  typename MegaMainloopOf<kBackward>::TensorStorage& smem,
                                  const MegaRound& rd, int ticket, const MegaTask& task,
-                                 int mma_thread_idx, gemm::DeferredStores& deferred) {
+                                 int mma_thread_idx) {
   const MegaTile tile = p.tile(rd.round, task.tile);
   const int rows = tile.row_end - tile.row_begin;
   const bool tracer = mma_thread_idx == 0;
@@ -143,7 +145,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p, MegaPipeline& pipeline,
   if (gemm::consumer_rows_idle(mma_thread_idx, rows)) {
     // This warpgroup has no row of the tile: nothing to compute or store; an L1 task's release
     // still waits for the other warpgroup's stores.
-    gemm::idle_task(pipeline, state, k_tiles, deferred);
+    gemm::idle_task(pipeline, state, k_tiles);
     if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx);
     return;
   }
@@ -153,10 +155,10 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p, MegaPipeline& pipeline,
                                                          tile.row_begin, rows)
                                        : gemm::L2RowDsts{};
   MegaAccumulators acc;
-  // NOTE: the mainloop reads no Params field (the data comes through shared memory), so one call
-  // serves both GEMMs; only the k-tile count differs.
-  gemm::mma_task<MegaMainloopOf<kBackward>>(pipeline, state, smem, acc, k_tiles, mma_thread_idx,
-                                             deferred);
+  // NOTE: the collective's mma() reads no Params field (the data comes through shared memory),
+  // so one call serves both GEMMs; only the k-tile count differs.
+  gemm::mma_task<MegaMainloopOf<kBackward>>(gp.l1, pipeline, state, smem, acc, k_tiles,
+                                             mma_thread_idx);
   if (tracer) trace_task(p, rd.round, ticket, layout::kTraceMmaEnd);
   if (!task.l2) {
     if constexpr (kBackward) {
@@ -165,13 +167,8 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p, MegaPipeline& pipeline,
       gemm::l1_epilogue(p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
     }
     release_l1_done(p, rd, task, mma_thread_idx);
-    if constexpr (!kBackward) {
-      if (p.h_ring != nullptr) {
-        gemm::defer_h(deferred, p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
-      }
-    }
   } else {
-    gemm::defer_l2(deferred, p, acc, dsts, task.n);
+    gemm::l2_epilogue(p, acc, dsts, task.n);
   }
   if (tracer) trace_task(p, rd.round, ticket, layout::kTraceEpiEnd);
 }
@@ -223,13 +220,14 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
 }
 
 // The consumer warpgroups, every round: a comm CTA's pulls first, then the producer's tickets up
-// to the one past the round's tasks, the last task's deferred stores, then the round barrier.
+// to the one past the round's tasks, then the round barrier.
 template <bool kBackward>
-CUTLASS_DEVICE void consumer_role(const MegaParams& p, MegaPipeline& pipeline,
-                                  MegaTicketQueue& queue, MegaComputeStorage<kBackward>& storage) {
+CUTLASS_DEVICE void consumer_role(const MegaParams& p,
+                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
+                                  MegaPipeline& pipeline, MegaTicketQueue& queue,
+                                  MegaComputeStorage<kBackward>& storage) {
   MegaPipelineState state;         // phase 0: waits for the producer's first fill
   MegaTicketState queue_state;     // likewise
-  gemm::DeferredStores deferred;   // the last task's stores, made during the next one's mainloop
   // As CUTLASS's cooperative kernel: consumer warpgroup 1 is the tile's second 64 rows.
   const int mma_thread_idx = static_cast<int>(threadIdx.x) % kMegaConsumerThreads;
   const int comm_idx = comm_index(p);
@@ -253,13 +251,10 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p, MegaPipeline& pipeline,
       if (t >= rd.order.num_tasks()) break;
       const MegaTask task = rd.order.decode(t);
       if (!rd.order.skipped(task)) {
-        consume_task<kBackward>(p, pipeline, state, storage.tensors, rd, t, task, mma_thread_idx,
-                                deferred);
+        consume_task<kBackward>(p, gp, pipeline, state, storage.tensors, rd, t, task,
+                                mma_thread_idx);
       }
     }
-    // NOTE: the round's last task's stores, before the round barrier (the next round refills the
-    // ring) and before the launch ends (the source-side sums read the slots).
-    deferred.finish(0);
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
   }
   if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
@@ -308,7 +303,7 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
     producer_role<kBackward>(p, gp, pipeline, queue, storage);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMegaConsumerRegs>();
-    consumer_role<kBackward>(p, pipeline, queue, storage);
+    consumer_role<kBackward>(p, gp, pipeline, queue, storage);
   }
 }
 

@@ -1,9 +1,8 @@
 // Role pieces of the megakernels' GEMM tasks: the CUTLASS sm90 collective mainloops, the
-// producer's TMA loads of one task, and the epilogues (forward L1: SwiGLU into the act ring;
-// backward first GEMM: the SwiGLU backward into the d_h ring and the router-weight gradient's
-// partial sums; either pass's second GEMM: where its bf16 rows go in the source ranks'
-// slot_rows). The consumers' mainloop, and the stores it makes for the task before
-// (the second GEMM's rows, the forward L1's h): roles/megakernel_mainloop.cuh.
+// producer's TMA loads of one task, the consumers' mainloop call, and the epilogues (forward L1:
+// SwiGLU into the act ring; backward first GEMM: the SwiGLU backward into the d_h ring and the
+// router-weight gradient's partial sums; either pass's second GEMM: bf16 rows into the source
+// ranks' slot_rows).
 //
 // Forward, one mainloop type for L1 and L2: both are "A row-major [rows, K] times B [N, K]
 // K-contiguous per expert" (L1: x_ring x w_gate_up[e], K = H; L2: act_ring x w_down[e], K = I),
@@ -131,6 +130,18 @@ static_assert(std::is_same_v<MegaAccumulators,
                                  cute::take<0, 2>(MegaTileShape{})))>,
               "both mainloops' accumulators are one fragment type");
 
+// Consumers (both warpgroups, 256 threads): the collective's mainloop over one task's k-tiles,
+// then its tail (all wgmma done, every slot released); advances `state` past them.
+template <class Mainloop>
+CUTLASS_DEVICE void mma_task(typename Mainloop::Params const& mp, MegaPipeline& pipeline,
+                             MegaPipelineState& state, typename Mainloop::TensorStorage& smem,
+                             MegaAccumulators& acc, int k_tiles, int mma_thread_idx) {
+  Mainloop mainloop;
+  mainloop.mma(pipeline, state, acc, k_tiles, mma_thread_idx, smem, mp);
+  mainloop.mma_tail(pipeline, state, k_tiles);
+  state.advance(k_tiles);
+}
+
 // Rows of a tile per consumer warpgroup (warpgroup 1 computes rows [64, 128)).
 constexpr int kConsumerRows = layout::kBlockM / 2;
 
@@ -140,6 +151,20 @@ constexpr int kConsumerRows = layout::kBlockM / 2;
 // instead of mma_task and no epilogue.
 MOK_DEVICE bool consumer_rows_idle(int mma_thread_idx, int rows) {
   return mma_thread_idx / cutlass::NumThreadsPerWarpGroup == 1 && rows <= kConsumerRows;
+}
+
+// An idle warpgroup's side of one task (consumer_rows_idle): no wgmma; it waits for each
+// k-tile's stage and releases it (the other warpgroup's release still gates the refill), so the
+// other warpgroup has the SM's tensor cores to itself and the tile takes about half the time.
+// The other warpgroup's wgmma sequence is unchanged: its rows are bitwise a full tile's.
+// Advances `state` past the task's k-tiles, as mma_task does.
+CUTLASS_DEVICE void idle_task(MegaPipeline& pipeline, MegaPipelineState& state, int k_tiles) {
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < k_tiles; ++k) {
+    pipeline.consumer_wait(state, pipeline.consumer_try_wait(state));
+    pipeline.consumer_release(state);
+    ++state;
+  }
 }
 
 // Tile-local (row, col) of each accumulator element of this consumer thread.
@@ -226,15 +251,15 @@ MOK_DEVICE void for_each_raw_group(const MegaAccumulators& acc, int half, Fn fn)
 }
 
 // L1 epilogue (consumers): rows [0, rows) of the tile at ring row row_begin, n-tile n_tile of the
-// interleaved 2I columns: act_ring = silu(g) * u (SwigluMath, as stage 1). The pre-activation
-// h_ring = g, u (if kept) is stored during the next task's mainloop (defer_h,
-// roles/megakernel_mainloop.cuh).
+// interleaved 2I columns: act_ring = silu(g) * u (SwigluMath, as stage 1), h_ring = g, u if set.
 // NOTE: gate blocks are the even fragment blocks (col % 16 < 8), their up partners the odd ones;
 // act block a of the tile is gate block 2a's (act columns n_tile * kBlockN / 2 + 8 a + c).
 CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
                                 int mma_thread_idx, int row_begin, int rows, int n_tile) {
   auto coords = thread_coords(mma_thread_idx);
   const int q = static_cast<int>(threadIdx.x % 4);
+  const int h_cols = 2 * p.inter;
+  const int h_col0 = n_tile * layout::kBlockN;
   const int act_col0 = n_tile * (layout::kBlockN / 2);
   CUTLASS_PRAGMA_UNROLL
   for (int half = 0; half < 2; ++half) {
@@ -253,6 +278,13 @@ CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulato
           const int col = act_col0 + (4 * g + q) * kFragBlockCols;
           if (live && col < p.inter) store16(act + col, v);
         });
+    if (p.h_ring != nullptr) {
+      __nv_bfloat16* h = p.h_ring + ring_row * h_cols;
+      for_each_raw_group(acc, half, [&](int g, uint4 v) {
+        const int col = h_col0 + (4 * g + q) * kFragBlockCols;
+        if (live && col < h_cols) store16(h + col, v);
+      });
+    }
   }
 }
 
@@ -368,6 +400,24 @@ CUTLASS_DEVICE L2RowDsts l2_row_dsts(const roles::MegaParams& p, int mma_thread_
     if (row < rows) d.half[half] = l2_row_dst(p, round, row_begin + row);
   }
   return d;
+}
+
+// L2 epilogue (consumers): the columns of n-tile n_tile below H of this thread's rows `dsts`:
+// y = bf16(acc) (round to nearest even), into y_rows and the slot row.
+CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
+                                const L2RowDsts& dsts, int n_tile) {
+  const int q = static_cast<int>(threadIdx.x % 4);
+  const int col0 = n_tile * layout::kBlockN;
+  CUTLASS_PRAGMA_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const L2RowDst& d = dsts.half[half];
+    for_each_raw_group(acc, half, [&](int g, uint4 v) {
+      const int col = col0 + (4 * g + q) * kFragBlockCols;
+      if (col >= p.hidden) return;
+      if (d.y != nullptr) store16(d.y + col, v);
+      if (d.slot != nullptr) store16(d.slot + col, v);
+    });
+  }
 }
 
 }  // namespace mok::gemm
