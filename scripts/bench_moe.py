@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mok_megatron.testing.timing import moe_pass_cost, time_fn  # noqa: E402
+from mok_megatron.testing.timing import moe_pass_cost, time_back_to_back, time_fn  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, experts, top-k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -100,6 +100,16 @@ def parse_args(argv=None):
         help="also time MoK's forward replayed from CUDA graphs (one captured per input set, "
         "autograd recording as in the fwd row), as 'mok_graph', in the same process: the GPU's "
         "time for the layer with no host work before its launches (the baseline is not captured)",
+    )
+    p.add_argument(
+        "--back-to-back",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="also time the baseline and MoK with CALLS calls back to back per sample (no host "
+        "wait between them, as in a training step: the host queues a call while the GPU runs the "
+        "one before; testing.timing.time_back_to_back), as 'baseline_back_to_back' and "
+        "'mok_back_to_back', in the same process; 0: not timed",
     )
     p.add_argument(
         "--main-grad",
@@ -268,14 +278,23 @@ def traffic(sets, shape, rank, world):
     return int(rows[rank]), remote
 
 
-def measure(layer, sets, args, backward: bool) -> dict:
+def measure(layer, sets, args, backward: bool, calls: int = 0) -> dict:
+    """The layer's pass timed call by call from an idle GPU (time_fn), or ``calls`` calls back to
+    back per sample (time_back_to_back); its peak memory."""
     device = args.device
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
-    timing = time_fn(lambda i: run_layer(layer, sets[i % len(sets)], backward),
-                     warmup=args.warmup, iters=args.iters, device=device)  # fmt: skip
+
+    def fn(i):
+        return run_layer(layer, sets[i % len(sets)], backward)
+
+    if calls:
+        timing = time_back_to_back(fn, warmup=args.warmup, iters=args.iters, calls=calls,
+                                   device=device)  # fmt: skip
+    else:
+        timing = time_fn(fn, warmup=args.warmup, iters=args.iters, device=device)
     peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else 0
     return _measured(timing, peak, device)
 
@@ -397,6 +416,15 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 t = measure(module, sets, args, backward)
             module.zero_grad(set_to_none=True)  # one layer's gradients in memory at a time
             result[who] = _rates(t, cost)
+        if args.back_to_back:
+            for who, module in (("baseline", base), ("mok", layer)):
+                t = measure(module, sets, args, backward, calls=args.back_to_back)
+                module.zero_grad(set_to_none=True)
+                result[f"{who}_back_to_back"] = _rates(t, cost)
+            result["back_to_back_speedup"] = (
+                result["baseline_back_to_back"]["median_ms_all_ranks_max"]
+                / result["mok_back_to_back"]["median_ms_all_ranks_max"]
+            )
         if args.mok_graph and not backward:
             result["mok_graph"] = _rates(measure_graphed(layer, sets, args), cost)
             layer.zero_grad(set_to_none=True)
@@ -541,6 +569,13 @@ def _report(case, name, tokens, routing) -> None:
     floor = f", fwd at {case['fwd']['mok']['fraction_of_floor']:.2f} of the floor"
     if "mok_graph" in case["fwd"]:
         floor += f" ({case['fwd']['mok_graph']['fraction_of_floor']:.2f} replayed from a graph)"
+    if "back_to_back_speedup" in case["fwd"]:
+        b2b = {label: case[label] for label in ("fwd", "fwd_bwd") if label in case}
+        floor += "; back to back: " + ", ".join(
+            f"{label.replace('_', '+')} speedup {r['back_to_back_speedup']:.2f}x, mok at "
+            f"{r['mok_back_to_back']['fraction_of_floor']:.2f} of the floor"
+            for label, r in b2b.items()
+        )
     tqdm.write(
         f"{name} T={tokens} {routing}: fwd speedup {case['fwd']['speedup']:.2f}x, "
         f"fwd+bwd speedup {fb['speedup']:.2f}x, out rel diff {case['output_rel_diff']:.1e}"

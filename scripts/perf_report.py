@@ -160,6 +160,44 @@ GRAPH_HEAD = (
 )
 
 
+def back_to_back_rows(records):
+    """The baseline and MoK timed back to back (bench_moe.py --back-to-back: the host queues a
+    call while the GPU runs the one before) beside their times call by call, where a record has
+    both."""
+    for _, record in records:
+        for case in record.get("cases", []):
+            for label in ("fwd", "fwd_bwd"):
+                r = case.get(label, {})
+                if "mok_back_to_back" not in r:
+                    continue
+                b, m = r["baseline_back_to_back"], r["mok_back_to_back"]
+                yield (
+                    f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
+                    f"| {case['routing']} | {label.replace('_', '+')} | {case['mok_backend']} "
+                    f"| {_ms(r['baseline'])} | {_ms(b)} | {_ms(r['mok'])} | {_ms(m)} "
+                    f"| **{r['back_to_back_speedup']:.2f}x** | {r['cost']['floor_ms']:.3f} "
+                    f"| {m['fraction_of_floor']:.2f} | {b['fraction_of_floor']:.2f} |"
+                )
+
+
+BACK_TO_BACK_HEAD = (
+    "## The layer timed back to back\n\n"
+    "The results time each call from an idle GPU: the layer's host work before its first "
+    "launch is time the GPU waits. Here the same layers run several calls back to back per "
+    "sample, the host never waiting for the GPU between them (`bench_moe.py --back-to-back`, "
+    "`testing.timing.time_back_to_back`), as in a training step whose layers are sync-free: the "
+    "host queues a call while the GPU runs the one before. MoK's layer is sync-free; the "
+    "baseline's alltoall dispatcher reads its token counts on the host in every call, so its "
+    "host time stays in its samples, as it does in training. Same process, weights and inputs "
+    "as the call-by-call columns.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | mok backend | baseline ms call by call "
+    "| baseline ms back to back | mok ms call by call | mok ms back to back "
+    "| speedup back to back | floor ms | mok of floor back to back "
+    "| baseline of floor back to back |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def gpu_state_rows(records):
     """The GPU's state after each case's timings (bench_moe.py's ``gpu_state_after``, from
     nvidia-smi), where a record has it: the clock the case ran near, and the power it drew."""
@@ -211,15 +249,17 @@ def compare_rows(before_path, after_path):
         old = before.get(key(case))
         if old is None or "skipped" in case or "skipped" in old:
             continue
-        for label in ("fwd", "fwd_bwd"):
-            if label not in case or label not in old:
+        # the passes as timed, then the forward replayed from a graph where both have it
+        for label, who, name in (("fwd", "mok", "fwd"), ("fwd_bwd", "mok", "fwd+bwd"),
+                                 ("fwd", "mok_graph", "fwd (graph)")):  # fmt: skip
+            if who not in case.get(label, {}) or who not in old.get(label, {}):
                 continue
             a, b = old[label], case[label]
             yield (
                 f"| {case['shape']} | {case.get('ep', '?')} | {case['tokens_per_rank']} "
-                f"| {case['routing']} | {label.replace('_', '+')} | {_ms(a['mok'])} "
-                f"| {_ms(b['mok'])} | {a['mok']['peak_mem_bytes'] / gib:.2f} "
-                f"| {b['mok']['peak_mem_bytes'] / gib:.2f} | {_ms(a['baseline'])} "
+                f"| {case['routing']} | {name} | {_ms(a[who])} "
+                f"| {_ms(b[who])} | {a[who]['peak_mem_bytes'] / gib:.2f} "
+                f"| {b[who]['peak_mem_bytes'] / gib:.2f} | {_ms(a['baseline'])} "
                 f"| {_ms(b['baseline'])} |"
             )
 
@@ -229,8 +269,9 @@ def compare_tables(pairs):
         yield (
             f"## `{os.path.basename(after)}` against `{os.path.basename(before)}`\n\n"
             "The same cases in the two records: MoK's median ms (p10-p90) and peak GiB before "
-            "and after the change, and the baseline's median, which ran the same code in both "
-            "(how far the GPU's state moved between the two runs).\n\n"
+            'and after the change ("fwd (graph)": its forward replayed from a CUDA graph), '
+            "and the baseline's median, which ran the same code in both (how far the GPU's "
+            "state moved between the two runs).\n\n"
             "| shape | EP | tokens/rank | routing | pass | mok ms before | mok ms after "
             "| mok peak GiB before | mok peak GiB after | baseline ms before | baseline ms after "
             "|\n|---|---|---|---|---|---|---|---|---|---|---|"
@@ -491,6 +532,9 @@ def main(argv=None) -> None:
     stage1_bwd = list(stage1_rows(records, "mok_stage1_bwd", "stage1_bwd_speedup", ("fwd_bwd",)))
     if stage1_bwd:
         parts += ["", STAGE1_BWD_HEAD, *stage1_bwd]
+    back_to_back = list(back_to_back_rows(records))
+    if back_to_back:
+        parts += ["", BACK_TO_BACK_HEAD, *back_to_back]
     graphed = list(graph_rows(records))
     if graphed:
         parts += ["", GRAPH_HEAD, *graphed]

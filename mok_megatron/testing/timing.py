@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Ceilings", "H200_CEILINGS", "Timing", "time_fn", "moe_pass_cost"]
+__all__ = ["Ceilings", "H200_CEILINGS", "Timing", "time_fn", "time_back_to_back", "moe_pass_cost"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,39 @@ def time_fn(fn: Callable[[int], object], *, warmup: int, iters: int, device: str
             t0 = time.perf_counter()
             fn(warmup + i)
             samples.append((time.perf_counter() - t0) * 1e3)
+    return _timing(samples)
+
+
+def time_back_to_back(fn: Callable[[int], object], *, warmup: int, iters: int, calls: int,
+                      device: str) -> Timing:  # fmt: skip
+    """Milliseconds per call of ``fn(i)`` called ``calls`` times back to back: each sample is one
+    window of ``calls`` calls between two CUDA events, the host never waiting for the GPU inside
+    it, divided by ``calls``. So the host prepares a call while the GPU runs the one before, as in
+    a training step whose layers are sync-free; a call that synchronises with the host (reads a
+    device value) keeps its host time in every sample, as it does in training. ``time_fn`` times
+    each call from an idle GPU instead. CPU: ``time_fn``'s timing (no queue to keep full)."""
+    if calls < 1:
+        raise ValueError(f"calls={calls} must be >= 1: the calls timed back to back per sample")
+    if device != "cuda":
+        return time_fn(fn, warmup=warmup, iters=iters, device=device)
+    for i in range(warmup):
+        fn(i)
+    samples = []
+    n = warmup
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn(n)
+            n += 1
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return _timing(samples)
+
+
+def _timing(samples: list[float]) -> Timing:
     ordered = sorted(samples)
 
     def pct(q):

@@ -224,3 +224,75 @@ def test_stage1_backward_rows_render_the_fwd_bwd_pass_of_cases_that_have_them():
                                         "stage1_bwd_speedup", ("fwd_bwd",)))  # fmt: skip
     assert rows == ["| s | 1 | 64 | uniform | fwd+bwd | cuda/megakernel | 2.000 (1.900-2.100) "
                     "| 2.500 (2.400-2.600) | **1.25x** | 0.50 | 0.40 | 1.00 | 2.00 |"]  # fmt: skip
+
+
+def test_bench_back_to_back_runs_on_cpu_and_the_report_renders(tmp_path):
+    """--back-to-back: the baseline and MoK get a back-to-back entry per pass beside their call by
+    call ones (on CPU the same way of timing, testing.timing.time_back_to_back) and perf_report
+    renders them in the back-to-back table."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, *BENCH, "--back-to-back", "2", "--routing", "uniform",
+                    "--out", str(out)], check=True, env=_env(), cwd=ROOT, timeout=600)  # fmt: skip
+    record = json.loads(out.read_text())
+    (case,) = record["cases"]
+    for label in ("fwd", "fwd_bwd"):
+        r = case[label]
+        for who in ("baseline_back_to_back", "mok_back_to_back"):
+            assert r[who]["median_ms"] > 0 and r[who]["samples"] == 2
+        assert r["back_to_back_speedup"] == pytest.approx(
+            r["baseline_back_to_back"]["median_ms_all_ranks_max"]
+            / r["mok_back_to_back"]["median_ms_all_ranks_max"]
+        )
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+    rows = list(perf_report.back_to_back_rows([(str(out), record)]))
+    assert [row.split(" | ")[4] for row in rows] == ["fwd", "fwd+bwd"]
+    assert rows[0].startswith("| tiny | 1 | 64 | uniform | fwd | reference | ")
+    plain = {**record, "cases": [{**case, "fwd": {k: v for k, v in case["fwd"].items()
+                                                  if "back_to_back" not in k}}]}  # fmt: skip
+    assert [row.split(" | ")[4] for row in perf_report.back_to_back_rows([("p", plain)])] == [
+        "fwd+bwd"
+    ]
+
+
+def test_compare_rows_add_the_graph_replayed_forward_where_both_records_have_it(tmp_path):
+    """perf_report --compare: a "fwd (graph)" row, MoK's forward replayed from a CUDA graph before
+    and after, where both records' forward has one (bench_moe.py --mok-graph)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+
+    def timing(ms):
+        return {"median_ms_all_ranks_max": ms, "p10_ms": ms, "p90_ms": ms, "peak_mem_bytes": 0}
+
+    def record(graph_ms):
+        fwd = {"mok": timing(2.0), "baseline": timing(3.0)}
+        if graph_ms is not None:
+            fwd["mok_graph"] = timing(graph_ms)
+        return {"cases": [{"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
+                           "mok_backend": "cuda/megakernel", "fwd": fwd}]}  # fmt: skip
+
+    paths = {}
+    for name, graph_ms in (("a", 1.0), ("b", 1.5), ("c", None)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(record(graph_ms)))
+    rows = list(perf_report.compare_rows(paths["a"], paths["b"]))
+    assert [row.split(" | ")[4] for row in rows] == ["fwd", "fwd (graph)"]
+    assert "| fwd (graph) | 1.000 (1.000-1.000) | 1.500 (1.500-1.500) |" in rows[1]
+    rows = list(perf_report.compare_rows(paths["a"], paths["c"]))
+    assert [row.split(" | ")[4] for row in rows] == ["fwd"]
+
+
+def test_time_back_to_back_needs_a_call_per_sample():
+    from mok_megatron.testing.timing import time_back_to_back
+
+    with pytest.raises(ValueError, match="calls=0 must be >= 1"):
+        time_back_to_back(lambda i: None, warmup=0, iters=1, calls=0, device="cpu")
+    seen = []
+    timing = time_back_to_back(seen.append, warmup=1, iters=3, calls=2, device="cpu")
+    assert timing.samples == 3 and seen == [0, 1, 2, 3]  # CPU: time_fn's one call per sample

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Regenerates docs/PERF.md and docs/perf.png with scripts/perf_report.py from the records that
+# page is made of: edit the lists below (not the page) when a record is added or retired.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+R=docs/results
+PY="${PYTHON:-python3}"
+records=(
+  bench_moe_h200_ep1_bwd_4a24211.json
+  bench_moe_h200_ep1_bwd_15fe76a.json
+  bench_moe_h200_ep1_bwd_34ef3a1.json
+  bench_moe_h200_ep1_maingrad_bwd_15fe76a.json
+  bench_moe_h200_ep1_abd30ba.json
+  bench_moe_h200_ep1_graph_c19af20.json
+  bench_moe_h200x2_ep2_b6e971e.json
+  bench_moe_h200x2_ep1_b6e971e.json
+  bench_moe_h200_ep1_deepseek_fc524bd.json
+)
+compares=(  # BEFORE AFTER pairs
+  bench_moe_h200_ep1_bwd_15fe76a.json bench_moe_h200_ep1_bwd_4a24211.json
+  bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_bwd_15fe76a.json
+  bench_moe_h200_ep1_3b98cc0.json bench_moe_h200_ep1_abd30ba.json
+  bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
+)
+traces=(
+  megakernel_trace_h200_bd40079.json
+  megakernel_trace_h200_bd40079_qwen3_comm8.json
+  megakernel_trace_h200_9665dea.json
+  megakernel_trace_h200_9665dea_qwen3_comm8.json
+  megakernel_trace_h200_3941f23.json
+  megakernel_trace_h200_3941f23_qwen3_comm8.json
+  megakernel_trace_h200_3941f23_qwen3_comm16.json
+  megakernel_trace_h200_bd40079_qwen3_rerun.json
+  megakernel_trace_h200_0599c9f_qwen3.json
+  megakernel_trace_h200_bd81656.json
+  megakernel_trace_h200_53dea2a.json
+  megakernel_trace_bwd_h200_bd81656.json
+  megakernel_trace_bwd_h200_15fe76a.json
+)
+args=()
+for r in "${records[@]}"; do args+=("$R/$r"); done
+for ((i = 0; i < ${#compares[@]}; i += 2)); do
+  args+=(--compare "$R/${compares[i]}" "$R/${compares[i + 1]}")
+done
+args+=(--trace)
+for t in "${traces[@]}"; do args+=("$R/$t"); done
+args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
+args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json")
+args+=(--profile "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
+exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png
