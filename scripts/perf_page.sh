@@ -6,6 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_b2b_7098afa.json
   bench_moe_h200_ep1_bwd_4a24211.json
   bench_moe_h200_ep1_bwd_15fe76a.json
   bench_moe_h200_ep1_bwd_34ef3a1.json
@@ -17,12 +18,17 @@ records=(
   bench_moe_h200_ep1_deepseek_fc524bd.json
 )
 compares=(  # BEFORE AFTER pairs
+  bench_moe_h200_ep1_graph_62ca1f1.json bench_moe_h200_ep1_graph_05618ca.json
   bench_moe_h200_ep1_bwd_15fe76a.json bench_moe_h200_ep1_bwd_4a24211.json
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_bwd_15fe76a.json
   bench_moe_h200_ep1_3b98cc0.json bench_moe_h200_ep1_abd30ba.json
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_h200_62ca1f1_keep.json
+  megakernel_trace_h200_05618ca_keep.json
+  megakernel_trace_bwd_h200_62ca1f1.json
+  megakernel_trace_bwd_h200_05618ca.json
   megakernel_trace_h200_bd40079.json
   megakernel_trace_h200_bd40079_qwen3_comm8.json
   megakernel_trace_h200_9665dea.json
@@ -44,6 +50,12 @@ for ((i = 0; i < ${#compares[@]}; i += 2)); do
 done
 args+=(--trace)
 for t in "${traces[@]}"; do args+=("$R/$t"); done
+args+=(--ncu)
+for n in ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.json \
+  ncu_megakernel_h200_7098afa_deepseek.json ncu_megakernel_h200_7098afa_deepseek_bwd.json \
+  ncu_megakernel_h200_7098afa_mixtral.json; do
+  args+=("$R/$n")
+done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json")
 args+=(--profile "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)

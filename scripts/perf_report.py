@@ -434,6 +434,8 @@ def trace_tables(path):
     commit = (env.get("commit") or "unknown")[:12]
     if backward:
         yield f"## The backward megakernel's data gradients, from its timeline (`{commit}`)\n"
+    elif record["args"].get("keep"):
+        yield f"## The megakernel's forward keeping h for a backward, from its timeline (`{commit}`)\n"
     else:
         yield "## The megakernel's forward, from its timeline\n"
     gemms = "L2-dgrad / L1-dgrad" if backward else "L1 / L2"
@@ -446,6 +448,8 @@ def trace_tables(path):
         f"{record['ceiling_ns_per_ktile']:.0f} ns."
         + (" The backward's GEMMs: its first, the L2 dgrad with the SwiGLU backward in its "
            "epilogue; its second, the L1 dgrad." if backward else "")
+        + (" Gradients enabled (`--keep`): the L1 epilogue also stores h for the backward."
+           if not backward and record["args"].get("keep") else "")
         + "\n"
     )  # fmt: skip
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
@@ -462,6 +466,42 @@ def trace_tables(path):
             f" | {ep['l1'] / 1e3:.1f} / {ep['l2'] / 1e3:.1f} |"
         )
     yield ""
+
+
+#: scripts/ncu_megakernel.py's details-page rows tabulated by ncu_table (name, column head).
+NCU_COLUMNS = (
+    ("SM Frequency", "SM GHz"),
+    ("Duration", "ms"),
+    ("Compute (SM) Throughput", "SM %"),
+    ("L2 Cache Throughput", "L2 %"),
+    ("DRAM Throughput", "DRAM %"),
+    ("L2 Hit Rate", "L2 hit %"),
+)
+
+
+def ncu_table(paths):
+    """scripts/ncu_megakernel.py records: each launch's speed-of-light rows as ncu read them."""
+    heads = " | ".join(head for _, head in NCU_COLUMNS)
+    yield (
+        "## The megakernels under Nsight Compute\n\n"
+        "From `scripts/ncu_megakernel.py` records (one launch each of bench_moe.py's MoK layer "
+        "at its auto knobs, EP 1, `--clock-control none`): the details page's throughputs, each "
+        "as a percentage of its unit's peak, and the clock the launch ran at.\n\n"
+        f"| record | commit | GPU | shape | tokens/rank | routing | pass | {heads} |\n"
+        f"|---|---|---|---|---|---|---|{'---|' * len(NCU_COLUMNS)}"
+    )
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        values = {m["name"]: m["value"] for m in record["metrics"] if m.get("name")}
+        cells = " | ".join(values.get(name, "n/a") for name, _ in NCU_COLUMNS)
+        args = record["args"]
+        env = record["environment"]
+        yield (
+            f"| `{os.path.basename(path)}` | `{env.get('commit')}` | {env.get('gpu')} "
+            f"| {args['shape']} | {args['tokens']} | {args['routing']} "
+            f"| {'backward' if args.get('backward') else 'forward'} | {cells} |"
+        )
 
 
 def plot(records, png_path) -> None:
@@ -514,6 +554,9 @@ def main(argv=None) -> None:
         help="two bench_moe.py JSONs of the same cases: a change's record against the one before",
     )
     p.add_argument(
+        "--ncu", nargs="*", default=[], help="scripts/ncu_megakernel.py JSONs, one table"
+    )
+    p.add_argument(
         "--host",
         nargs="*",
         default=[],
@@ -556,6 +599,8 @@ def main(argv=None) -> None:
         parts += ["", *breakdown_tables(args.breakdown)]
     for path in args.trace:
         parts += ["", *trace_tables(path)]
+    if args.ncu:
+        parts += ["", *ncu_table(args.ncu)]
     if args.host:
         parts += ["", *host_tables(args.host)]
     if args.profile:

@@ -296,3 +296,28 @@ def test_time_back_to_back_needs_a_call_per_sample():
     seen = []
     timing = time_back_to_back(seen.append, warmup=1, iters=3, calls=2, device="cpu")
     assert timing.samples == 3 and seen == [0, 1, 2, 3]  # CPU: time_fn's one call per sample
+
+
+def test_ncu_table_renders_a_row_per_record(tmp_path):
+    """perf_report --ncu: one row per scripts/ncu_megakernel.py record (synthetic), its
+    throughputs as ncu wrote them, a metric the record lacks shown as n/a."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+    metrics = [{"section": "GPU Speed Of Light Throughput", "name": name, "unit": "", "value": v}
+               for name, v in (("SM Frequency", "1.43"), ("Duration", "10.67"),
+                               ("Compute (SM) Throughput", "77.77"),
+                               ("L2 Cache Throughput", "96.70"),
+                               ("DRAM Throughput", "63.10"))]  # fmt: skip
+    path = tmp_path / "ncu_x.json"
+    path.write_text(json.dumps({
+        "environment": {"commit": "abc", "gpu": "NVIDIA H200"},
+        "args": {"shape": "deepseek-v3", "tokens": 8192, "routing": "uniform", "backward": True},
+        "metrics": metrics + [{"section": "SpeedOfLight", "name": "", "unit": "", "value": ""}],
+    }))  # fmt: skip
+    head, row = perf_report.ncu_table([str(path)])
+    assert "| SM GHz | ms | SM % | L2 % | DRAM % | L2 hit % |" in head
+    assert row == ("| `ncu_x.json` | `abc` | NVIDIA H200 | deepseek-v3 | 8192 | uniform | backward "
+                   "| 1.43 | 10.67 | 77.77 | 96.70 | 63.10 | n/a |")  # fmt: skip
