@@ -117,10 +117,11 @@ class MoKConfig:
     )
     cuda_forward: str = _knob(
         "stage1",
-        "The CUDA backend's forward: 'stage1' (the sequence of kernels; the default while it is "
-        "the faster one, docs/PERF.md), 'megakernel' (one persistent launch per pass; sm_90a and "
-        "the fused gate/up weights of MoKExperts) or 'auto' (the megakernel wherever it can run "
-        "the call, else stage 1).",
+        "The CUDA backend's forward: 'stage1' (the sequence of kernels; the default until the "
+        "megakernel, faster at every EP-1 point of docs/PERF.md, has run at EP >= 2 on real "
+        "GPUs), 'megakernel' (one persistent launch per pass; sm_90a and the fused gate/up "
+        "weights of MoKExperts) or 'auto' (the megakernel wherever it can run the call, else "
+        "stage 1).",
     )
     cuda_backward: str = _knob(
         "auto",
