@@ -127,6 +127,11 @@ STAGE1_BWD_HEAD = (
 )
 
 
+def _case_cells(case) -> str:
+    """A case's leading cells: shape, EP, tokens per rank, routing."""
+    return f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} | {case['routing']} "
+
+
 def graph_rows(records):
     """MoK's forward as timed (each call from an idle GPU, the layer's host work included)
     against the same forward replayed from a CUDA graph (bench_moe.py --mok-graph), where a
@@ -138,10 +143,7 @@ def graph_rows(records):
                 continue
             m, g = r["mok"], r["mok_graph"]
             yield (
-                f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
-                f"| {case['routing']} | {case['mok_backend']} "
-                f"| {_ms(m)} "
-                f"| {_ms(g)} "
+                f"{_case_cells(case)}| {case['mok_backend']} | {_ms(m)} | {_ms(g)} "
                 f"| {r['cost']['floor_ms']:.3f} | {m['fraction_of_floor']:.2f} "
                 f"| {g['fraction_of_floor']:.2f} |"
             )
@@ -172,8 +174,7 @@ def back_to_back_rows(records):
                     continue
                 b, m = r["baseline_back_to_back"], r["mok_back_to_back"]
                 yield (
-                    f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
-                    f"| {case['routing']} | {label.replace('_', '+')} | {case['mok_backend']} "
+                    f"{_case_cells(case)}| {label.replace('_', '+')} | {case['mok_backend']} "
                     f"| {_ms(r['baseline'])} | {_ms(b)} | {_ms(r['mok'])} | {_ms(m)} "
                     f"| **{r['back_to_back_speedup']:.2f}x** | {r['cost']['floor_ms']:.3f} "
                     f"| {m['fraction_of_floor']:.2f} | {b['fraction_of_floor']:.2f} |"
