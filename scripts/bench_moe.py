@@ -87,6 +87,13 @@ def parse_args(argv=None):
         "the default (the backward megakernel where it runs)",
     )
     p.add_argument(
+        "--mok-cluster2",
+        action="store_true",
+        help="also time MoK with MoKConfig.megakernel_cluster=2 (the megakernels in clusters of "
+        "two CTAs sharing each m-tile's A tile by TMA multicast), as 'mok_cluster2', in the same "
+        "process, forward and forward + backward",
+    )
+    p.add_argument(
         "--mok-fp8",
         action="store_true",
         help="also time MoK with MoKConfig.expert_precision='fp8_blockwise' (stage 1; weights "
@@ -405,6 +412,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_stage1", layer, {"cuda_forward": "stage1"}))
         if args.mok_stage1_backward and backward:
             contenders.append(("mok_stage1_bwd", layer, {"cuda_backward": "stage1"}))
+        if args.mok_cluster2:
+            contenders.append(("mok_cluster2", layer, {"megakernel_cluster": 2}))
         if args.mok_fp8:
             contenders.append(("mok_fp8", layer, MOK_FP8_KNOBS))
             if backward:  # the forward is mok_fp8's
@@ -441,6 +450,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
             result["stage1_speedup"] = (result["mok_stage1"]["median_ms_all_ranks_max"]
                                         / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        if args.mok_cluster2:  # > 1: clusters of two beat the megakernels without clusters
+            result["cluster2_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
+                                          / result["mok_cluster2"]["median_ms_all_ranks_max"])  # fmt: skip
         if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
             result["stage1_bwd_speedup"] = (result["mok_stage1_bwd"]["median_ms_all_ranks_max"]
                                             / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip

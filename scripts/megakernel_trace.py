@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=3, help="traced passes per case (median taken)")
     p.add_argument("--fwd-num-comm-sms", default=None, help="int; default: the config's (auto)")
     p.add_argument("--minibatch-size", default=None, help="int; default: the config's (auto)")
+    p.add_argument("--megakernel-cluster", default=None, choices=("1", "2"),
+                   help="MoKConfig.megakernel_cluster; default: the config's (1)")  # fmt: skip
     p.add_argument(
         "--keep",
         action="store_true",
@@ -165,7 +167,9 @@ def trace_case(name, args, rank) -> dict:
     _, layer = bench_moe.build_layers(config, "cuda", args.tokens, "megakernel")
     runtime = layer.experts._layer_runtime
     knobs = {k: int(v) for k, v in (("fwd_num_comm_sms", args.fwd_num_comm_sms),
-                                    ("minibatch_size", args.minibatch_size)) if v is not None}  # fmt: skip
+                                    ("minibatch_size", args.minibatch_size),
+                                    ("megakernel_cluster", args.megakernel_cluster))
+             if v is not None}  # fmt: skip
     if knobs:
         runtime.mok_config = dataclasses.replace(runtime.mok_config, **knobs)
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
@@ -193,6 +197,7 @@ def trace_case(name, args, rank) -> dict:
             "bwd_num_comm_sms": resolved.bwd_num_comm_sms,
             "fwd_num_comm_sms": resolved.fwd_num_comm_sms,
             "minibatch_size": resolved.minibatch_size, "num_ctas": len(ctas),
+            "megakernel_cluster": resolved.megakernel_cluster,
             "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip
     del layer, sets
     bench_moe._release_memory()

@@ -84,8 +84,9 @@ TABLE_HEAD = (
 def stage1_rows(records, contender="mok_stage1", ratio="stage1_speedup",
                 labels=("fwd", "fwd_bwd")):  # fmt: skip
     """MoK's default path against MoK with one knob changed, same process, where a record has
-    both: cuda_forward='stage1' (bench_moe.py --mok-stage1, ``contender`` 'mok_stage1'), or
-    cuda_backward='stage1' (--mok-stage1-backward, 'mok_stage1_bwd', forward + backward)."""
+    both: cuda_forward='stage1' (bench_moe.py --mok-stage1, ``contender`` 'mok_stage1'),
+    cuda_backward='stage1' (--mok-stage1-backward, 'mok_stage1_bwd', forward + backward), or
+    megakernel_cluster=2 (--mok-cluster2, 'mok_cluster2')."""
     for _, record in records:
         for case in record["cases"]:
             for label in labels:
@@ -124,6 +125,17 @@ STAGE1_BWD_HEAD = (
     "| shape | EP | tokens/rank | routing | pass | mok backend | mok ms (p10-p90) "
     "| stage-1 backward ms (p10-p90) | ratio | mok of floor | stage-1 backward of floor "
     "| mok peak GiB | stage-1 backward peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+CLUSTER2_HEAD = (
+    "## The megakernels in clusters of two CTAs\n\n"
+    "The MoK layer as above against the same layer with `megakernel_cluster=2` (the two CTAs of a "
+    "cluster share each m-tile's A tile by TMA multicast), same process (`bench_moe.py "
+    "--mok-cluster2`). Ratio > 1: the clusters of two are faster.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | mok backend | mok ms (p10-p90) "
+    "| clusters of 2 ms (p10-p90) | ratio | mok of floor | clusters of 2 of floor | mok peak GiB "
+    "| clusters of 2 peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -576,6 +588,9 @@ def main(argv=None) -> None:
     stage1_bwd = list(stage1_rows(records, "mok_stage1_bwd", "stage1_bwd_speedup", ("fwd_bwd",)))
     if stage1_bwd:
         parts += ["", STAGE1_BWD_HEAD, *stage1_bwd]
+    cluster2 = list(stage1_rows(records, "mok_cluster2", "cluster2_speedup"))
+    if cluster2:
+        parts += ["", CLUSTER2_HEAD, *cluster2]
     back_to_back = list(back_to_back_rows(records))
     if back_to_back:
         parts += ["", BACK_TO_BACK_HEAD, *back_to_back]

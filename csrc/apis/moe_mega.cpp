@@ -119,16 +119,32 @@ std::vector<at::Tensor> build_plan(const at::Tensor& topk, const at::Tensor& rou
   return t;
 }
 
-// The grid: num_sms CTAs (0: every SM), checked against the device and the comm CTAs (`knob`
-// names the MoKConfig field in the error).
-int mega_grid(const at::Tensor& x, int64_t num_sms, int64_t num_comm_sms, const char* knob) {
+// The grid: num_sms CTAs (0: every SM, in clusters as many as the device holds at once),
+// rounded down to whole clusters of `cluster` CTAs, checked against the device and the comm CTAs
+// (`knob` names the MoKConfig field in the error).
+int mega_grid(const at::Tensor& x, int64_t num_sms, int64_t num_comm_sms, int64_t cluster,
+              bool backward, const char* knob) {
   int device_sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
                                         x.device().index()));
-  const int grid = num_sms > 0 ? static_cast<int>(num_sms) : device_sms;
+  TORCH_CHECK(cluster == 1 || cluster == layout::kMaxClusterCtas,
+              "mok::moe_mega: megakernel_cluster=", cluster, " must be 1 or ",
+              layout::kMaxClusterCtas);
+  int given = num_sms > 0 ? static_cast<int>(num_sms) : device_sms;
+  if (num_sms <= 0 && cluster > 1) {
+    const int resident = launch::megakernel_resident_ctas(backward, static_cast<int>(cluster));
+    if (resident > 0 && resident < given) given = resident;
+  }
+  const int grid = given / static_cast<int>(cluster) * static_cast<int>(cluster);
+  TORCH_CHECK(cluster == 1 || grid >= 2 * cluster, "mok::moe_mega: ", given, " SMs hold fewer "
+              "than two clusters of megakernel_cluster=", cluster, " CTAs (one pulls, one takes "
+              "tasks from the start); give the megakernel more SMs or megakernel_cluster=1");
   TORCH_CHECK(grid <= device_sms && num_comm_sms >= 1 && num_comm_sms < grid, "mok::moe_mega: ",
               knob, "=", num_comm_sms, " must be in [1, ", grid - 1, "] (the megakernel has ",
               grid, " SMs of ", device_sms, "); lower ", knob);
+  TORCH_CHECK(num_comm_sms % cluster == 0, "mok::moe_mega: ", knob, "=", num_comm_sms,
+              " must be a multiple of megakernel_cluster=", cluster, " (a cluster's CTAs pull and "
+              "take tasks together); use an even ", knob, " or megakernel_cluster=1");
   return grid;
 }
 
@@ -147,7 +163,8 @@ std::pair<at::Tensor, at::Tensor> trace_buffers(const at::Tensor& like, bool tra
 
 // The launch arguments both megakernels share: the workspace, the shape, the grid, the plan.
 launch::MegaArgs mega_args(const launch::MoeComm& comm, const layout::MegaShape& shape, int grid,
-                           int64_t num_comm_sms, const std::vector<at::Tensor>& plan,
+                           int64_t num_comm_sms, int64_t cluster,
+                           const std::vector<at::Tensor>& plan,
                            int64_t stall_minibatch, at::Tensor& trace_ctas,
                            at::Tensor& trace_tasks) {
   launch::MegaArgs a;
@@ -160,6 +177,7 @@ launch::MegaArgs mega_args(const launch::MoeComm& comm, const layout::MegaShape&
   a.shape = shape;
   a.num_ctas = grid;
   a.num_comm_ctas = static_cast<int>(num_comm_sms);
+  a.cluster_ctas = static_cast<int>(cluster);
   a.row_src = plan[kPlan_row_src].data_ptr<int64_t>();
   a.row_dst = plan[kPlan_row_dst].data_ptr<int64_t>();
   a.tile_count = plan[kPlan_tile_count].data_ptr<int32_t>();
@@ -216,7 +234,7 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& shared_out, at::TensorList given_plan,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    bool keep_y, int64_t stall_minibatch, bool trace) {
+    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(x, "x", at::kBFloat16, 2);
@@ -255,7 +273,7 @@ std::vector<at::Tensor> moe_mega_forward(
     plan = build_plan(topk, router_weights, comm_ints, comm, num_experts, row_capacity,
                       token_capacity, shape);
   }
-  const int grid = mega_grid(x, num_sms, num_comm_sms, "fwd_num_comm_sms");
+  const int grid = mega_grid(x, num_sms, num_comm_sms, cluster, false, "fwd_num_comm_sms");
 
   const int64_t ring = shape.ring_rows(), rounds = shape.num_rounds();
   const auto bf16 = x.options();
@@ -289,7 +307,7 @@ std::vector<at::Tensor> moe_mega_forward(
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
   launch::moe_bump_epoch(comm, static_cast<int>(shape.num_rounds()), stream);
 
-  launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, plan, stall_minibatch,
+  launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kForward_trace_ctas], out[kForward_trace_tasks]);
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
@@ -313,7 +331,7 @@ std::vector<at::Tensor> moe_mega_backward(
     const at::Tensor& w_down, const std::optional<at::Tensor>& shared_dx,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t minibatch,
     int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch,
-    bool trace) {
+    bool trace, int64_t cluster) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(d_out, "d_out", at::kBFloat16, 2);
@@ -359,7 +377,7 @@ std::vector<at::Tensor> moe_mega_backward(
   const std::vector<at::Tensor> plan(given_plan.begin(), given_plan.end());
   c10::cuda::CUDAGuard guard(d_out.device());
   const cudaStream_t stream = stream_of(d_out);
-  const int grid = mega_grid(d_out, num_sms, num_comm_sms, "bwd_num_comm_sms");
+  const int grid = mega_grid(d_out, num_sms, num_comm_sms, cluster, true, "bwd_num_comm_sms");
 
   const auto bf16 = d_out.options();
   std::vector<at::Tensor> out(kBackwardNumFields);
@@ -377,7 +395,7 @@ std::vector<at::Tensor> moe_mega_backward(
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
   launch::moe_bump_epoch(comm, static_cast<int>(shape.num_rounds()), stream);
 
-  launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, plan, stall_minibatch,
+  launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kBackward_trace_ctas], out[kBackward_trace_tasks]);
   a.backward = true;
   a.w_gate_up = w_gate_up.data_ptr();

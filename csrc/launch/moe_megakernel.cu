@@ -16,10 +16,7 @@ namespace {
 
 using layout::Region;
 
-const void* kernel_ptr(bool backward) {
-  return backward ? reinterpret_cast<const void*>(&kernels::moe_backward_megakernel)
-                  : reinterpret_cast<const void*>(&kernels::moe_forward_megakernel);
-}
+
 
 bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
 
@@ -36,13 +33,13 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // n] (the backward's, N contiguous).
 // NOTE: A comes from a problem with L = 1 and B from one with L = num_experts; each call builds
 // both descriptors, and only the right one of each is kept.
-template <class Mainloop>
+template <bool kBackward, class Mainloop>
 typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, int n, int k,
                                       int num_experts) {
   using Element = gemm::Element;
   const auto stride_a = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{a_rows} * k);
   typename Mainloop::StrideB stride_b;
-  if constexpr (std::is_same_v<Mainloop, gemm::MegaMainloopNN>) {
+  if constexpr (kBackward) {
     stride_b = cute::make_stride(cute::Int<1>{}, int64_t{n}, int64_t{n} * k);
   } else {
     stride_b = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{n} * k);
@@ -60,6 +57,13 @@ typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, 
 void check_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
   const layout::WorkspaceLayout& lay = a.lay;
+  MOK_HOST_CHECK(a.cluster_ctas == 1 || a.cluster_ctas == layout::kMaxClusterCtas,
+                 "megakernel: cluster_ctas=%d must be 1 or %d", a.cluster_ctas,
+                 layout::kMaxClusterCtas);
+  MOK_HOST_CHECK(a.num_ctas % a.cluster_ctas == 0 && a.num_comm_ctas % a.cluster_ctas == 0,
+                 "megakernel: num_ctas=%d and num_comm_ctas=%d must be multiples of the cluster's "
+                 "%d CTAs (a cluster's CTAs take tasks together)",
+                 a.num_ctas, a.num_comm_ctas, a.cluster_ctas);
   MOK_HOST_CHECK(a.num_comm_ctas >= 1, "megakernel: num_comm_ctas=%d must be >= 1",
                  a.num_comm_ctas);
   MOK_HOST_CHECK(a.num_ctas - a.num_comm_ctas >= 1,
@@ -182,18 +186,18 @@ roles::MegaParams device_params(const MegaArgs& a) {
 // Forward: L1 = x_ring x w_gate_up[e] (N = 2I, K = H), L2 = act_ring x w_down[e] (N = H,
 // K = I). Backward: L2 dgrad = d_ring x w_down[e] (N = I, K = H), L1 dgrad = dh_ring x
 // w_gate_up[e] (N = H, K = 2I).
-template <bool kBackward>
-kernels::MegaKernelParams<kBackward> kernel_params(const MegaArgs& a) {
-  using Mainloop = gemm::MegaMainloopOf<kBackward>;
-  kernels::MegaKernelParams<kBackward> kp;
+template <bool kBackward, int kCluster>
+kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) {
+  using Mainloop = gemm::MegaMainloopOf<kBackward, kCluster>;
+  kernels::MegaKernelParams<kBackward, kCluster> kp;
   kp.p = device_params(a);
   const int ring = kp.p.ring_rows, h = kp.p.hidden, i = kp.p.inter, e = kp.p.num_local_experts;
   if constexpr (kBackward) {
-    kp.gemm.l1 = gemm_params<Mainloop>(a.x_ring, ring, a.w_down, i, h, e);
-    kp.gemm.l2 = gemm_params<Mainloop>(a.dh_ring, ring, a.w_gate_up, h, 2 * i, e);
+    kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_down, i, h, e);
+    kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.dh_ring, ring, a.w_gate_up, h, 2 * i, e);
   } else {
-    kp.gemm.l1 = gemm_params<Mainloop>(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
-    kp.gemm.l2 = gemm_params<Mainloop>(a.act_ring, ring, a.w_down, h, i, e);
+    kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
+    kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);
   }
   return kp;
 }
@@ -206,65 +210,133 @@ size_t megakernel_smem_bytes() { return kernels::kMegaSmemBytes; }
 
 namespace {
 
-int query_ctas_per_sm(int device, bool backward) {
-  int major = 0, minor = 0;
+template <bool kBackward, int kCluster>
+auto kernel_of() {
+  if constexpr (kBackward) {
+    return &kernels::moe_backward_megakernel<kCluster>;
+  } else {
+    return &kernels::moe_forward_megakernel<kCluster>;
+  }
+}
+
+// The megakernel of a pass for clusters of `cluster` CTAs (1 or 2: check_args).
+const void* kernel_ptr(bool backward, int cluster) {
+  const auto of = [](auto kernel) { return reinterpret_cast<const void*>(kernel); };
+  if (backward) return cluster == 1 ? of(kernel_of<true, 1>()) : of(kernel_of<true, 2>());
+  return cluster == 1 ? of(kernel_of<false, 1>()) : of(kernel_of<false, 2>());
+}
+
+// CTAs of the megakernel (of a pass, for clusters of `cluster` CTAs) the device holds at once:
+// SMs x CTAs per SM, or clusters x `cluster` (a cluster's CTAs sit on SMs of one GPC); 0 where
+// it cannot run. Also sets the kernel's dynamic shared-memory attribute.
+int query_resident_ctas(int device, bool backward, int cluster) {
+  int major = 0, minor = 0, sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   if (major != 9 || minor != 0) return 0;  // the kernels are built for sm_90a only
   const int smem = static_cast<int>(megakernel_smem_bytes());
-  if (cudaFuncSetAttribute(kernel_ptr(backward), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           smem) != cudaSuccess) {
+  const void* kernel = kernel_ptr(backward, cluster);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess) {
     (void)cudaGetLastError();  // not built for this device, or too much shared memory
     return 0;
   }
-  int ctas = 0;
-  MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel_ptr(backward),
-                                                               megakernel_threads(), smem));
-  return ctas;
+  if (cluster == 1) {
+    int ctas = 0;
+    MOK_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, megakernel_threads(), smem));
+    return sms * ctas;
+  }
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(cluster));
+  config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return clusters * cluster;
 }
 
-// CTAs of one megakernel an SM holds, asked once per device and kernel (the answer and the
+// query_resident_ctas, asked once per device, pass and cluster size (the answer and the
 // shared-memory attribute the query sets do not change): the launch asks on every pass, and the
 // query costs host time the GPU waits out.
-int ctas_per_sm(bool backward) {
+int resident_ctas(bool backward, int cluster) {
   int device = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[2][kMaxDevices];  // 1 + the answer; 0: not asked yet
-  if (device >= kMaxDevices) return query_ctas_per_sm(device, backward);
-  std::atomic<int>& slot = known[backward ? 1 : 0][device];
+  static std::atomic<int> known[2][layout::kMaxClusterCtas][kMaxDevices];  // 1 + the answer
+  if (device >= kMaxDevices) return query_resident_ctas(device, backward, cluster);
+  std::atomic<int>& slot = known[backward ? 1 : 0][cluster - 1][device];
   int k = slot.load(std::memory_order_acquire);
   if (k == 0) {
-    k = 1 + query_ctas_per_sm(device, backward);
+    k = 1 + query_resident_ctas(device, backward, cluster);
     slot.store(k, std::memory_order_release);
   }
   return k - 1;
 }
 
+template <bool kBackward, int kCluster>
+void launch(const MegaArgs& args, cudaStream_t stream) {
+  const auto params = kernel_params<kBackward, kCluster>(args);
+  const auto kernel = kernel_of<kBackward, kCluster>();
+  if constexpr (kCluster == 1) {
+    kernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(), stream>>>(params);
+  } else {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kCluster;
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(args.num_ctas));
+    config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
+    config.dynamicSmemBytes = megakernel_smem_bytes();
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    MOK_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+  }
+}
+
 }  // namespace
 
-int megakernel_ctas_per_sm() { return ctas_per_sm(false); }
+int megakernel_resident_ctas(bool backward, int cluster) {
+  MOK_HOST_CHECK(cluster == 1 || cluster == layout::kMaxClusterCtas,
+                 "megakernel: cluster=%d must be 1 or %d", cluster, layout::kMaxClusterCtas);
+  return resident_ctas(backward, cluster);
+}
 
-void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {
-  check_args(args);
+int megakernel_ctas_per_sm() {
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int per_sm = ctas_per_sm(args.backward);  // also sets the shared-memory attribute
-  MOK_HOST_CHECK(per_sm >= 1,
-                 "megakernel: cannot run on this device (needs sm_90a and %zu bytes of shared "
-                 "memory per CTA)",
-                 megakernel_smem_bytes());
-  MOK_HOST_CHECK(args.num_ctas <= sms * per_sm,
-                 "megakernel: num_ctas=%d exceeds the %d CTAs this GPU holds at once (%d SMs x "
-                 "%d): every CTA must be resident, or a spin-wait could wait on an unscheduled CTA",
-                 args.num_ctas, sms * per_sm, sms, per_sm);
+  return resident_ctas(false, 1) / sms;
+}
+
+void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {
+  check_args(args);
+  const int resident = resident_ctas(args.backward, args.cluster_ctas);  // sets the smem attribute
+  MOK_HOST_CHECK(resident >= 1,
+                 "megakernel: cannot run on this device (needs sm_90a, %zu bytes of shared "
+                 "memory per CTA and clusters of %d)",
+                 megakernel_smem_bytes(), args.cluster_ctas);
+  MOK_HOST_CHECK(args.num_ctas <= resident,
+                 "megakernel: num_ctas=%d exceeds the %d CTAs (clusters of %d) this GPU holds at "
+                 "once: every CTA must be resident, or a spin-wait could wait on an unscheduled "
+                 "CTA",
+                 args.num_ctas, resident, args.cluster_ctas);
   if (args.backward) {
-    kernels::moe_backward_megakernel<<<args.num_ctas, megakernel_threads(),
-                                       megakernel_smem_bytes(), stream>>>(kernel_params<true>(args));
+    args.cluster_ctas == 1 ? launch<true, 1>(args, stream) : launch<true, 2>(args, stream);
   } else {
-    kernels::moe_forward_megakernel<<<args.num_ctas, megakernel_threads(),
-                                      megakernel_smem_bytes(), stream>>>(kernel_params<false>(args));
+    args.cluster_ctas == 1 ? launch<false, 1>(args, stream) : launch<false, 2>(args, stream);
   }
   MOK_CUDA_CHECK(cudaGetLastError());
 }

@@ -32,6 +32,9 @@ struct MegaArgs {
   layout::MegaShape shape;                // sizes of the ring, tiles and counters
   int num_ctas = 0;                       // the grid: every CTA resident (checked)
   int num_comm_ctas = 0;                  // the first num_comm_ctas CTAs move rows
+  int cluster_ctas = 1;                   // CTAs per cluster, 1 or 2 (MoKConfig.
+                                          // megakernel_cluster); divides num_ctas and
+                                          // num_comm_ctas
 
   // ---- operands (bf16, contiguous)
   const void* w_gate_up = nullptr;        // [E_l, 2I, H], gate/up rows interleaved in blocks of 8
@@ -70,9 +73,15 @@ size_t megakernel_smem_bytes();
 // CTAs of the megakernel one SM holds at once (>= 1 on sm_90a; 0 where it cannot run).
 int megakernel_ctas_per_sm();
 
-// Enqueue the megakernel args.backward names (both have one shared-memory size and thread
-// count). Checks the arguments and that every CTA can be resident (num_ctas <= SMs *
-// megakernel_ctas_per_sm()); throws mok::Error naming the rule otherwise. The backward runs one
+// CTAs of a pass's megakernel in clusters of `cluster` the device holds at once (clusters sit on
+// the SMs of one GPC, so this may be below SMs * megakernel_ctas_per_sm()); 0 where it cannot
+// run.
+int megakernel_resident_ctas(bool backward, int cluster);
+
+// Enqueue the megakernel args.backward names, in clusters of args.cluster_ctas (all have one
+// shared-memory size and thread count). Checks the arguments and that every CTA can be resident
+// (num_ctas <= SMs * megakernel_ctas_per_sm(), or the clusters the device holds at once); throws
+// mok::Error naming the rule otherwise. The backward runs one
 // round only (shape.num_rounds() == 1: the forward kept that round's activations).
 void moe_megakernel(const MegaArgs& args, cudaStream_t stream);
 

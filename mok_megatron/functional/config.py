@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
            "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS",
-           "FP8_BACKWARDS", "MOK_ROW_ALIGN", "KNOB_USERS", "LayerDims", "engine_step_list",
+           "FP8_BACKWARDS", "MEGAKERNEL_CLUSTERS", "MOK_ROW_ALIGN", "KNOB_USERS", "LayerDims",
+           "engine_step_list",
            "tuned_table_path",
            "warn_ignored_knobs"]  # fmt: skip
 
@@ -45,6 +46,8 @@ BWD_SCHEDULES = ("macrobatch",)
 CUDA_FORWARDS = ("auto", "megakernel", "stage1")
 #: The CUDA backend's backward paths (MoKConfig.cuda_backward).
 CUDA_BACKWARDS = ("auto", "megakernel", "stage1")
+#: CTAs per cluster of the megakernels (MoKConfig.megakernel_cluster; layout::kMaxClusterCtas).
+MEGAKERNEL_CLUSTERS = (1, 2)
 #: The fused gate/up form's GEMM steps the expert GEMM engine can run (MoKConfig.expert_gemm):
 #: "l1" L1 + SwiGLU (forward, and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU
 #: backward, and the plain GEMMs: "l2" the L2 forward, "dgrad" the dgrads (against W_down without
@@ -73,6 +76,7 @@ KNOB_USERS = {
     "macrobatch_size": ("cuda/stage1", "cuda/megakernel"),
     "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
     "cuda_backward": ("cuda/megakernel",),
+    "megakernel_cluster": ("cuda/megakernel",),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
     "expert_precision": ("reference", "cuda/stage1"),  # the megakernel refuses fp8_blockwise
@@ -168,6 +172,13 @@ class MoKConfig:
         "Backward schedule: 'macrobatch' (deterministic, the only one implemented; 'minibatch', "
         "finer overlap with a weight-gradient order that is not fixed, is not built yet).",
     )
+    megakernel_cluster: int = _knob(
+        1,
+        "CTAs per cluster of the megakernels' GEMM tiles: 1, or 2 (the two CTAs of a cluster run "
+        "two n-tiles of one m-tile and share its A tile by TMA multicast, a sixth less L2 traffic "
+        "per k-tile; fwd_num_comm_sms and bwd_num_comm_sms must then be even). 2 is compiled and "
+        "CPU-tested, not yet run on a GPU (docs/MEGAKERNEL.md).",
+    )
 
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
@@ -212,6 +223,19 @@ class MoKConfig:
                 f"MoKConfig.cuda_backward={self.cuda_backward!r} must be one of "
                 f"{CUDA_BACKWARDS}; 'auto' picks the backward megakernel where it can run"
             )
+        cluster = self.megakernel_cluster
+        if type(cluster) is not int or cluster not in MEGAKERNEL_CLUSTERS:
+            raise ValueError(
+                f"MoKConfig.megakernel_cluster={cluster!r} must be one of {MEGAKERNEL_CLUSTERS} "
+                "(CTAs per cluster); 1 is the default"
+            )
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms"):
+            value = getattr(self, name)
+            if value != AUTO and value % cluster != 0:
+                raise ValueError(
+                    f"MoKConfig.{name}={value} must be a multiple of megakernel_cluster={cluster} "
+                    f"(so that a cluster's CTAs start their tasks together); try {value + 1}"
+                )
         if self.cuda_backward == "megakernel" and self.cuda_forward == "stage1":
             raise ValueError(
                 "MoKConfig.cuda_backward='megakernel' needs the megakernel's forward (it reads "

@@ -119,6 +119,8 @@ MEGA_PHASES = {
     4: ("backward: L2-dgrad task waiting for its d_out rows to land", "minibatch", "arrive"),
     5: ("backward: L1-dgrad task waiting for its m-tile's L2-dgrad tasks", "m-tile", "l1_done"),
     6: ("backward: end-of-round barrier", "round", "grid barrier"),
+    9: ("cluster mailbox: a cluster's CTAs passing their tickets", "ticket", "mailbox"),
+    12: ("backward: cluster mailbox: a cluster's CTAs passing their tickets", "ticket", "mailbox"),
 }
 
 
@@ -338,7 +340,7 @@ def moe_mega_plan(topk, router_weights, comm, num_experts, row_capacity, token_c
 def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm, *,
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                      num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
-                     trace=False):  # fmt: skip
+                     trace=False, cluster=1):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging, the megakernel, the slot-ordered sum at the source. Collective.
 
@@ -351,13 +353,15 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     ``stall_minibatch`` (tests only): the comm CTAs never release that minibatch of round 0, so
     its tiles time out. ``trace`` (diagnostics, scripts/megakernel_trace.py): the outputs
     ``trace_ctas`` / ``trace_tasks`` hold the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` /
-    ``MEGA_TRACE_TASK_FIELDS``), else [0].
+    ``MEGA_TRACE_TASK_FIELDS``), else [0]. ``cluster``: CTAs per cluster of the megakernel (1 or
+    2, ``MoKConfig.megakernel_cluster``); its grid is ``num_sms`` (0: every SM) rounded down to
+    whole clusters.
     """
     given = [plan[name] for name in mega_plan_fields()] if plan is not None else []
     values = torch.ops.mok.moe_mega_forward(
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
-        keep_y, stall_minibatch, trace,
+        keep_y, stall_minibatch, trace, cluster,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -365,7 +369,7 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
 
 def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, *,
                       num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
-                      stall_minibatch=-1, trace=False):  # fmt: skip
+                      stall_minibatch=-1, trace=False, cluster=1):  # fmt: skip
     """The data gradients of one forward pass (one round) in one op: staging d_out, the backward
     megakernel (d_out rows pulled into the ring; the L2 dgrad with the SwiGLU backward and the
     router-weight gradient in its epilogue; the L1 dgrad, its rows stored into their sources'
@@ -375,12 +379,13 @@ def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, sh
     plan: the forward's ``moe_mega_plan`` dict; act_ring [ring, I] / h_ring [ring, 2I]: the
     forward's kept rings. Returns a dict by name (``mega_backward_fields``): d_x [T, H], d_rows
     [ring, H] and d_h [ring, 2I] (the weight gradients' rows), d_row_w [ring] float32 (0 on
-    padding), and the timeline as ``moe_mega_forward``'s.
+    padding), and the timeline and ``cluster`` as ``moe_mega_forward``'s.
     """
     given = [plan[name] for name in mega_plan_fields()]
     values = torch.ops.mok.moe_mega_backward(
         d_out, topk, given, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, num_experts,
         row_capacity, minibatch, macrobatch, num_comm_sms, num_sms, stall_minibatch, trace,
+        cluster,
     )  # fmt: skip
     return dict(zip(mega_backward_fields(), values))
 
@@ -404,10 +409,23 @@ def _mega_plan_fake(topk, router_weights, comm, num_experts, row_capacity, token
     return [global_topk, router_weights.new_empty(w, t_max, k), *sched, i32(w * t_max * k), *plan]
 
 
+def _mega_grid(like, num_sms: int, cluster: int) -> int:
+    """The megakernel's grid (csrc/apis/moe_mega.cpp, mega_grid): num_sms (0: every SM of the
+    device) rounded down to whole clusters. NOTE: with num_sms 0 in clusters, the op also caps the
+    grid at the clusters the device holds at once, a device query the fake does not make: where
+    they hold fewer CTAs than it has SMs, a traced op has fewer timeline rows than its fake."""
+    grid = (
+        num_sms
+        if num_sms > 0
+        else torch.cuda.get_device_properties(like.device).multi_processor_count
+    )
+    return grid // cluster * cluster
+
+
 def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm,
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                        num_comm_sms, num_sms, save, keep_y, stall_minibatch,
-                       trace=False):  # fmt: skip
+                       trace=False, cluster=1):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring, one = shape.ring_rows, shape.num_rounds == 1
@@ -419,9 +437,7 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
         x.new_empty(ring if save and one and keep_y else 0, hidden),
         x.new_empty(token_capacity if save and not one else 0, hidden),
     ]  # fmt: skip
-    grid = num_sms
-    if trace and grid <= 0:  # the op's grid: every SM of the device
-        grid = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = _mega_grid(x, num_sms, cluster) if trace else 0
     i64 = lambda *s: x.new_empty(*s, dtype=torch.int64)  # noqa: E731
     out += [
         i64(grid if trace else 0, len(MEGA_TRACE_CTA_FIELDS)),
@@ -432,15 +448,13 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
 
 def _mega_backward_fake(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm,
                         num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
-                        stall_minibatch, trace=False):  # fmt: skip
+                        stall_minibatch, trace=False, cluster=1):  # fmt: skip
     inter, hidden = w_down.shape[2], d_out.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring = shape.ring_rows
     out = [d_out.new_empty(d_out.shape), d_out.new_empty(ring, hidden),
            d_out.new_empty(ring, 2 * inter), d_out.new_empty(ring, dtype=torch.float32)]  # fmt: skip
-    grid = num_sms
-    if trace and grid <= 0:
-        grid = torch.cuda.get_device_properties(d_out.device).multi_processor_count
+    grid = _mega_grid(d_out, num_sms, cluster) if trace else 0
     i64 = lambda *s: d_out.new_empty(*s, dtype=torch.int64)  # noqa: E731
     return out + [
         i64(grid if trace else 0, len(MEGA_TRACE_CTA_FIELDS)),

@@ -18,7 +18,7 @@ def test_every_knob_is_documented_and_defaults_validate():
                      "schedule_capacity_multiplier", "cuda_forward", "cuda_backward",
                      "expert_gemm",
                      "expert_precision", "fp8_backward", "wait_timeout_ms",
-                     "bwd_schedule"]  # fmt: skip
+                     "bwd_schedule", "megakernel_cluster"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -55,6 +55,17 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"wait_timeout_ms": 0}, ["wait_timeout_ms=0", "positive", "try 10000"]),
         ({"wait_timeout_ms": -5}, ["wait_timeout_ms=-5", "positive"]),
         ({"wait_timeout_ms": 2**31}, ["wait_timeout_ms=2147483648", "below 2**31"]),
+        ({"megakernel_cluster": 4}, ["megakernel_cluster=4", "(1, 2)"]),
+        ({"megakernel_cluster": True}, ["megakernel_cluster=True", "(1, 2)"]),
+        ({"megakernel_cluster": 2.0}, ["megakernel_cluster=2.0", "(1, 2)"]),
+        (
+            {"megakernel_cluster": 2, "fwd_num_comm_sms": 7},
+            ["fwd_num_comm_sms=7", "multiple of megakernel_cluster=2", "try 8"],
+        ),
+        (
+            {"megakernel_cluster": 2, "bwd_num_comm_sms": 21},
+            ["bwd_num_comm_sms=21", "multiple of megakernel_cluster=2", "try 22"],
+        ),
     ],
 )
 def test_invalid_knobs_name_rule_value_and_fix(kwargs, words):
@@ -224,4 +235,26 @@ def test_default_knobs_and_used_knobs_do_not_warn():
     with pytest.warns(UserWarning, match="fwd_num_comm_sms=30 has no effect on the cuda/stage1"):
         assert warn_ignored_knobs(MoKConfig(fwd_num_comm_sms=30), "cuda/stage1") == [
             "fwd_num_comm_sms"
+        ]
+
+
+def test_megakernel_clusters_of_two_take_even_or_auto_comm_sms():
+    """megakernel_cluster=2 with the "auto" comm SMs (the tuned tables and the fallbacks are
+    even) or even ones is valid, and resolves as any other config."""
+    config = MoKConfig(megakernel_cluster=2)
+    resolved = config.resolve("cpu", 1)
+    assert resolved.megakernel_cluster == 2
+    assert resolved.fwd_num_comm_sms % 2 == resolved.bwd_num_comm_sms % 2 == 0
+    assert MoKConfig(megakernel_cluster=2, fwd_num_comm_sms=8, bwd_num_comm_sms=20)
+
+
+def test_megakernel_cluster_is_a_megakernel_knob():
+    from mok_megatron.functional.config import warn_ignored_knobs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_ignored_knobs(MoKConfig(megakernel_cluster=2), "cuda/megakernel") == []
+    with pytest.warns(UserWarning, match="megakernel_cluster=2 has no effect on the cuda/stage1"):
+        assert warn_ignored_knobs(MoKConfig(megakernel_cluster=2), "cuda/stage1") == [
+            "megakernel_cluster"
         ]

@@ -141,7 +141,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
         num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
         stall_minibatch=ws.buffers.stall_minibatch,
-        trace=ws.buffers.trace,
+        trace=ws.buffers.trace, cluster=c.megakernel_cluster,
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_trace = (outs["trace_ctas"], outs["trace_tasks"])
@@ -225,6 +225,7 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
         minibatch=c.minibatch_size, macrobatch=c.macrobatch_size,
         num_comm_sms=c.bwd_num_comm_sms, num_sms=ws.buffers.num_sms,
         stall_minibatch=ws.buffers.stall_minibatch, trace=ws.buffers.trace,
+        cluster=c.megakernel_cluster,
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_backward_trace = (outs["trace_ctas"], outs["trace_tasks"])

@@ -19,44 +19,59 @@ constexpr int kMegaThreads = 384;  // producer warpgroup + two consumer warpgrou
 static_assert(kMegaThreads == 128 + roles::kMegaConsumerThreads, "one producer warpgroup");
 constexpr size_t kMegaSmemAlign = 1024;
 constexpr size_t kMegaSmemBytes = sizeof(roles::MegaComputeStorage<false>) + kMegaSmemAlign;
-static_assert(sizeof(roles::MegaComputeStorage<true>) == sizeof(roles::MegaComputeStorage<false>),
-              "one shared-memory size (and occupancy check) serves both megakernels");
+template <int kCluster>
+constexpr bool one_smem_size() {
+  return sizeof(roles::MegaComputeStorage<true, kCluster>) ==
+             sizeof(roles::MegaComputeStorage<false>) &&
+         sizeof(roles::MegaComputeStorage<false, kCluster>) ==
+             sizeof(roles::MegaComputeStorage<false>);
+}
+static_assert(one_smem_size<1>() && one_smem_size<layout::kMaxClusterCtas>(),
+              "one shared-memory size (and occupancy check) serves both megakernels, in every "
+              "cluster size");
 
 // Passed by value (__grid_constant__): the TMA descriptors stay in parameter space.
-template <bool kBackward>
+template <bool kBackward, int kCluster>
 struct MegaKernelParams {
   roles::MegaParams p;
-  gemm::MegaGemmParamsOf<gemm::MegaMainloopOf<kBackward>> gemm;
+  gemm::MegaGemmParamsOf<gemm::MegaMainloopOf<kBackward, kCluster>> gemm;
 };
-static_assert(sizeof(MegaKernelParams<false>) <= 4096 && sizeof(MegaKernelParams<true>) <= 4096,
+static_assert(sizeof(MegaKernelParams<false, 1>) <= 4096 &&
+                  sizeof(MegaKernelParams<true, 1>) <= 4096 &&
+                  sizeof(MegaKernelParams<false, layout::kMaxClusterCtas>) <= 4096 &&
+                  sizeof(MegaKernelParams<true, layout::kMaxClusterCtas>) <= 4096,
               "kernel parameters must fit the classic 4 KB");
 
 // The dynamic shared memory base, rounded up to kMegaSmemAlign (kMegaSmemBytes has the slack).
-template <bool kBackward>
-MOK_DEVICE roles::MegaComputeStorage<kBackward>& compute_storage(char* smem) {
+template <bool kBackward, int kCluster>
+MOK_DEVICE roles::MegaComputeStorage<kBackward, kCluster>& compute_storage(char* smem) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t pad = (kMegaSmemAlign - addr % kMegaSmemAlign) % kMegaSmemAlign;
-  return *reinterpret_cast<roles::MegaComputeStorage<kBackward>*>(smem + pad);
+  return *reinterpret_cast<roles::MegaComputeStorage<kBackward, kCluster>*>(smem + pad);
 }
 
+// kCluster: CTAs per cluster, 1 or 2 (launched with that cluster dimension; roles/
+// megakernel_compute.cuh says what a cluster shares).
 // NOTE: no function calls anywhere below (no printf, no 64-bit division): ptxas would ignore
 // setmaxnreg and serialise wgmma.
+template <int kCluster>
 __global__ void __launch_bounds__(kMegaThreads, 1)
-    moe_forward_megakernel(const __grid_constant__ MegaKernelParams<false> params) {
+    moe_forward_megakernel(const __grid_constant__ MegaKernelParams<false, kCluster> params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem[];
-  roles::cta_role<false>(params.p, params.gemm, compute_storage<false>(smem));
+  roles::cta_role<false, kCluster>(params.p, params.gemm, compute_storage<false, kCluster>(smem));
 #endif
 }
 
 // The backward's data gradients: d_out rows pulled into the ring, the L2 dgrad with the SwiGLU
 // backward in its epilogue (d_h and the router-weight gradient's partials), then the L1 dgrad,
 // whose rows go straight into their sources' slot_rows.
+template <int kCluster>
 __global__ void __launch_bounds__(kMegaThreads, 1)
-    moe_backward_megakernel(const __grid_constant__ MegaKernelParams<true> params) {
+    moe_backward_megakernel(const __grid_constant__ MegaKernelParams<true, kCluster> params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem[];
-  roles::cta_role<true>(params.p, params.gemm, compute_storage<true>(smem));
+  roles::cta_role<true, kCluster>(params.p, params.gemm, compute_storage<true, kCluster>(smem));
 #endif
 }
 

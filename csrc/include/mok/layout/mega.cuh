@@ -13,6 +13,8 @@
 // `MegaTile` names one (ring rows [row_begin, row_end)). An L1 task is (m-tile, n-tile of 2I), an
 // L2 task (m-tile, n-tile of H); both tile widths are kBlockN. Every CTA takes a round's tasks in
 // one fixed order (roles/megakernel_tasks.cuh), each the next ticket of the round's ticket word.
+// In clusters of C CTAs (MoKConfig.megakernel_cluster), a ticket is C tasks of one m-tile, n-tiles
+// C j .. C j + C - 1, one per CTA of the cluster, which share the m-tile's A tile (TMA multicast).
 //
 // Counters (int32, in the workspace's counters region; zero when the workspace is made, never
 // reset): a pass increments `epoch`; round r of a pass works with generation
@@ -36,6 +38,7 @@ constexpr int kGroupAlign = 8;   // rows: each expert's padded group starts at a
 constexpr int kBlockM = 128;     // rows of one GEMM tile (the minibatch granularity too)
 constexpr int kBlockN = 256;     // columns of one GEMM tile
 constexpr int kOrderBlockTiles = 16;  // m-tiles per block of a round's task order
+constexpr int kMaxClusterCtas = 2;    // CTAs per cluster of the megakernels: 1 or 2
 
 // Counter words before the flag arrays.
 constexpr int kEpoch = 0;
@@ -81,11 +84,13 @@ struct MegaShape {
   // gradient's partial sums per row. Its task and flag counts fit the forward's (I < 2I).
   MOK_HOST_DEVICE int64_t dgrad_ntiles() const { return ceil_div(inter, kBlockN); }
   MOK_HOST_DEVICE int64_t l2_ntiles() const { return ceil_div(hidden, kBlockN); }
-  // Tickets of a round at most: every block of the task order padded to kOrderBlockTiles m-tiles
-  // (roles/megakernel_tasks.cuh, MegaTaskOrder::num_tasks).
+  // Task records of a round at most: every block of the task order padded to kOrderBlockTiles
+  // m-tiles (roles/megakernel_tasks.cuh, MegaTaskOrder::num_tasks), and each GEMM's n-tiles to a
+  // whole cluster of the largest size (a ticket's C tasks have records C ticket + rank).
   MOK_HOST_DEVICE int64_t max_tasks() const {
     const int64_t blocks = ceil_div(max_tiles(), kOrderBlockTiles);
-    return blocks * kOrderBlockTiles * (l1_ntiles() + l2_ntiles());
+    const auto whole = [](int64_t n) { return ceil_div(n, kMaxClusterCtas) * kMaxClusterCtas; };
+    return blocks * kOrderBlockTiles * (whole(l1_ntiles()) + whole(l2_ntiles()));
   }
 
   MOK_HOST_DEVICE int64_t arrive_word() const { return kCounterHeader; }
@@ -128,8 +133,15 @@ enum class MegaPhase : int {
   kBwdWaitRows = 4,   // backward: an L2-dgrad task waited for its d_out rows (arrive)
   kBwdWaitL1 = 5,     // backward: an L1-dgrad task waited for its m-tile's L2 dgrads (l1_done)
   kBwdRoundBarrier = 6,
+  // NOTE: the cluster mailbox's phases come after the others, numbered so that the depth rule
+  // (roles/megakernel_tasks.cuh, timeout_of) gives them the round barrier's 3x, and the backward's
+  // is the forward's + kBackwardPhases as for the others.
+  kClusterTicket = 9,      // the second CTA of a cluster waited for the ticket the first took,
+                           // or the first for the second to read an earlier one (a shared-memory
+                           // mailbox: counter -1; index: the ticket's number in the launch)
+  kBwdClusterTicket = 12,  // the same, backward
 };
-constexpr int kBackwardPhases = 3;
+constexpr int kBackwardPhases = 3;  // phase p of the forward is p + 3 of the backward
 
 // The error record (int32 words, all zero until a wait times out); mirrored in
 // mok_megatron/ops/moe.py (MEGA_ERROR_FIELDS). It lives in pinned host memory, so the host can
@@ -145,8 +157,8 @@ enum MegaError : int {
   kMegaErrSeen = 6,      // its value, last read
   kMegaErrExpected = 7,  // the generation waited for
   kMegaErrTimeoutMs = 8, // how long that wait lasted: timeout_ns x 1 (kL1WaitRows), x 2
-                         // (kL2WaitL1), x 3 (kRoundBarrier), so the wait nearest a stall's
-                         // cause gives up first
+                         // (kL2WaitL1), x 3 (kRoundBarrier, kClusterTicket), so the wait
+                         // nearest a stall's cause gives up first
   kMegaErrWords = 9,
 };
 

@@ -10,12 +10,16 @@
 // kBackward: the backward megakernel, the same roles over its two data-gradient GEMMs (the
 // backward's mainloop, gemm::MegaMainloopNN); only the first GEMM's epilogue differs
 // (gemm::dswiglu_epilogue instead of gemm::l1_epilogue).
+// kCluster: CTAs per cluster (1 or 2). In a cluster of 2, a ticket is a cluster task: the two
+// CTAs run n-tiles 2 n and 2 n + 1 of one m-tile and share its A tile (TMA multicast); the first
+// takes the tickets, the second receives them (roles/megakernel_cluster.cuh).
 #pragma once
 
 #include <cstdint>
 
 #include "mok/common/macros.cuh"
 #include "mok/common/ptx.cuh"
+#include "mok/roles/megakernel_cluster.cuh"
 #include "mok/roles/megakernel_comm.cuh"
 #include "mok/roles/megakernel_gemm.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
@@ -23,6 +27,7 @@
 namespace mok::roles {
 
 using gemm::MegaAccumulators;
+using gemm::MegaLaunchCluster;
 using gemm::MegaGemmParamsOf;
 using gemm::MegaMainloopOf;
 using gemm::MegaPipeline;
@@ -45,15 +50,17 @@ enum class MegaBarrier : int {
 using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
 using MegaTicketState = typename MegaTicketQueue::PipelineState;
 
-template <bool kBackward>
+template <bool kBackward, int kCluster = 1>
 struct MegaComputeStorage {
-  using Mainloop = MegaMainloopOf<kBackward>;
+  using Mainloop = MegaMainloopOf<kBackward, kCluster>;
   // NOTE: 128-byte-swizzled TMA / wgmma tiles want 1024-byte alignment; the kernel aligns the
-  // dynamic shared memory base to it. The ticket queue fits the mainloop's carveout.
+  // dynamic shared memory base to it. The ticket queue and the mailbox fit the mainloop's
+  // carveout.
   alignas(1024) typename Mainloop::TensorStorage tensors;
   alignas(16) typename Mainloop::PipelineStorage pipeline;
   alignas(16) typename MegaTicketQueue::SharedStorage ticket_barriers;
   int32_t tickets[kMegaTicketDepth];
+  MegaMailbox mailbox;  // clusters of 2 only
 };
 
 // One round as this CTA sees it.
@@ -63,22 +70,37 @@ struct MegaRound {
   MegaTaskOrder order;
 };
 
+// In clusters of kCluster CTAs the order is over clusters and groups of kCluster n-tiles.
+template <int kCluster>
 MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
-  const MegaTaskOrder order(p.tile_count[round], p.l1_ntiles, p.l2_ntiles, p.num_ctas);
+  const MegaTaskOrder order(p.tile_count[round], (p.l1_ntiles + kCluster - 1) / kCluster,
+                            (p.l2_ntiles + kCluster - 1) / kCluster, p.num_ctas / kCluster);
   return {round, p.generation(round), order};
 }
 
+// This CTA's task of a ticket's task: n-tile kCluster n + its rank in the cluster (in a cluster,
+// it may lie past the GEMM's n-tiles: see consume_task), and the task's trace record slot.
+template <int kCluster>
+MOK_DEVICE MegaTask cta_task(const MegaTask& task) {
+  return {task.l2, task.tile, task.n * kCluster + cluster_rank<kCluster>()};
+}
+template <int kCluster>
+MOK_DEVICE int trace_slot(int ticket) {
+  return ticket * kCluster + cluster_rank<kCluster>();
+}
+
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
-template <bool kBackward>
+// `task` is this CTA's (cta_task); `slot` its trace record.
+template <bool kBackward, int kCluster>
 CUTLASS_DEVICE void produce_task(const MegaParams& p,
-                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
+                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
                                  MegaPipeline& pipeline, MegaPipelineState& state,
-                                 typename MegaMainloopOf<kBackward>::TensorStorage& smem,
-                                 const MegaRound& rd, int ticket, const MegaTask& task) {
-  using Mainloop = MegaMainloopOf<kBackward>;
+                                 typename MegaMainloopOf<kBackward, kCluster>::TensorStorage& smem,
+                                 const MegaRound& rd, int slot, const MegaTask& task) {
+  using Mainloop = MegaMainloopOf<kBackward, kCluster>;
   const MegaTile tile = p.tile(rd.round, task.tile);
   const bool leader = threadIdx.x % 32 == 0;  // NOTE: thread 0 is the pipeline's is_leader
-  if (leader) trace_task(p, rd.round, ticket, layout::kTraceTake);
+  if (leader) trace_task(p, rd.round, slot, layout::kTraceTake);
   if (!task.l2) {
     // The rows [row_begin, row_end) landed: every minibatch covering them was released.
     const int mb_first = tile.row_begin / p.minibatch_rows;
@@ -86,7 +108,7 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     const int num_mb = tile.row_end > tile.row_begin ? mb_last - mb_first + 1 : 0;
     wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
                   {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
-    if (leader) trace_task(p, rd.round, ticket, layout::kTraceReady);
+    if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        p.l1_n,
                               p.hidden,       p.l1_ktiles, p.num_local_experts};
     if (leader) gemm::load_task<Mainloop>(gp.l1, pipeline, state, smem, load);
@@ -95,7 +117,7 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     // The m-tile's act rows are stored: all n1 L1 tasks of the m-tile released l1_done.
     wait_counters(p, p.l1_done_word + task.tile * p.l1_ntiles, p.l1_ntiles, rd.gen,
                   {pass_phase(p, MegaPhase::kL2WaitL1), rd.round, task.tile, 0});
-    if (leader) trace_task(p, rd.round, ticket, layout::kTraceReady);
+    if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        p.hidden,
                               p.l2_k,         p.l2_ktiles, p.num_local_experts};
     if (leader) gemm::load_task<Mainloop>(gp.l2, pipeline, state, smem, load);
@@ -125,20 +147,29 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
 // forward L1's h) during the next task's mainloop, between its wgmma: bitwise the same, the
 // epilogue shorter, but the mainloop's k-tiles slower and the consumers waiting longer for
 // tickets; every shape's span was longer, forward and backward (docs/perf_notes.md).
-template <bool kBackward>
+// `task` is this CTA's (cta_task); `slot` its trace record. In a cluster, a task past the GEMM's
+// n-tiles (its n-tile count odd) only keeps the cluster in step: both warpgroups take its stages
+// (loaded: A for the other CTA, B zero-filled) as an idle warpgroup does, and store nothing.
+template <bool kBackward, int kCluster>
 CUTLASS_DEVICE void consume_task(const MegaParams& p,
-                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
+                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
                                  MegaPipeline& pipeline, MegaPipelineState& state,
-                                 typename MegaMainloopOf<kBackward>::TensorStorage& smem,
-                                 const MegaRound& rd, int ticket, const MegaTask& task,
+                                 typename MegaMainloopOf<kBackward, kCluster>::TensorStorage& smem,
+                                 const MegaRound& rd, int slot, const MegaTask& task,
                                  int mma_thread_idx) {
   const MegaTile tile = p.tile(rd.round, task.tile);
   const int rows = tile.row_end - tile.row_begin;
   const bool tracer = mma_thread_idx == 0;
+  if constexpr (kCluster > 1) {
+    if (task.n >= (task.l2 ? p.l2_ntiles : p.l1_ntiles)) {
+      gemm::idle_task(pipeline, state, task.l2 ? p.l2_ktiles : p.l1_ktiles);
+      return;
+    }
+  }
   if (tracer) {
-    trace_task(p, rd.round, ticket, layout::kTraceGot);
-    trace_task(p, rd.round, ticket, layout::kTraceTaskCta, 1 + blockIdx.x);
-    trace_task(p, rd.round, ticket, layout::kTraceTaskId,
+    trace_task(p, rd.round, slot, layout::kTraceGot);
+    trace_task(p, rd.round, slot, layout::kTraceTaskCta, 1 + blockIdx.x);
+    trace_task(p, rd.round, slot, layout::kTraceTaskId,
                (int64_t{task.l2} << 40) | (int64_t{task.tile} << 20) | task.n);
   }
   const int k_tiles = task.l2 ? p.l2_ktiles : p.l1_ktiles;
@@ -157,9 +188,9 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
   MegaAccumulators acc;
   // NOTE: the collective's mma() reads no Params field (the data comes through shared memory),
   // so one call serves both GEMMs; only the k-tile count differs.
-  gemm::mma_task<MegaMainloopOf<kBackward>>(gp.l1, pipeline, state, smem, acc, k_tiles,
-                                             mma_thread_idx);
-  if (tracer) trace_task(p, rd.round, ticket, layout::kTraceMmaEnd);
+  gemm::mma_task<MegaMainloopOf<kBackward, kCluster>>(gp.l1, pipeline, state, smem, acc, k_tiles,
+                                                       mma_thread_idx);
+  if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
   if (!task.l2) {
     if constexpr (kBackward) {
       gemm::dswiglu_epilogue(p, acc, mma_thread_idx, rd.round, tile.row_begin, rows, task.n);
@@ -170,7 +201,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
   } else {
     gemm::l2_epilogue(p, acc, dsts, task.n);
   }
-  if (tracer) trace_task(p, rd.round, ticket, layout::kTraceEpiEnd);
+  if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
 }
 
 // Whether this CTA pulls rows (its comm index) or not (-1).
@@ -181,26 +212,29 @@ MOK_DEVICE int comm_index(const MegaParams& p) {
 
 // The producer warpgroup: warp 0 takes and loads tasks of every round (a comm CTA's once its
 // rows are pulled) and passes each ticket on, the round's first ticket past its tasks last;
-// warps 1-3 only meet the round barriers.
-template <bool kBackward>
+// warps 1-3 only meet the round barriers. In a cluster the first CTA takes the tickets and posts
+// them to the second (cluster_ticket).
+template <bool kBackward, int kCluster>
 CUTLASS_DEVICE void producer_role(const MegaParams& p,
-                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
+                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
                                   MegaPipeline& pipeline, MegaTicketQueue& queue,
-                                  MegaComputeStorage<kBackward>& storage) {
+                                  MegaComputeStorage<kBackward, kCluster>& storage) {
   MegaPipelineState state = cutlass::make_producer_start_state<MegaPipeline>();
   MegaTicketState queue_state = cutlass::make_producer_start_state<MegaTicketQueue>();
   const bool loader = threadIdx.x / 32 == 0;
   const bool leader = threadIdx.x % 32 == 0;
   const bool pulls = comm_index(p) >= 0;
+  uint32_t seq = 0;  // tickets this CTA took or received, all rounds (the mailbox's position)
   for (int round = 0; round < p.num_rounds; ++round) {
-    const MegaRound rd = make_round(p, round);
+    const MegaRound rd = make_round<kCluster>(p, round);
     if (loader) {
       if (pulls) {
         ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kPulled), 32 + kMegaConsumerThreads);
       }
       for (;;) {
         int t = 0;
-        if (leader) t = next_ticket(p);
+        if (leader) t = cluster_ticket<kCluster>(p, storage.mailbox, seq, round);
+        ++seq;
         t = __shfl_sync(0xffffffffu, t, 0);
         if (leader) {
           queue.producer_acquire(queue_state);
@@ -211,7 +245,8 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
         if (t >= rd.order.num_tasks()) break;
         const MegaTask task = rd.order.decode(t);
         if (!rd.order.skipped(task)) {
-          produce_task<kBackward>(p, gp, pipeline, state, storage.tensors, rd, t, task);
+          produce_task<kBackward, kCluster>(p, gp, pipeline, state, storage.tensors, rd,
+                                            trace_slot<kCluster>(t), cta_task<kCluster>(task));
         }
       }
     }
@@ -221,18 +256,18 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
 
 // The consumer warpgroups, every round: a comm CTA's pulls first, then the producer's tickets up
 // to the one past the round's tasks, then the round barrier.
-template <bool kBackward>
+template <bool kBackward, int kCluster>
 CUTLASS_DEVICE void consumer_role(const MegaParams& p,
-                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
+                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
                                   MegaPipeline& pipeline, MegaTicketQueue& queue,
-                                  MegaComputeStorage<kBackward>& storage) {
+                                  MegaComputeStorage<kBackward, kCluster>& storage) {
   MegaPipelineState state;         // phase 0: waits for the producer's first fill
   MegaTicketState queue_state;     // likewise
   // As CUTLASS's cooperative kernel: consumer warpgroup 1 is the tile's second 64 rows.
   const int mma_thread_idx = static_cast<int>(threadIdx.x) % kMegaConsumerThreads;
   const int comm_idx = comm_index(p);
   for (int round = 0; round < p.num_rounds; ++round) {
-    const MegaRound rd = make_round(p, round);
+    const MegaRound rd = make_round<kCluster>(p, round);
     if (comm_idx >= 0) {
       const auto sync = [] {
         ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kConsumers), kMegaConsumerThreads);
@@ -251,8 +286,9 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
       if (t >= rd.order.num_tasks()) break;
       const MegaTask task = rd.order.decode(t);
       if (!rd.order.skipped(task)) {
-        consume_task<kBackward>(p, gp, pipeline, state, storage.tensors, rd, t, task,
-                                mma_thread_idx);
+        consume_task<kBackward, kCluster>(p, gp, pipeline, state, storage.tensors, rd,
+                                          trace_slot<kCluster>(t), cta_task<kCluster>(task),
+                                          mma_thread_idx);
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
@@ -271,11 +307,11 @@ MOK_DEVICE Category pipeline_role(int warp_group) {
 
 // A CTA's whole launch: the pipelines, then the warpgroup roles with their register budgets
 // (setmaxnreg, in one if/else as CUTLASS's kernel does).
-template <bool kBackward>
+template <bool kBackward, int kCluster>
 CUTLASS_DEVICE void cta_role(const MegaParams& p,
-                             const MegaGemmParamsOf<MegaMainloopOf<kBackward>>& gp,
-                             MegaComputeStorage<kBackward>& storage) {
-  using Mainloop = MegaMainloopOf<kBackward>;
+                             const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
+                             MegaComputeStorage<kBackward, kCluster>& storage) {
+  using Mainloop = MegaMainloopOf<kBackward, kCluster>;
   const int warp_group = static_cast<int>(threadIdx.x) / 128;
   typename MegaPipeline::Params pipe;
   pipe.role = pipeline_role<typename MegaPipeline::ThreadCategory>(warp_group);
@@ -285,7 +321,12 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   // NOTE: both GEMMs move full 128x64 + 256x64 bf16 boxes per stage (TMA counts zero-filled
   // bytes too), so one transaction size serves L1 and L2.
   pipe.transaction_bytes = gp.l1.tma_transaction_bytes;
-  MegaPipeline pipeline(storage.pipeline, pipe, gemm::ClusterShape{});
+  // NOTE: in a cluster, every consumer release must also reach the other CTA's empty barrier
+  // (its producer multicasts A into this CTA's stages). The pipeline picks the CTAs it signals
+  // by their cluster coordinates (block_id_in_cluster), so it takes the launch's geometry,
+  // (kCluster, 1, 1), not the collective's (1, kCluster, 1): with the latter the second CTA's
+  // barriers would get half their arrivals (the same count, 2 CTAs x 2 warpgroups, either way).
+  MegaPipeline pipeline(storage.pipeline, pipe, MegaLaunchCluster<kCluster>{});
   typename MegaTicketQueue::Params qp;
   qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group);
   qp.producer_arv_count = 1;                     // the producer warp's lane 0
@@ -296,14 +337,28 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
     Mainloop::prefetch_tma_descriptors(gp.l1);
     Mainloop::prefetch_tma_descriptors(gp.l2);
   }
-  __syncthreads();  // the pipelines' barriers are initialised before anyone uses them
+  if constexpr (kCluster > 1) {
+    if (threadIdx.x == 0) init_mailbox(storage.mailbox);
+    cutlass::arch::fence_barrier_init();
+    // Every barrier of the cluster is initialised before any CTA signals another's.
+    cute::cluster_arrive_relaxed();
+    cute::cluster_wait();
+  } else {
+    __syncthreads();  // the pipelines' barriers are initialised before anyone uses them
+  }
   if (threadIdx.x == 0) trace_cta_set(p, layout::kTraceStart, trace_now());
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kMegaProducerRegs>();
-    producer_role<kBackward>(p, gp, pipeline, queue, storage);
+    producer_role<kBackward, kCluster>(p, gp, pipeline, queue, storage);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMegaConsumerRegs>();
-    consumer_role<kBackward>(p, gp, pipeline, queue, storage);
+    consumer_role<kBackward, kCluster>(p, gp, pipeline, queue, storage);
+  }
+  if constexpr (kCluster > 1) {
+    // NOTE: no CTA leaves while the other may still signal its barriers (stage releases, the
+    // mailbox) or multicast into its shared memory.
+    cute::cluster_arrive();
+    cute::cluster_wait();
   }
 }
 

@@ -36,29 +36,49 @@ static_assert(cute::size<0>(MegaTileShape{}) == layout::kBlockM &&
 
 constexpr int kMegaSmemCarveout = 1024;  // bytes of shared memory left to the kernel's own use
 
-// The non-array TMA + wgmma collective (MainloopSm90TmaGmmaWarpSpecialized).
-using MegaMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+// The CTAs of a megakernel's cluster, (1, C, 1) in CUTLASS's (M, N, K) order: the C CTAs run C
+// n-tiles of one m-tile and share its A tile by TMA multicast (layout::kMaxClusterCtas).
+template <int kCluster>
+using MegaClusterShape = cute::Shape<cute::_1, cute::Int<kCluster>, cute::_1>;
+static_assert(std::is_same_v<MegaClusterShape<1>, ClusterShape>, "1 CTA: the engine's cluster");
+// The cluster as launched (launch/moe_megakernel.cu: clusterDim.x = C): CTA c of the cluster is
+// at (c, 0, 0), and its rank is c, which is the slice of A it loads (load_task).
+template <int kCluster>
+using MegaLaunchCluster = cute::Shape<cute::Int<kCluster>, cute::_1, cute::_1>;
+
+// The non-array TMA + wgmma collective (MainloopSm90TmaGmmaWarpSpecialized) for B [N, K] of
+// layout LayoutB: ColumnMajor (K contiguous, the forward's) or RowMajor (N contiguous, the
+// backward's: the same tile and schedule). In a cluster of C > 1 its A loads are multicast.
+template <class LayoutB, int kCluster>
+using MegaMainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, RowMajor, kAlignment, Element,
-    ColumnMajor, kAlignment, Accumulator, MegaTileShape, ClusterShape,
+    LayoutB, kAlignment, Accumulator, MegaTileShape, MegaClusterShape<kCluster>,
     cutlass::gemm::collective::StageCountAutoCarveout<kMegaSmemCarveout>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-// The backward's: the same tile and schedule, B [N, K] N-contiguous (CUTLASS's row-major B).
-using MegaMainloopNN = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, RowMajor, kAlignment, Element,
-    RowMajor, kAlignment, Accumulator, MegaTileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<kMegaSmemCarveout>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+using MegaMainloop = MegaMainloopFor<ColumnMajor, 1>;
+using MegaMainloopNN = MegaMainloopFor<RowMajor, 1>;
 using MegaPipeline = typename MegaMainloop::MainloopPipeline;
 using MegaPipelineState = typename MegaMainloop::PipelineState;
 using MegaTiledMma = typename MegaMainloop::TiledMma;
-static_assert(std::is_same_v<typename MegaMainloopNN::MainloopPipeline, MegaPipeline> &&
-              sizeof(typename MegaMainloopNN::TensorStorage) ==
-                  sizeof(typename MegaMainloop::TensorStorage),
-              "both passes' mainloops: one pipeline type and the same shared memory");
 
-// A pass's mainloop: the forward's (B K-contiguous) or the backward's (B N-contiguous).
-template <bool kBackward>
-using MegaMainloopOf = std::conditional_t<kBackward, MegaMainloopNN, MegaMainloop>;
+// A pass's mainloop: the forward's (B K-contiguous) or the backward's (B N-contiguous), in
+// clusters of kCluster CTAs.
+template <bool kBackward, int kCluster = 1>
+using MegaMainloopOf =
+    MegaMainloopFor<std::conditional_t<kBackward, RowMajor, ColumnMajor>, kCluster>;
+
+template <int kCluster>
+constexpr bool one_pipeline_and_smem() {
+  using F = MegaMainloopOf<false, kCluster>;
+  using B = MegaMainloopOf<true, kCluster>;
+  return std::is_same_v<typename F::MainloopPipeline, MegaPipeline> &&
+         std::is_same_v<typename B::MainloopPipeline, MegaPipeline> &&
+         sizeof(typename F::TensorStorage) == sizeof(typename MegaMainloop::TensorStorage) &&
+         sizeof(typename B::TensorStorage) == sizeof(typename MegaMainloop::TensorStorage);
+}
+static_assert(one_pipeline_and_smem<1>() && one_pipeline_and_smem<layout::kMaxClusterCtas>(),
+              "both passes' mainloops, in every cluster size: one pipeline type and the same "
+              "shared memory");
 
 // The two GEMMs' TMA descriptors (forward L1: x_ring, w_gate_up; L2: act_ring, w_down;
 // backward first: d_ring, w_down; second: d_h_ring, w_gate_up).
@@ -103,7 +123,10 @@ CUTLASS_DEVICE void load_task(typename Mainloop::Params const& mp, MegaPipeline&
                          make_coord(load.n_tile, _));  // (BLK_N, BLK_K, k)
   Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
-  auto block_tma_a = mp.tma_load_a.get_slice(0);
+  // In a cluster (1, C, 1): this CTA loads its slice of the shared A tile into every CTA of the
+  // cluster (each one's full barrier counts the bytes), and all of its own B tile.
+  constexpr int kCluster = size<1>(typename Mainloop::DispatchPolicy::ClusterShape{});
+  auto block_tma_a = mp.tma_load_a.get_slice(kCluster > 1 ? cute::block_rank_in_cluster() : 0);
   auto block_tma_b = mp.tma_load_b.get_slice(0);
   Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
   Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
@@ -114,7 +137,12 @@ CUTLASS_DEVICE void load_task(typename Mainloop::Params const& mp, MegaPipeline&
     pipeline.producer_acquire(state);  // waits for the slot, arms the full barrier's bytes
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
-    copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+    if constexpr (kCluster > 1) {
+      constexpr auto kEveryCta = static_cast<uint16_t>((1u << kCluster) - 1);
+      copy(mp.tma_load_a.with(*full, kEveryCta), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+    } else {
+      copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+    }
     copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
     ++state;
   }

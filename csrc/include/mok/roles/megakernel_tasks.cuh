@@ -119,6 +119,8 @@ using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 // increasing order, so the earliest unfinished task can always run: no deadlock. Which CTA runs
 // a task does not change its result (one CTA computes a whole tile, K in a fixed order).
 // L = min(nb, max(1, ceil(G / (16 n1)))) keeps about one wave of L1 tasks ahead of the L2 tasks.
+// In clusters of C CTAs the order is over clusters: n1, n2 count n-tiles in groups of C (a task's
+// n is the group, the cluster's CTA of rank c runs n-tile C n + c) and G counts clusters.
 struct MegaTaskOrder {
   int num_mtiles;
   int n1;
@@ -170,12 +172,12 @@ MOK_DEVICE void trace_cta_add(const MegaParams& p, int word, int64_t value) {
   if (p.trace_ctas != nullptr) p.trace_ctas[blockIdx.x * layout::kTraceCtaWords + word] += value;
 }
 
-// One thread: word `word` of the record of ticket `ticket` of round `round` = value (the time
-// now when value < 0).
-MOK_DEVICE void trace_task(const MegaParams& p, int round, int ticket, int word,
+// One thread: word `word` of task record `slot` of round `round` = value (the time now when
+// value < 0). A task's slot is its ticket, or in a cluster of C CTAs C ticket + the CTA's rank.
+MOK_DEVICE void trace_task(const MegaParams& p, int round, int slot, int word,
                            int64_t value = -1) {
   if (p.trace_tasks == nullptr) return;
-  const int64_t record = static_cast<int64_t>(round) * p.max_tasks + ticket;
+  const int64_t record = static_cast<int64_t>(round) * p.max_tasks + slot;
   p.trace_tasks[record * layout::kTraceTaskWords + word] = value < 0 ? trace_now() : value;
 }
 
@@ -193,14 +195,14 @@ struct MegaWaitSite {
 };
 
 // How long a wait of `phase` lasts before it gives up: timeout_ns times its depth in the chain
-// of waits (an L1 task waits on a comm CTA, an L2 task on L1 tasks, the round barrier on all).
+// of waits (an L1 task waits on a comm CTA, an L2 task on L1 tasks, the round barrier on all, a
+// cluster's mailbox on the other CTA's producer, which waits on L1 and L2 inputs).
 // NOTE: a stall then shows where it starts: the wait nearest the cause gives up first (and
 // writes the record), though a wait further down the chain may have started earlier.
 MOK_DEVICE int64_t timeout_of(const MegaParams& p, MegaPhase phase) {
   const int depth = (static_cast<int>(phase) - 1) % layout::kBackwardPhases + 1;
   return p.timeout_ns * depth;
 }
-
 // This pass's phase for one of the forward's waits (the backward's are kBackwardPhases on).
 MOK_DEVICE MegaPhase pass_phase(const MegaParams& p, MegaPhase forward) {
   return static_cast<MegaPhase>(static_cast<int>(forward) + p.phase_offset);

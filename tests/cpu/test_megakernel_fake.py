@@ -1,0 +1,48 @@
+"""The megakernel ops' fakes (meta shapes, no GPU): the timeline's per-CTA rows follow the
+launch's grid, ``num_sms`` rounded down to whole clusters of ``cluster`` CTAs (csrc/apis/
+moe_mega.cpp, mega_grid), and the phases of the error record name the cluster mailbox. Skipped
+unless the locally built extension provides the ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok_megatron import ops
+from mok_megatron.ops import moe as mops
+
+pytestmark = pytest.mark.skipif(
+    not (ops.extension_available() and hasattr(torch.ops.mok, "moe_mega_backward")),
+    reason=f"mok megakernel ops not built: {ops.extension_error() or 'op missing'}",
+)
+
+
+@pytest.mark.parametrize("num_sms,cluster,grid", [(33, 1, 33), (33, 2, 32), (66, 2, 66)])
+def test_backward_timeline_rows_are_the_grid_in_whole_clusters(num_sms, cluster, grid):
+    hidden, inter, experts, tokens, topk, capacity = 256, 128, 4, 64, 2, 160
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    shape = mops.moe_mega_shape(capacity, experts, hidden, inter, 128, 131072)
+    ring = shape.ring_rows
+    outs = mops.moe_mega_backward(
+        torch.empty(tokens, hidden, **meta), torch.empty(tokens, topk, dtype=torch.int64,
+                                                         device="meta"),
+        {name: torch.empty(1, device="meta") for name in mops.mega_plan_fields()},
+        torch.empty(ring, inter, **meta), torch.empty(ring, 2 * inter, **meta),
+        torch.empty(experts, 2 * inter, hidden, **meta), torch.empty(experts, hidden, inter, **meta),
+        None, [0] * len(mops.comm_fields()), num_experts=experts, row_capacity=capacity,
+        minibatch=128, macrobatch=131072, num_comm_sms=2, num_sms=num_sms, trace=True,
+        cluster=cluster,
+    )  # fmt: skip
+    assert outs["trace_ctas"].shape == (grid, len(mops.MEGA_TRACE_CTA_FIELDS))
+    assert outs["trace_tasks"].shape == (1, shape.max_tasks, len(mops.MEGA_TRACE_TASK_FIELDS))
+    assert outs["d_x"].shape == (tokens, hidden) and outs["d_h"].shape == (ring, 2 * inter)
+
+
+def test_mailbox_phases_follow_the_others():
+    """The mailbox's phases (layout/mega.cuh: 9 forward, 12 backward = 9 + kBackwardPhases) are
+    named; the forward's and the backward's differ only by the backward's prefix."""
+    forward, backward = mops.MEGA_PHASES[9], mops.MEGA_PHASES[12]
+    assert "mailbox" in forward[0] and backward[0] == "backward: " + forward[0]
+    assert forward[1:] == backward[1:] == ("ticket", "mailbox")
+    for phase in (1, 2, 3):
+        assert mops.MEGA_PHASES[phase + 3][0].startswith("backward: ")

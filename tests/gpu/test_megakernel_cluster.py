@@ -1,0 +1,129 @@
+"""The megakernels in clusters of 2 CTAs (``MoKConfig.megakernel_cluster=2``) on one GPU.
+
+The two CTAs of a cluster run n-tiles 2 n and 2 n + 1 of one m-tile and share its A tile by TMA
+multicast; the first takes the tickets and posts them to the second (roles/megakernel_cluster.cuh).
+Every tile is still computed by one CTA over K in the same order, so the forward's output and the
+backward megakernel's gradients must be bitwise those of the same megakernels without clusters,
+and the output bitwise stage 1's (tests/gpu/test_megakernel.py says why). Checked at EP 1 on the
+scaled benchmark shapes, a shape whose GEMMs have odd n-tile counts (a cluster task whose second
+tile lies past the last one), m-tiles of at most 64 rows, virtual ranks (W = 2: 66 CTAs each;
+W = 4: 33, rounded down to 32), repeats, graph replay without host syncs; a stalled minibatch
+still times out naming the L1 wait, not the mailbox.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_cuda_backend import (
+    SHAPES,
+    Run,
+    VirtualRuns,
+    _bitwise_equal,
+    _check_accuracy,
+    _graph_check,
+    _problem,
+    _virtual_failures,
+)
+from test_megakernel import STAGE1, _assert_equal_to_stage1, _child, _mega_and_stage1
+
+from mok_megatron import functional as F
+from mok_megatron.functional.cuda.mega import unavailable_here
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(bool(unavailable_here()), reason=f"megakernel: {unavailable_here()}"),
+]
+
+MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8, bwd_num_comm_sms=8)
+MEGA2 = dataclasses.replace(MEGA, megakernel_cluster=2)
+
+CASES = {
+    **{name: ([300], shape) for name, shape in SHAPES.items()},
+    # hidden 640, inter 384: L1 (2I) and L2 (H) have 3 n-tiles each, the L2 dgrad (I) 2
+    "odd_n_tiles": ([260], (640, 384, 8, 4, 0)),
+    # ~175 rows per expert: about half the m-tiles have at most 64 rows
+    "short_m_tiles": ([700], (256, 160, 16, 4, 0)),
+}
+
+
+def _assert_same_as_without_clusters(problem, got):
+    _, plain = Run(problem, "cuda", config=MEGA, form="fused_auto")()
+    bad = _bitwise_equal(plain, got)
+    assert not bad, f"clusters of 2 differ from the megakernel without clusters in {bad}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_clusters_of_two_equal_the_megakernel_without_them_and_stage1(case):
+    tokens, shape = CASES[case]
+    problem = _problem(tokens, shape, seed=31)
+    mega, _, got, want = _mega_and_stage1(problem, MEGA2, STAGE1)
+    assert mega.ws.config.megakernel_cluster == 2
+    failures = _check_accuracy(problem, got)
+    assert not failures, failures
+    _assert_equal_to_stage1(got, want)
+    _assert_same_as_without_clusters(problem, got)
+
+
+def test_clusters_of_two_repeat_bitwise_and_replay_without_host_sync():
+    problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
+    run = Run(problem, "cuda", config=MEGA2, form="fused_auto")
+    _, first = run()
+    for i in range(3):
+        _, again = run()
+        assert not _bitwise_equal(first, again), f"run {i + 2} differs"
+    _graph_check(run)
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_virtual_ranks_in_clusters_of_two_match_oracle_and_repeat_bitwise(w):
+    tokens = [150, 90, 33, 81][:w]
+    problem = _problem(tokens, SHAPES["qwen3-30b-a3b"], seed=47)
+    config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, bwd_num_comm_sms=4,
+                         schedule_capacity_multiplier=float(w), minibatch_size=128,
+                         megakernel_cluster=2)  # fmt: skip
+    vruns = VirtualRuns(problem, w, config=config, form="fused_auto")
+    assert all(ws.backend.path(ws) == "megakernel" for ws in vruns.workspaces)
+    scheds, results = vruns()
+    failures = _virtual_failures(problem, vruns, scheds, results)
+    _, again = vruns()
+    failures += [f"repeat differs in {n}" for a, b in zip(results, again)
+                 for n in _bitwise_equal(a, b)]  # fmt: skip
+    assert not failures, failures
+
+
+_STALL = """
+import torch
+from mok_megatron import functional as F
+from mok_megatron.ops import interleave_gate_up
+from mok_megatron.ops.moe import check_mega_error
+from mok_megatron.testing import random_moe_problem
+p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
+x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
+                     wait_timeout_ms=1500, megakernel_cluster=2)
+ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
+                        num_experts=8, intermediate_size=64, backend="cuda")
+ws.buffers.stall_minibatch = 2
+sched = F.build_schedule(ws, config, topk, router_weights=rw)
+try:
+    F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)
+    torch.cuda.synchronize()
+    print("NO-TIMEOUT", flush=True)
+except Exception as exc:
+    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
+    try:
+        check_mega_error(ws.buffers.error_record)
+    except RuntimeError as err:
+        print("RECORD", err, flush=True)
+"""
+
+
+def test_a_stalled_minibatch_in_clusters_times_out_naming_the_rows_not_the_mailbox(tmp_path):
+    """The mailbox waits (3x the timeout) outlast the L1 row wait (1x) that a stalled minibatch
+    leaves waiting: the record names the cause."""
+    output = _child(_STALL, tmp_path)
+    assert "LAUNCH-FAILED" in output, output[-3000:]
+    assert "L1 task waiting for its rows" in output and "minibatch 2" in output, output[-3000:]
+    assert "mailbox" not in output, output[-3000:]
