@@ -78,12 +78,14 @@ def decode(trace_ctas: torch.Tensor, trace_tasks: torch.Tensor) -> tuple[list, l
     ctas = [dict(zip(MEGA_TRACE_CTA_FIELDS, row)) for row in trace_ctas.cpu().tolist()]
     tasks = []
     for rnd, records in enumerate(trace_tasks.cpu().tolist()):
-        for ticket, row in enumerate(records):
+        # NOTE: a record's index is its task's ticket, or in clusters of C CTAs C ticket + the
+        # CTA's rank in its cluster (roles/megakernel_compute.cuh, trace_slot)
+        for slot, row in enumerate(records):
             rec = {k: v for k, v in zip(MEGA_TRACE_TASK_FIELDS, row) if k is not None}
             if rec["cta"] == 0:
                 continue
             task = rec.pop("task")
-            rec.update(round=rnd, ticket=ticket, cta=rec["cta"] - 1, l2=bool(task >> 40),
+            rec.update(round=rnd, slot=slot, cta=rec["cta"] - 1, l2=bool(task >> 40),
                        tile=(task >> 20) & 0xFFFFF, n=task & 0xFFFFF)  # fmt: skip
             tasks.append(rec)
     return ctas, tasks

@@ -706,6 +706,17 @@ VIRTUAL_CASES = {
 }
 
 
+def _virtual_run_failures(problem, vruns: VirtualRuns) -> list[str]:
+    """Two passes of the virtual ranks: the first checked as ``_virtual_failures`` checks it, the
+    second bitwise equal to the first, rank by rank."""
+    scheds, results = vruns()
+    failures = _virtual_failures(problem, vruns, scheds, results)
+    _, again = vruns()
+    failures += [f"repeat differs in {n}" for a, b in zip(results, again)
+                 for n in _bitwise_equal(a, b)]  # fmt: skip
+    return failures
+
+
 def _virtual_failures(problem, vruns: VirtualRuns, scheds, results) -> list[str]:
     """Every rank's schedule and outputs against the plain-Python schedule and the oracle."""
     total = {}
@@ -728,11 +739,7 @@ def test_virtual_ranks_match_oracle(case, form):
     problem = _problem(tokens, shape, seed=41, **kwargs)
     config = F.MoKConfig(schedule_capacity_multiplier=float(len(tokens)))  # never overflows
     vruns = VirtualRuns(problem, len(tokens), config=config, form=form)
-    scheds, results = vruns()
-    failures = _virtual_failures(problem, vruns, scheds, results)
-    _, again = vruns()
-    failures += [f"repeat differs in {n}" for a, b in zip(results, again)
-                 for n in _bitwise_equal(a, b)]  # fmt: skip
+    failures = _virtual_run_failures(problem, vruns)
     assert not failures, failures
 
 

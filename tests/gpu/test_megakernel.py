@@ -45,7 +45,7 @@ from test_cuda_backend import (
     _no_sync_check,
     _problem,
     _schedule_failures,
-    _virtual_failures,
+    _virtual_run_failures,
     dist_group,  # noqa: F401 (the fixture of the EP 2 tests)
 )
 
@@ -250,9 +250,13 @@ def test_rows_longer_than_one_pull_batch_equal_stage1():
     _assert_equal_to_stage1(got, want)
 
 
-def test_bitwise_repeatable_graph_replay_and_no_host_sync():
+@pytest.mark.parametrize("cluster", [1, 2], ids=["one_cta", "clusters_of_2"])
+def test_bitwise_repeatable_graph_replay_and_no_host_sync(cluster):
+    """Also in clusters of two CTAs (MoKConfig.megakernel_cluster, tests/gpu/
+    test_megakernel_cluster.py)."""
     problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
-    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    config = dataclasses.replace(MEGA, megakernel_cluster=cluster)
+    run = Run(problem, "cuda", config=config, form="fused_auto")
     _, first = run()
     for i in range(4):
         _, again = run()
@@ -278,12 +282,18 @@ def test_knob_values_change_the_launch_not_the_result():
         run()
 
 
-@pytest.mark.parametrize("config", [MEGA, MEGA_ROUNDS], ids=["one_round", "rounds"])
+@pytest.mark.parametrize(
+    "config",
+    [MEGA, MEGA_ROUNDS, dataclasses.replace(MEGA, megakernel_cluster=2)],
+    ids=["one_round", "rounds", "clusters_of_2"],
+)
 def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config):
     """The timeline (diagnostics, scripts/megakernel_trace.py): with the trace on, the pass gives
     the same bits; every CTA and every (round, m-tile, n-tile) task of the plan is recorded
     once; each record's stamps are in the order the kernel reaches them, and an L2 task's inputs
-    were ready only after all of its m-tile's L1 mainloops had ended."""
+    were ready only after all of its m-tile's L1 mainloops had ended. In clusters of two
+    (MoKConfig.megakernel_cluster=2) the CTA of rank c in its cluster records slots 2 ticket + c:
+    the clusters ran."""
     from mok_megatron.ops.moe import MEGA_TRACE_CTA_FIELDS, MEGA_TRACE_TASK_FIELDS
 
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=31)
@@ -296,6 +306,8 @@ def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config
     ctas, tasks = run.ws.buffers.last_trace
     shape = run.ws.buffers.mega
     sms = run.ws.buffers.num_sms or torch.cuda.get_device_properties(0).multi_processor_count
+    cluster = config.megakernel_cluster
+    sms = sms // cluster * cluster  # the grid: whole clusters
     assert ctas.shape == (sms, len(MEGA_TRACE_CTA_FIELDS))
     assert tasks.shape == (shape.num_rounds, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS))
     c = dict(zip(MEGA_TRACE_CTA_FIELDS, ctas.cpu().T))
@@ -315,6 +327,9 @@ def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config
                     (1, shape.l2_ntiles)) for m in range(mtiles) for n in range(nt)]  # fmt: skip
         assert sorted(ids) == sorted(want_ids), f"round {r}: tasks recorded != the plan's"
         assert (words["cta"][r][ran] <= sms).all()
+        if cluster > 1:
+            slots = torch.arange(tasks.shape[1])[ran]
+            assert ((words["cta"][r][ran] - 1) % cluster == slots % cluster).all()
         t = {k: words[k][r][ran] for k in ("take", "ready", "got", "mma_end", "epi_end")}
         assert (t["take"] > 0).all() and (t["take"] <= t["ready"]).all()
         assert (t["got"] <= t["mma_end"]).all() and (t["mma_end"] <= t["epi_end"]).all()
@@ -489,17 +504,14 @@ def test_virtual_ranks_match_oracle_and_repeat_bitwise(case):
     )  # fmt: skip
     vruns = VirtualRuns(problem, w, config=config, form="fused_auto")
     assert all(ws.backend.path(ws) == "megakernel" for ws in vruns.workspaces)
-    scheds, results = vruns()
+    failures = _virtual_run_failures(problem, vruns)
     if rounds:
         assert vruns.workspaces[0].buffers.mega.num_rounds > 1
-    failures = _virtual_failures(problem, vruns, scheds, results)
-    _, again = vruns()
-    failures += [f"repeat differs in {n}" for a, b in zip(results, again)
-                 for n in _bitwise_equal(a, b)]  # fmt: skip
     assert not failures, failures
 
 
 # ------------------------------------------------------------------------------ timeouts
+# A child's forward whose comm CTAs never release minibatch 2; `knobs`: more MoKConfig fields.
 _STALL = """
 import os, torch
 from mok_megatron import functional as F
@@ -509,7 +521,7 @@ from mok_megatron.testing import random_moe_problem
 p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
 config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
-                     wait_timeout_ms=1500)
+                     wait_timeout_ms=1500{knobs})
 ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
                         num_experts=8, intermediate_size=64, backend="cuda")
 ws.buffers.stall_minibatch = 2
@@ -539,7 +551,7 @@ def _child(script: str, tmp_path) -> str:
 
 
 def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(tmp_path):
-    output = _child(_STALL, tmp_path)
+    output = _child(_STALL.format(knobs=""), tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "rank 0 timed out" in output and "L1 task waiting for its rows" in output, output[-3000:]
     assert "minibatch 2" in output and "arrive" in output, output[-3000:]

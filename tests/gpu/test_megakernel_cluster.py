@@ -7,8 +7,9 @@ backward megakernel's gradients must be bitwise those of the same megakernels wi
 and the output bitwise stage 1's (tests/gpu/test_megakernel.py says why). Checked at EP 1 on the
 scaled benchmark shapes, a shape whose GEMMs have odd n-tile counts (a cluster task whose second
 tile lies past the last one), m-tiles of at most 64 rows, virtual ranks (W = 2: 66 CTAs each;
-W = 4: 33, rounded down to 32), repeats, graph replay without host syncs; a stalled minibatch
-still times out naming the L1 wait, not the mailbox.
+W = 4: 33, rounded down to 32); a stalled minibatch still times out naming the L1 wait, not the
+mailbox. Repeats, graph replay and no host sync in clusters: test_megakernel.py's
+test_bitwise_repeatable_graph_replay_and_no_host_sync.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from test_cuda_backend import (
     VirtualRuns,
     _bitwise_equal,
     _check_accuracy,
-    _graph_check,
     _problem,
-    _virtual_failures,
+    _virtual_run_failures,
 )
-from test_megakernel import STAGE1, _assert_equal_to_stage1, _child, _mega_and_stage1
+from test_megakernel import _STALL, STAGE1, _assert_equal_to_stage1, _child, _mega_and_stage1
 
 from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
@@ -66,16 +66,6 @@ def test_clusters_of_two_equal_the_megakernel_without_them_and_stage1(case):
     _assert_same_as_without_clusters(problem, got)
 
 
-def test_clusters_of_two_repeat_bitwise_and_replay_without_host_sync():
-    problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
-    run = Run(problem, "cuda", config=MEGA2, form="fused_auto")
-    _, first = run()
-    for i in range(3):
-        _, again = run()
-        assert not _bitwise_equal(first, again), f"run {i + 2} differs"
-    _graph_check(run)
-
-
 @pytest.mark.parametrize("w", [2, 4])
 def test_virtual_ranks_in_clusters_of_two_match_oracle_and_repeat_bitwise(w):
     tokens = [150, 90, 33, 81][:w]
@@ -85,45 +75,14 @@ def test_virtual_ranks_in_clusters_of_two_match_oracle_and_repeat_bitwise(w):
                          megakernel_cluster=2)  # fmt: skip
     vruns = VirtualRuns(problem, w, config=config, form="fused_auto")
     assert all(ws.backend.path(ws) == "megakernel" for ws in vruns.workspaces)
-    scheds, results = vruns()
-    failures = _virtual_failures(problem, vruns, scheds, results)
-    _, again = vruns()
-    failures += [f"repeat differs in {n}" for a, b in zip(results, again)
-                 for n in _bitwise_equal(a, b)]  # fmt: skip
+    failures = _virtual_run_failures(problem, vruns)
     assert not failures, failures
-
-
-_STALL = """
-import torch
-from mok_megatron import functional as F
-from mok_megatron.ops import interleave_gate_up
-from mok_megatron.ops.moe import check_mega_error
-from mok_megatron.testing import random_moe_problem
-p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
-x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
-                     wait_timeout_ms=1500, megakernel_cluster=2)
-ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
-                        num_experts=8, intermediate_size=64, backend="cuda")
-ws.buffers.stall_minibatch = 2
-sched = F.build_schedule(ws, config, topk, router_weights=rw)
-try:
-    F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)
-    torch.cuda.synchronize()
-    print("NO-TIMEOUT", flush=True)
-except Exception as exc:
-    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
-    try:
-        check_mega_error(ws.buffers.error_record)
-    except RuntimeError as err:
-        print("RECORD", err, flush=True)
-"""
 
 
 def test_a_stalled_minibatch_in_clusters_times_out_naming_the_rows_not_the_mailbox(tmp_path):
     """The mailbox waits (3x the timeout) outlast the L1 row wait (1x) that a stalled minibatch
     leaves waiting: the record names the cause."""
-    output = _child(_STALL, tmp_path)
+    output = _child(_STALL.format(knobs=", megakernel_cluster=2"), tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "L1 task waiting for its rows" in output and "minibatch 2" in output, output[-3000:]
     assert "mailbox" not in output, output[-3000:]
