@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from test_cuda_backend import (
     SHAPES,
     Run,
@@ -64,6 +65,38 @@ def test_clusters_of_two_equal_the_megakernel_without_them_and_stage1(case):
     assert not failures, failures
     _assert_equal_to_stage1(got, want)
     _assert_same_as_without_clusters(problem, got)
+
+
+# Cases where every cluster takes more tickets than its ticket queue and mailbox hold (4 each),
+# over the launch: many m-tiles in one round, or rounds of a few tickets each. The cases above
+# take at most about 4; with the second CTA's ticket-queue releases sent to the first CTA
+# (fixed), these hung in an unbounded wait after the fourth ticket.
+MANY_TICKETS = {
+    "one_round": ([3000], {}),
+    "three_rounds": ([1500], {"macrobatch_size": 4096, "minibatch_size": 128}),
+}
+
+
+@pytest.mark.parametrize("case", list(MANY_TICKETS))
+def test_clusters_of_two_take_more_tickets_than_their_queues_hold(case):
+    tokens, knobs = MANY_TICKETS[case]
+    shape = SHAPES["qwen3-30b-a3b"]
+    topk = shape[3]
+    problem = _problem(tokens, shape, seed=37)
+    config = dataclasses.replace(MEGA, **knobs)
+    mega = Run(problem, "cuda", config=dataclasses.replace(config, megakernel_cluster=2),
+               form="fused_auto")  # fmt: skip
+    clusters = torch.cuda.get_device_properties(0).multi_processor_count // 2  # at most
+    # at least: every m-tile holds at most 128 rows, one cluster task per m-tile and GEMM (each
+    # GEMM has one pair of n-tiles), and every cluster takes one ticket past each round's tasks
+    per_cluster = 2 * -(-sum(tokens) * topk // 128) / clusters + mega.ws.buffers.mega.num_rounds
+    assert per_cluster > 4, per_cluster
+    _, got = mega()
+    failures = _check_accuracy(problem, got)
+    assert not failures, failures
+    _, plain = Run(problem, "cuda", config=config, form="fused_auto")()
+    bad = _bitwise_equal(plain, got)
+    assert not bad, f"clusters of 2 differ from the megakernel without clusters in {bad}"
 
 
 @pytest.mark.parametrize("w", [2, 4])

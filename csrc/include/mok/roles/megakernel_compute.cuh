@@ -331,7 +331,11 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group);
   qp.producer_arv_count = 1;                     // the producer warp's lane 0
   qp.consumer_arv_count = kMegaConsumerThreads;  // every consumer thread releases its read
-  qp.dst_blockid = 0;
+  // NOTE: the queue is this CTA's own: its consumers release to this CTA's rank in the cluster
+  // (the pipeline signals CTA dst_blockid of the cluster). 0 sent a cluster's second CTA's
+  // releases to the first CTA's queue: the second's producer waited forever (an unbounded wait)
+  // for its kMegaTicketDepth + 1-th slot, and its peer behind it.
+  qp.dst_blockid = static_cast<uint32_t>(cluster_rank<kCluster>());
   MegaTicketQueue queue(storage.ticket_barriers, qp, cute::true_type{});
   if (threadIdx.x == 0) {
     Mainloop::prefetch_tma_descriptors(gp.l1);
