@@ -6,6 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_cluster2_efe26e3.json
   bench_moe_h200_ep1_b2b_7098afa.json
   bench_moe_h200_ep1_bwd_4a24211.json
   bench_moe_h200_ep1_bwd_15fe76a.json
@@ -25,6 +26,10 @@ compares=(  # BEFORE AFTER pairs
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_h200_e05a227_keep.json
+  megakernel_trace_h200_efe26e3_cluster2_keep.json
+  megakernel_trace_bwd_h200_e05a227.json
+  megakernel_trace_bwd_h200_efe26e3_cluster2.json
   megakernel_trace_h200_62ca1f1_keep.json
   megakernel_trace_h200_05618ca_keep.json
   megakernel_trace_bwd_h200_62ca1f1.json

@@ -445,10 +445,12 @@ def trace_tables(path):
     cats = list(record["cases"][0]["fractions"])
     backward = record["cases"][0].get("pass") == "backward"
     commit = (env.get("commit") or "unknown")[:12]
+    cluster = int(record["args"].get("megakernel_cluster") or 1)
+    tag = f"`{commit}`" + (f", clusters of {cluster}" if cluster > 1 else "")
     if backward:
-        yield f"## The backward megakernel's data gradients, from its timeline (`{commit}`)\n"
+        yield f"## The backward megakernel's data gradients, from its timeline ({tag})\n"
     elif record["args"].get("keep"):
-        yield f"## The megakernel's forward keeping h for a backward, from its timeline (`{commit}`)\n"
+        yield f"## The megakernel's forward keeping h for a backward, from its timeline ({tag})\n"
     else:
         yield "## The megakernel's forward, from its timeline\n"
     gemms = "L2-dgrad / L1-dgrad" if backward else "L1 / L2"
@@ -463,6 +465,8 @@ def trace_tables(path):
            "epilogue; its second, the L1 dgrad." if backward else "")
         + (" Gradients enabled (`--keep`): the L1 epilogue also stores h for the backward."
            if not backward and record["args"].get("keep") else "")
+        + (f" `megakernel_cluster={cluster}`: the {cluster} CTAs of a cluster share each m-tile's "
+           "A tile by TMA multicast; a k-tile is one CTA's." if cluster > 1 else "")
         + "\n"
     )  # fmt: skip
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)

@@ -176,8 +176,8 @@ class MoKConfig:
         1,
         "CTAs per cluster of the megakernels' GEMM tiles: 1, or 2 (the two CTAs of a cluster run "
         "two n-tiles of one m-tile and share its A tile by TMA multicast, a sixth less L2 traffic "
-        "per k-tile; fwd_num_comm_sms and bwd_num_comm_sms must then be even). 2 is compiled and "
-        "CPU-tested, not yet run on a GPU (docs/MEGAKERNEL.md).",
+        "per k-tile; fwd_num_comm_sms and bwd_num_comm_sms must then be even). 2 gives bitwise the "
+        "results of 1 and was no faster on one H200 (docs/PERF.md), so 1 stays the default.",
     )
 
     def __post_init__(self) -> None:
