@@ -234,7 +234,7 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& shared_out, at::TensorList given_plan,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster) {
+    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(x, "x", at::kBFloat16, 2);
@@ -309,6 +309,9 @@ std::vector<at::Tensor> moe_mega_forward(
 
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kForward_trace_ctas], out[kForward_trace_tasks]);
+  TORCH_CHECK(stall_l2_cta >= -1 && stall_l2_cta < grid, "mok::moe_mega_forward: stall_l2_cta=",
+              stall_l2_cta, " must be -1 or a CTA of the grid's ", grid);
+  a.stall_l2_cta = static_cast<int>(stall_l2_cta);
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
   a.x_ring = out[kForward_x_ring].data_ptr();

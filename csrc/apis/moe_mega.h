@@ -50,14 +50,16 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
 // [E_l, H, I]; shared_out [T, H] or none -> MOK_MEGA_FORWARD_FIELDS then MOK_MEGA_PLAN_FIELDS.
 // `save`: keep what a backward needs; `keep_y`: that includes the L2 output rows y (only a
 // backward whose L2 dgrad fuses the SwiGLU backward reads them). `cluster`: CTAs per cluster of
-// the megakernel (1 or 2; the grid is num_sms rounded down to whole clusters). Collective.
+// the megakernel (1 or 2; the grid is num_sms rounded down to whole clusters). `stall_l2_cta`
+// (tests only, -1: none): that CTA's consumers stop at their first second-GEMM task, so that its
+// producer's wait for a free pipeline stage times out. Collective.
 std::vector<at::Tensor> moe_mega_forward(
     const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
     const at::Tensor& w_gate_up, const at::Tensor& w_down,
     const std::optional<at::Tensor>& shared_out, at::TensorList plan,
     at::IntArrayRef comm, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster);
+    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta);
 
 // The data gradients of one forward pass (one round), from one call: staging d_out, the backward
 // megakernel, the unweighted slot sum (+ shared_dx [T, H] or none), the per-row router-weight

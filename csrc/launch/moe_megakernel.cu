@@ -164,6 +164,7 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.num_ctas = a.num_ctas;
   p.num_comm_ctas = a.num_comm_ctas;
   p.stall_minibatch = a.stall_minibatch;
+  p.stall_l2_cta = a.stall_l2_cta;
   p.phase_offset = a.backward ? layout::kBackwardPhases : 0;
   p.x_ring = static_cast<__nv_bfloat16*>(a.x_ring);
   p.act_ring = static_cast<__nv_bfloat16*>(a.act_ring);

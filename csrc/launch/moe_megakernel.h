@@ -58,8 +58,10 @@ struct MegaArgs {
   const int32_t* tile_count = nullptr;    // [R]: m-tiles of each round
   const layout::MegaTile* tiles = nullptr;  // [R, max_tiles], in row order
 
-  // ---- fault injection (tests only): the comm role never releases this minibatch of round 0
+  // ---- fault injection (tests only): the comm role never releases this minibatch of round 0;
+  // this CTA's consumers stop at their first second-GEMM task (its producer's stage wait times out)
   int stall_minibatch = -1;
+  int stall_l2_cta = -1;
 
   // ---- diagnostics: the timeline (layout/mega.cuh), both null (off) or both set, zeroed
   int64_t* trace_ctas = nullptr;          // [num_ctas, kTraceCtaWords]

@@ -120,7 +120,13 @@ MEGA_PHASES = {
     5: ("backward: L1-dgrad task waiting for its m-tile's L2-dgrad tasks", "m-tile", "l1_done"),
     6: ("backward: end-of-round barrier", "round", "grid barrier"),
     9: ("cluster mailbox: a cluster's CTAs passing their tickets", "ticket", "mailbox"),
+    10: ("a producer waiting for a free pipeline stage or ticket slot", "CTA", "slot"),
     12: ("backward: cluster mailbox: a cluster's CTAs passing their tickets", "ticket", "mailbox"),
+    13: (
+        "backward: a producer waiting for a free pipeline stage or ticket slot",
+        "CTA",
+        "slot",
+    ),
 }
 
 
@@ -132,10 +138,14 @@ def check_mega_error(record: torch.Tensor) -> None:
     if not values["timed_out"]:
         return
     what, index_name, counter = MEGA_PHASES.get(values["phase"], ("unknown wait", "index", "?"))
+    if values["counter"] < 0:  # a barrier in shared memory: its slot and the slot's use
+        waited = f"{counter} {values['seen']} not freed for use {values['expected']}"
+    else:
+        waited = (f"counter {counter} (word {values['counter']}) = {values['seen']} < "
+                  f"{values['expected']}")  # fmt: skip
     raise RuntimeError(
         f"mok megakernel: rank {values['rank']} timed out after {values['timeout_ms']} ms in "
-        f"phase '{what}' (round {values['round']}, {index_name} {values['index']}): counter "
-        f"{counter} (word {values['counter']}) = {values['seen']} < {values['expected']}. "
+        f"phase '{what}' (round {values['round']}, {index_name} {values['index']}): {waited}. "
         "Did the comm CTAs run (fwd_num_comm_sms), or is a rank stalled? Raise "
         "MoKConfig.wait_timeout_ms if it is only slow."
     )
@@ -340,7 +350,7 @@ def moe_mega_plan(topk, router_weights, comm, num_experts, row_capacity, token_c
 def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm, *,
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                      num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
-                     trace=False, cluster=1):  # fmt: skip
+                     trace=False, cluster=1, stall_l2_cta=-1):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging, the megakernel, the slot-ordered sum at the source. Collective.
 
@@ -351,7 +361,8 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     ``x_ring``) and the L2 output rows ``y_rows`` when ``keep_y`` (else [0, H]: the L2 epilogue
     stores each row only to its source slot); in more rounds, the received tokens ``x_recv``.
     ``stall_minibatch`` (tests only): the comm CTAs never release that minibatch of round 0, so
-    its tiles time out. ``trace`` (diagnostics, scripts/megakernel_trace.py): the outputs
+    its tiles time out; ``stall_l2_cta`` (tests only): that CTA's consumers stop at their first
+    L2 task, so its producer's wait for a free pipeline stage times out. ``trace`` (diagnostics, scripts/megakernel_trace.py): the outputs
     ``trace_ctas`` / ``trace_tasks`` hold the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` /
     ``MEGA_TRACE_TASK_FIELDS``), else [0]. ``cluster``: CTAs per cluster of the megakernel (1 or
     2, ``MoKConfig.megakernel_cluster``); its grid is ``num_sms`` (0: every SM) rounded down to
@@ -361,7 +372,7 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     values = torch.ops.mok.moe_mega_forward(
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
-        keep_y, stall_minibatch, trace, cluster,
+        keep_y, stall_minibatch, trace, cluster, stall_l2_cta,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -425,7 +436,7 @@ def _mega_grid(like, num_sms: int, cluster: int) -> int:
 def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm,
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                        num_comm_sms, num_sms, save, keep_y, stall_minibatch,
-                       trace=False, cluster=1):  # fmt: skip
+                       trace=False, cluster=1, stall_l2_cta=-1):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring, one = shape.ring_rows, shape.num_rounds == 1

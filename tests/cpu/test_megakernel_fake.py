@@ -38,11 +38,28 @@ def test_backward_timeline_rows_are_the_grid_in_whole_clusters(num_sms, cluster,
     assert outs["d_x"].shape == (tokens, hidden) and outs["d_h"].shape == (ring, 2 * inter)
 
 
-def test_mailbox_phases_follow_the_others():
-    """The mailbox's phases (layout/mega.cuh: 9 forward, 12 backward = 9 + kBackwardPhases) are
-    named; the forward's and the backward's differ only by the backward's prefix."""
+def test_mailbox_and_producer_slot_phases_follow_the_others():
+    """The mailbox's phases (layout/mega.cuh: 9 forward, 12 backward = 9 + kBackwardPhases) and
+    the producer's slot waits' (10, 13) are named; the forward's and the backward's differ only
+    by the backward's prefix."""
     forward, backward = mops.MEGA_PHASES[9], mops.MEGA_PHASES[12]
     assert "mailbox" in forward[0] and backward[0] == "backward: " + forward[0]
     assert forward[1:] == backward[1:] == ("ticket", "mailbox")
+    forward, backward = mops.MEGA_PHASES[10], mops.MEGA_PHASES[13]
+    assert "producer" in forward[0] and backward[0] == "backward: " + forward[0]
+    assert forward[1:] == backward[1:] == ("CTA", "slot")
     for phase in (1, 2, 3):
         assert mops.MEGA_PHASES[phase + 3][0].startswith("backward: ")
+
+
+def test_a_shared_memory_wait_reads_as_a_slot_and_its_use():
+    """A record whose counter word is -1 (the mailbox, the producer's slots) names the slot and
+    its use, not a counter word; a counter wait keeps its 'seen < expected'."""
+    fields = mops.MEGA_ERROR_FIELDS
+    slot = dict.fromkeys(fields, 0) | {"timed_out": 1, "phase": 10, "index": 7, "counter": -1,
+                                        "seen": 2, "expected": 5, "timeout_ms": 4}  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"CTA 7\): slot 2 not freed for use 5"):
+        mops.check_mega_error(torch.tensor([slot[f] for f in fields], dtype=torch.int32))
+    rows = slot | {"phase": 1, "counter": 40, "seen": 3, "expected": 4}
+    with pytest.raises(RuntimeError, match=r"counter arrive \(word 40\) = 3 < 4"):
+        mops.check_mega_error(torch.tensor([rows[f] for f in fields], dtype=torch.int32))

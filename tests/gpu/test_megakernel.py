@@ -557,6 +557,45 @@ def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(t
     assert "minibatch 2" in output and "arrive" in output, output[-3000:]
 
 
+# A child's forward on 2 CTAs (the first pulls) whose second CTA's consumers stop at their first
+# L2 task: its producer's wait for a free stage (an L2 task has 6 k-tiles, the pipeline 4 stages)
+# is then the only wait left, and it must give up, not hang (as CUTLASS's own wait would).
+_STALLED_CONSUMERS = """
+import torch
+from mok_megatron import functional as F
+from mok_megatron.ops import interleave_gate_up
+from mok_megatron.ops.moe import check_mega_error
+from mok_megatron.testing import random_moe_problem
+p = random_moe_problem([300], 128, 384, 8, 2, seed=1)
+x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=1, minibatch_size=128,
+                     wait_timeout_ms=1000)
+ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
+                        num_experts=8, intermediate_size=384, backend="cuda")
+ws.buffers.num_sms = 2
+ws.buffers.stall_l2_cta = 1
+sched = F.build_schedule(ws, config, topk, router_weights=rw)
+try:
+    F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)
+    torch.cuda.synchronize()
+    print("NO-TIMEOUT", flush=True)
+except Exception as exc:
+    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
+    try:
+        check_mega_error(ws.buffers.error_record)
+    except RuntimeError as err:
+        print("RECORD", err, flush=True)
+"""
+
+
+def test_consumers_that_stop_time_out_in_their_producers_slot_wait(tmp_path):
+    output = _child(_STALLED_CONSUMERS, tmp_path)
+    assert "LAUNCH-FAILED" in output, output[-3000:]
+    assert "rank 0 timed out after 4000 ms" in output, output[-3000:]  # depth 4 x 1000 ms
+    assert "a producer waiting for a free pipeline stage" in output, output[-3000:]
+    assert "not freed for use" in output, output[-3000:]
+
+
 _STALLED_RANK = """
 import torch
 from mok_megatron import functional as F

@@ -39,6 +39,7 @@ class CudaBuffers:
     keep: list[Any] = field(default_factory=list)  # storage the tables point into
     num_sms: int = 0  # SMs the megakernel may take: 0 = all; a virtual rank's share of the GPU
     stall_minibatch: int = -1  # fault injection (tests): a minibatch the comm role never releases
+    stall_l2_cta: int = -1  # fault injection (tests): a CTA whose consumers stop at an L2 task
     # diagnostics (scripts/megakernel_trace.py): record each megakernel pass's timeline into
     # last_trace = (trace_ctas, trace_tasks), ops.moe.moe_mega_forward's trace outputs, and the
     # backward megakernel's into last_backward_trace (ops.moe.moe_mega_backward's)

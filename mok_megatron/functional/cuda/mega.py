@@ -140,7 +140,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         token_capacity=ws.token_capacity, minibatch=c.minibatch_size,
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
         num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
-        stall_minibatch=ws.buffers.stall_minibatch,
+        stall_minibatch=ws.buffers.stall_minibatch, stall_l2_cta=ws.buffers.stall_l2_cta,
         trace=ws.buffers.trace, cluster=c.megakernel_cluster,
     )  # fmt: skip
     if ws.buffers.trace:

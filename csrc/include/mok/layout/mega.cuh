@@ -138,10 +138,42 @@ enum class MegaPhase : int {
   // is the forward's + kBackwardPhases as for the others.
   kClusterTicket = 9,      // the second CTA of a cluster waited for the ticket the first took,
                            // or the first for the second to read an earlier one (a shared-memory
-                           // mailbox: counter -1; index: the ticket's number in the launch)
-  kBwdClusterTicket = 12,  // the same, backward
+                           // mailbox: counter -1, seen: its slot, expected: the slot's use;
+                           // index: the ticket's number in the launch)
+  kProducerSlot = 10,      // a CTA's producer waited for a free slot: a mainloop stage (its
+                           // consumers', in a cluster also the other CTA's, release) or a place
+                           // in its ticket queue (counter -1, seen: the slot, expected: its use;
+                           // index: the waiting CTA)
+  kBwdClusterTicket = 12,  // the same as the forward's, backward
+  kBwdProducerSlot = 13,
 };
 constexpr int kBackwardPhases = 3;  // phase p of the forward is p + 3 of the backward
+
+// A wait's depth in the chain of waits: it gives up after this many MegaParams::timeout_ns, so
+// that in a stall the wait nearest the cause gives up first. An L1 task waits on a comm CTA
+// (1), an L2 task on L1 tasks (2), the round barrier on all, a cluster's mailbox on the other
+// CTA's producer, which waits on L1 and L2 inputs (3); a producer's slot waits on consumers,
+// which wait on loads that may be the other CTA's, behind any of those (4).
+MOK_HOST_DEVICE constexpr int phase_depth(MegaPhase phase) {
+  switch (phase) {
+    case MegaPhase::kL1WaitRows:
+    case MegaPhase::kBwdWaitRows:
+      return 1;
+    case MegaPhase::kL2WaitL1:
+    case MegaPhase::kBwdWaitL1:
+      return 2;
+    case MegaPhase::kProducerSlot:
+    case MegaPhase::kBwdProducerSlot:
+      return 4;
+    default:  // the round barriers and the mailbox
+      return 3;
+  }
+}
+static_assert(static_cast<int>(MegaPhase::kBwdProducerSlot) ==
+                  static_cast<int>(MegaPhase::kProducerSlot) + kBackwardPhases &&
+              static_cast<int>(MegaPhase::kBwdClusterTicket) ==
+                  static_cast<int>(MegaPhase::kClusterTicket) + kBackwardPhases,
+              "the backward's phases are the forward's + kBackwardPhases");
 
 // The error record (int32 words, all zero until a wait times out); mirrored in
 // mok_megatron/ops/moe.py (MEGA_ERROR_FIELDS). It lives in pinned host memory, so the host can

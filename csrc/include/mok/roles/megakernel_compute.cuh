@@ -109,18 +109,20 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
                   {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
     if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
-    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        p.l1_n,
-                              p.hidden,       p.l1_ktiles, p.num_local_experts};
-    if (leader) gemm::load_task<Mainloop>(gp.l1, pipeline, state, smem, load);
+    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
+                              p.l1_n,         p.hidden, p.l1_ktiles,
+                              p.num_local_experts, rd.round};
+    if (leader) gemm::load_task<Mainloop>(p, gp.l1, pipeline, state, smem, load);
     state.advance(p.l1_ktiles);
   } else {
     // The m-tile's act rows are stored: all n1 L1 tasks of the m-tile released l1_done.
     wait_counters(p, p.l1_done_word + task.tile * p.l1_ntiles, p.l1_ntiles, rd.gen,
                   {pass_phase(p, MegaPhase::kL2WaitL1), rd.round, task.tile, 0});
     if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
-    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,        p.hidden,
-                              p.l2_k,         p.l2_ktiles, p.num_local_experts};
-    if (leader) gemm::load_task<Mainloop>(gp.l2, pipeline, state, smem, load);
+    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
+                              p.hidden,       p.l2_k,   p.l2_ktiles,
+                              p.num_local_experts, rd.round};
+    if (leader) gemm::load_task<Mainloop>(p, gp.l2, pipeline, state, smem, load);
     state.advance(p.l2_ktiles);
   }
   __syncwarp();
@@ -237,7 +239,7 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
         ++seq;
         t = __shfl_sync(0xffffffffu, t, 0);
         if (leader) {
-          queue.producer_acquire(queue_state);
+          gemm::acquire_slot(p, queue, queue_state, round);
           storage.tickets[queue_state.index()] = t;
           queue.producer_commit(queue_state);
         }
@@ -251,6 +253,14 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
+  }
+  // Every stage released before the producer leaves (bounded): consumers stuck on their last
+  // stages then trap here, named, rather than leave the launch hanging (as CUTLASS's load_tail,
+  // which waits without a bound).
+  if (loader && leader) {
+    for (uint32_t s = 0; s < MegaPipeline::Stages; ++s, ++state) {
+      gemm::acquire_slot(p, pipeline, state, p.num_rounds - 1);
+    }
   }
 }
 
@@ -285,6 +295,7 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
       ++queue_state;
       if (t >= rd.order.num_tasks()) break;
       const MegaTask task = rd.order.decode(t);
+      if (task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
       if (!rd.order.skipped(task)) {
         consume_task<kBackward, kCluster>(p, gp, pipeline, state, storage.tensors, rd,
                                           trace_slot<kCluster>(t), cta_task<kCluster>(task),

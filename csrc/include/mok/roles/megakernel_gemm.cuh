@@ -17,6 +17,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cutlass/pipeline/sm90_pipeline.hpp>
 #include <cstdint>
 #include <type_traits>
 
@@ -90,7 +91,8 @@ struct MegaGemmParamsOf {
 using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
 
 // One task's operands: A rows [row_begin, row_begin + 128) of the ring, n-tile `n_tile` of
-// expert `expert`'s B [n_size, k_size]; k_tiles = ceil(k_size / 64).
+// expert `expert`'s B [n_size, k_size]; k_tiles = ceil(k_size / 64); `round` for a timeout's
+// record.
 struct MegaLoad {
   int row_begin;
   int n_tile;
@@ -99,7 +101,35 @@ struct MegaLoad {
   int k_size;       // H (L1) or I (L2)
   int k_tiles;
   int num_experts;  // E_l
+  int round;
 };
+
+// One thread (a pipeline's producer): waits until slot `state` of `pipeline` (the mainloop's, or
+// the ticket queue) is free, then acquires it (the mainloop's: arms the stage's transaction
+// bytes). Bounded, unlike the pipeline's own producer_acquire: a slot that never frees (a
+// consumer that stopped; in a cluster, CTAs out of step) records the timeout (phase
+// kProducerSlot; index: the waiting CTA; seen: the pipeline slot; expected: its phase bit) and
+// traps instead of hanging unnamed.
+// NOTE: the record names the CTA, not the task: nothing more stays live in the producer warp's
+// 40 registers across the k-tile loop.
+template <class Pipeline, class State>
+CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
+                                 const State& state, int round) {
+  const auto phase = roles::pass_phase(p, layout::MegaPhase::kProducerSlot);
+  uint64_t start_ns = 0;
+  while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
+    const uint64_t now = comm::global_timer_ns();
+    if (start_ns == 0) {
+      start_ns = now;
+    } else if (static_cast<int64_t>(now - start_ns) > roles::timeout_of(p, phase)) {
+      const int cta = static_cast<int>(blockIdx.x);
+      const roles::MegaWaitSite site{phase, round, cta, 0};
+      roles::report_mega_timeout(p, site, cta, -1, static_cast<int32_t>(state.index()),
+                                 static_cast<int32_t>(state.phase()));
+    }
+  }
+  pipeline.producer_acquire(state, {cutlass::BarrierStatus::WaitDone});
+}
 
 // Producer (one thread: warp 0's lane 0, the pipeline's leader): issues the k-tiles of one task
 // from `state` on (the caller advances its state by k_tiles, in every lane). A is the TMA
@@ -109,9 +139,9 @@ struct MegaLoad {
 // NOTE: the coordinate tensors are (rows, K) and (N, K, E) whatever the operands' majors: the
 // descriptors map them onto memory.
 template <class Mainloop>
-CUTLASS_DEVICE void load_task(typename Mainloop::Params const& mp, MegaPipeline& pipeline,
-                              MegaPipelineState state, typename Mainloop::TensorStorage& smem,
-                              const MegaLoad& load) {
+CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Params const& mp,
+                              MegaPipeline& pipeline, MegaPipelineState state,
+                              typename Mainloop::TensorStorage& smem, const MegaLoad& load) {
   using namespace cute;
   // TMA coordinate tensors (their shapes only shape the tiling; the descriptors, made over the
   // whole ring and the whole weight, bound every access). A: the 128-row window at row_begin.
@@ -134,7 +164,7 @@ CUTLASS_DEVICE void load_task(typename Mainloop::Params const& mp, MegaPipeline&
   Tensor tBsB = block_tma_b.partition_D(sB);
   CUTLASS_PRAGMA_NO_UNROLL
   for (int k = 0; k < load.k_tiles; ++k) {
-    pipeline.producer_acquire(state);  // waits for the slot, arms the full barrier's bytes
+    acquire_slot(p, pipeline, state, load.round);  // arms the full barrier's bytes
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
     if constexpr (kCluster > 1) {

@@ -55,6 +55,8 @@ struct MegaParams {
   int num_ctas;
   int num_comm_ctas;
   int stall_minibatch;
+  int stall_l2_cta;            // fault injection (tests): this CTA's consumers stop at their
+                               // first second-GEMM task (-1: none)
   int phase_offset;            // 0 (forward) or layout::kBackwardPhases: the error record's phase
 
   // ---- operands and plan (see launch/moe_megakernel.h)
@@ -195,13 +197,11 @@ struct MegaWaitSite {
 };
 
 // How long a wait of `phase` lasts before it gives up: timeout_ns times its depth in the chain
-// of waits (an L1 task waits on a comm CTA, an L2 task on L1 tasks, the round barrier on all, a
-// cluster's mailbox on the other CTA's producer, which waits on L1 and L2 inputs).
+// of waits (layout::phase_depth).
 // NOTE: a stall then shows where it starts: the wait nearest the cause gives up first (and
 // writes the record), though a wait further down the chain may have started earlier.
 MOK_DEVICE int64_t timeout_of(const MegaParams& p, MegaPhase phase) {
-  const int depth = (static_cast<int>(phase) - 1) % layout::kBackwardPhases + 1;
-  return p.timeout_ns * depth;
+  return p.timeout_ns * layout::phase_depth(phase);
 }
 // This pass's phase for one of the forward's waits (the backward's are kBackwardPhases on).
 MOK_DEVICE MegaPhase pass_phase(const MegaParams& p, MegaPhase forward) {
@@ -232,6 +232,12 @@ MOK_DEVICE void report_mega_timeout(const MegaParams& p, const MegaWaitSite& sit
 }
 
 constexpr uint32_t kMegaMaxSleepNs = 512;
+
+// Fault injection (tests, MegaParams::stall_l2_cta): never returns; a bounded wait elsewhere
+// traps the launch.
+MOK_DEVICE void stall_forever() {
+  for (;;) __nanosleep(kMegaMaxSleepNs);
+}
 
 MOK_DEVICE uint32_t next_sleep_ns(uint32_t sleep_ns) {
   return sleep_ns == 0 ? 32 : min(2 * sleep_ns, kMegaMaxSleepNs);
