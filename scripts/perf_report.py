@@ -437,6 +437,41 @@ def breakdown_tables(path):
     yield ""
 
 
+def padding_table(path):
+    """scripts/tile_padding.py: the rows the megakernel's m-tiles compute against the routed
+    rows, on the benchmark's routing (a model computed on the CPU)."""
+    record = json.load(open(path))
+    env = record["environment"]
+    yield "## The rows the megakernel's tiles compute\n"
+    yield (
+        f"From `{os.path.basename(path)}` (commit `{(env.get('commit') or 'unknown')[:12]}`), "
+        "written by `scripts/tile_padding.py` on the CPU from `bench_moe.py`'s own routing (its "
+        f"seed and {record['args']['rotate']} input sets), EP 1: each expert's rows run in m-tiles "
+        f"of {record['block_m']}, one of at most {record['block_m'] // 2} rows at half cost (one "
+        "consumer warpgroup), and the floor counts the routed rows only. 'tile efficiency' = "
+        "routed rows / computed rows: the most of the floor the mainloop could reach if every "
+        "k-tile ran at the floor's rate and nothing else took time. A model, not a measurement.\n"
+    )
+    yield ("| shape | tokens/rank | routing | routed rows (per set) | computed rows (per set) | "
+           "m-tiles (half-cost) | rows per expert | tile efficiency |")  # fmt: skip
+    yield "|---|---|---|---|---|---|---|---|"
+    for case in record["cases"]:
+        sets = case["sets"]
+        n = len(sets)
+        routed = sum(s["routed_rows"] for s in sets) // n
+        computed = sum(s["computed_rows"] for s in sets) / n
+        tiles = sum(s["m_tiles"] for s in sets) / n
+        half = sum(s["half_cost_m_tiles"] for s in sets) / n
+        low = min(s["rows_per_expert_min"] for s in sets)
+        high = max(s["rows_per_expert_max"] for s in sets)
+        yield (
+            f"| {case['shape']} | {case['tokens_per_rank']} | {case['routing']} | {routed} | "
+            f"{computed:.0f} | {tiles:.0f} ({half:.0f}) | {low}-{high} | "
+            f"{case['tile_efficiency']:.3f} |"
+        )
+    yield ""
+
+
 def trace_tables(path):
     """scripts/megakernel_trace.py: the megakernel's own timeline, every CTA's time split into
     categories, and the mainloop's time per k-tile."""
@@ -556,6 +591,7 @@ def main(argv=None) -> None:
     p.add_argument("--notes", default=None, help="a markdown file appended as the analysis")
     p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
     p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
+    p.add_argument("--padding", default=None, help="a scripts/tile_padding.py JSON")
     p.add_argument(
         "--trace",
         nargs="+",
@@ -617,6 +653,8 @@ def main(argv=None) -> None:
         parts += ["", *compare_tables(args.compare)]
     if args.breakdown:
         parts += ["", *breakdown_tables(args.breakdown)]
+    if args.padding:
+        parts += ["", *padding_table(args.padding)]
     for path in args.trace:
         parts += ["", *trace_tables(path)]
     if args.ncu:

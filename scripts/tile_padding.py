@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""How many more rows the megakernel's GEMM tiles compute than the routing sends, on the
+benchmark's own routing (scripts/bench_moe.py's inputs: same shapes, seed and input sets).
+
+The floor model (testing.timing.moe_pass_cost) counts the routed rows' FLOPs. The megakernel
+computes each expert's rows in m-tiles of 128 (layout/mega.cuh, kBlockM), and an m-tile of at
+most 64 rows at half cost (its second consumer warpgroup idles: roles/megakernel_gemm.cuh,
+consumer_rows_idle). So an expert with n rows costs ``64 * units(n)`` rows of tensor-core work,
+``units(n) = 2 * (n // 128) + (0, 1 or 2 for the rest: none, at most 64, more)``; the n-tiles and
+k-tiles of the three benchmark shapes divide their GEMMs exactly. ``tile_efficiency`` is the
+routed rows over the computed rows: the fraction of the floor the megakernel's mainloop would
+reach if every k-tile ran at the floor's rate and nothing else took time. A model computed on
+the CPU from the routing, not a measurement.
+
+    python3 scripts/tile_padding.py --out docs/results/tile_padding_<commit>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402
+
+BLOCK_M = 128  # rows of an m-tile (layout/mega.cuh, kBlockM)
+HALF_M = BLOCK_M // 2  # rows of one consumer warpgroup's half of it
+
+
+def units(rows: torch.Tensor) -> torch.Tensor:
+    """Half-tiles of tensor-core work per expert (rows: [E] int64)."""
+    rest = rows % BLOCK_M
+    return 2 * (rows // BLOCK_M) + (rest > 0).long() + (rest > HALF_M).long()
+
+
+def case(shape_name: str, tokens: int, routing: str, args) -> dict:
+    shape = bench_moe.SHAPES[shape_name]
+    hidden, inter, experts, topk = shape
+    sets = bench_moe.make_inputs(args.rotate, tokens, shape, routing, "cpu", torch.bfloat16,
+                                 args.seed, 0)  # fmt: skip
+    per_set = []
+    for inputs in sets:
+        rows = torch.bincount(inputs["idx"].reshape(-1), minlength=experts)
+        rest = rows % BLOCK_M
+        per_set.append({"routed_rows": int(rows.sum()),
+                        "computed_rows": int(units(rows).sum()) * HALF_M,
+                        "m_tiles": int(((rows + BLOCK_M - 1) // BLOCK_M).sum()),
+                        "half_cost_m_tiles": int(((rest > 0) & (rest <= HALF_M)).sum()),
+                        "rows_per_expert_min": int(rows.min()),
+                        "rows_per_expert_max": int(rows.max())})  # fmt: skip
+    routed = sum(s["routed_rows"] for s in per_set)
+    computed = sum(s["computed_rows"] for s in per_set)
+    return {"shape": shape_name, "hidden": hidden, "intermediate": inter, "experts": experts,
+            "topk": topk, "tokens_per_rank": tokens, "routing": routing, "ep": 1,
+            "sets": per_set, "tile_efficiency": routed / computed}  # fmt: skip
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(bench_moe.SHAPES))
+    p.add_argument("--tokens", default="8192,16384")
+    p.add_argument("--routing", default="uniform,skewed")
+    p.add_argument("--rotate", type=int, default=3, help="input sets (bench_moe.py's default)")
+    p.add_argument("--seed", type=int, default=1234, help="bench_moe.py's default")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cases = [case(s, int(t), r, args) for s in args.shapes.split(",")
+             for t in args.tokens.split(",") for r in args.routing.split(",")]  # fmt: skip
+    for c in cases:
+        print(f"{c['shape']} T={c['tokens_per_rank']} {c['routing']}: the m-tiles compute "
+              f"{1 / c['tile_efficiency']:.3f}x the routed rows (tile efficiency "
+              f"{c['tile_efficiency']:.3f})")  # fmt: skip
+    env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": "cpu",
+           "commit": os.environ.get("MOK_COMMIT") or bench_moe._git_commit(),
+           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    record = {"benchmark": "tile_padding", "environment": env, "args": vars(args),
+              "block_m": BLOCK_M, "cases": cases}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
