@@ -472,6 +472,35 @@ def padding_table(path):
     yield ""
 
 
+def wgrad_table(path):
+    """scripts/wgrad_traffic.py: the weight gradients' accumulation traffic the floor leaves out,
+    and the most of the floor a forward + backward could reach with it."""
+    record = json.load(open(path))
+    env = record["environment"]
+    hbm = record["ceilings"]["hbm_tbps"]
+    yield "## What the weight gradients' accumulation adds to a forward + backward\n"
+    yield (
+        f"From `{os.path.basename(path)}` (commit `{(env.get('commit') or 'unknown')[:12]}`), "
+        "written by `scripts/wgrad_traffic.py` on the CPU, EP 1: the expert weights' gradient "
+        "accumulation, which the floor does not count, at the floor model's HBM ceiling "
+        f"({hbm} TB/s). '.grad': the bench's default, autograd adding each new bf16 gradient into "
+        "`.grad` in a pass of its own (both layers); 'main_grad': `--main-grad`, the "
+        "weight-gradient GEMMs reading and writing fp32 `main_grad`. 'bound': the most of the "
+        "floor a forward + backward could reach with everything else at the floor (the script "
+        "says how). A model, not a measurement.\n"
+    )
+    yield ("| shape | tokens/rank | expert weights (G) | floor ms | .grad add ms | .grad bound "
+           "| main_grad traffic ms | main_grad bound |")  # fmt: skip
+    yield "|---|---|---|---|---|---|---|---|"
+    for c in record["cases"]:
+        yield (
+            f"| {c['shape']} | {c['tokens_per_rank']} | {c['expert_params'] / 1e9:.2f} | "
+            f"{c['floor_ms']:.2f} | {c['grad_add_ms']:.2f} | {c['grad_bound']:.2f} | "
+            f"{c['main_grad_ms']:.2f} | {c['main_grad_bound']:.2f} |"
+        )
+    yield ""
+
+
 def trace_tables(path):
     """scripts/megakernel_trace.py: the megakernel's own timeline, every CTA's time split into
     categories, and the mainloop's time per k-tile."""
@@ -592,6 +621,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
     p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
     p.add_argument("--padding", default=None, help="a scripts/tile_padding.py JSON")
+    p.add_argument("--wgrad", default=None, help="a scripts/wgrad_traffic.py JSON")
     p.add_argument(
         "--trace",
         nargs="+",
@@ -655,6 +685,8 @@ def main(argv=None) -> None:
         parts += ["", *breakdown_tables(args.breakdown)]
     if args.padding:
         parts += ["", *padding_table(args.padding)]
+    if args.wgrad:
+        parts += ["", *wgrad_table(args.wgrad)]
     for path in args.trace:
         parts += ["", *trace_tables(path)]
     if args.ncu:

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""What the weight gradients' accumulation costs beyond the floor of a forward + backward.
+
+The floor model (testing.timing.moe_pass_cost) counts the three passes' FLOPs and, for memory,
+each weight read or written once per pass. A training step also accumulates the new weight
+gradients into what the step before left, and scripts/bench_moe.py times repeated passes
+without clearing the gradients in between, so both layers do:
+
+- ``grad``: the bench's default. Autograd adds each new bf16 weight gradient into the
+  parameter's ``.grad`` in a pass of its own after the backward: it reads both and writes one,
+  3 x 2 bytes per expert weight, HBM-bound, after the weight-gradient GEMMs.
+- ``main_grad``: Megatron's gradient-accumulation fusion (``bench_moe.py --main-grad``). The
+  weight-gradient GEMMs read and write fp32 ``main_grad`` (8 bytes per expert weight instead of
+  the 2 of a bf16 gradient the floor counts). Those GEMMs then take at least the longer of their
+  FLOPs at the floor's rate (a third of the forward + backward's) and that traffic at the HBM
+  ceiling.
+
+For each benchmark shape at EP 1 this writes the traffic, its time at the HBM ceiling of the
+floor model, and the most of the floor a forward + backward could reach with everything else at
+the floor: ``floor / (floor + add pass)`` for ``grad``; ``floor / (2/3 floor + max(1/3 floor,
+main_grad traffic))`` for ``main_grad``. A model computed on the CPU, not a measurement.
+
+    python3 scripts/wgrad_traffic.py --out docs/results/wgrad_traffic_<commit>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402
+
+from mok_megatron.testing.timing import H200_CEILINGS, moe_pass_cost  # noqa: E402
+
+GRAD_ADD_BYTES = 3 * 2  # bf16: read the new gradient and .grad, write .grad
+MAIN_GRAD_BYTES = 2 * 4  # fp32 main_grad read and written by the weight-gradient GEMM
+
+
+def case(shape_name: str, tokens: int) -> dict:
+    hidden, inter, experts, topk = bench_moe.SHAPES[shape_name]
+    cost = moe_pass_cost(routed_rows=tokens * topk, remote_pairs=0, hidden=hidden, inter=inter,
+                         local_experts=experts, backward=True)  # fmt: skip
+    floor = cost["floor_ms"]
+    params = 3 * experts * hidden * inter  # the routed experts' weights (EP 1: all local)
+    hbm = H200_CEILINGS.hbm_tbps * 1e12
+    add_ms = params * GRAD_ADD_BYTES / hbm * 1e3
+    main_ms = params * MAIN_GRAD_BYTES / hbm * 1e3
+    return {
+        "shape": shape_name, "tokens_per_rank": tokens, "ep": 1, "expert_params": params,
+        "floor_ms": floor, "grad_add_bytes": params * GRAD_ADD_BYTES, "grad_add_ms": add_ms,
+        "grad_bound": floor / (floor + add_ms), "main_grad_bytes": params * MAIN_GRAD_BYTES,
+        "main_grad_ms": main_ms,
+        "main_grad_bound": floor / (2 * floor / 3 + max(floor / 3, main_ms)),
+    }  # fmt: skip
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(bench_moe.SHAPES))
+    p.add_argument("--tokens", default="8192,16384")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cases = [case(s, int(t)) for s in args.shapes.split(",") for t in args.tokens.split(",")]
+    for c in cases:
+        print(f"{c['shape']} T={c['tokens_per_rank']}: floor {c['floor_ms']:.2f} ms; .grad add "
+              f"{c['grad_add_ms']:.2f} ms (bound {c['grad_bound']:.2f}); main_grad "
+              f"{c['main_grad_ms']:.2f} ms (bound {c['main_grad_bound']:.2f})")  # fmt: skip
+    env = {"python": sys.version.split()[0], "device": "cpu",
+           "commit": os.environ.get("MOK_COMMIT") or bench_moe._git_commit(),
+           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    record = {"benchmark": "wgrad_traffic", "environment": env, "args": vars(args),
+              "ceilings": vars(H200_CEILINGS), "cases": cases}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
