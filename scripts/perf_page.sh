@@ -62,7 +62,7 @@ for n in ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.
   args+=("$R/$n")
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
-args+=(--padding "$R/tile_padding_b04cdbf.json")
+args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_1c8cc70.json")
 args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json")
 args+=(--profile "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
 exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png
