@@ -606,6 +606,17 @@ def _write(record, path) -> None:
     os.replace(path + ".tmp", path)
 
 
+def write_model_record(benchmark: str, args, cases: list, **fields) -> None:
+    """A CPU model's JSON record (scripts/tile_padding.py, scripts/wgrad_traffic.py) at
+    ``args.out``: its name, where it was computed, its arguments, ``fields`` and its cases."""
+    env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": "cpu",
+           "commit": os.environ.get("MOK_COMMIT") or _git_commit(),
+           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    _write({"benchmark": benchmark, "environment": env, "args": vars(args), **fields,
+            "cases": cases}, args.out)  # fmt: skip
+    print(f"wrote {args.out}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.mok_graph and args.device != "cuda":

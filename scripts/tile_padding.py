@@ -18,10 +18,7 @@ the CPU from the routing, not a measurement.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -80,15 +77,7 @@ def main(argv=None) -> None:
         print(f"{c['shape']} T={c['tokens_per_rank']} {c['routing']}: the m-tiles compute "
               f"{1 / c['tile_efficiency']:.3f}x the routed rows (tile efficiency "
               f"{c['tile_efficiency']:.3f})")  # fmt: skip
-    env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": "cpu",
-           "commit": os.environ.get("MOK_COMMIT") or bench_moe._git_commit(),
-           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-    record = {"benchmark": "tile_padding", "environment": env, "args": vars(args),
-              "block_m": BLOCK_M, "cases": cases}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.out}")
+    bench_moe.write_model_record("tile_padding", args, cases, block_m=BLOCK_M)
 
 
 if __name__ == "__main__":

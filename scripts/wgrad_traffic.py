@@ -26,10 +26,7 @@ main_grad traffic))`` for ``main_grad``. A model computed on the CPU, not a meas
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,15 +71,7 @@ def main(argv=None) -> None:
         print(f"{c['shape']} T={c['tokens_per_rank']}: floor {c['floor_ms']:.2f} ms; .grad add "
               f"{c['grad_add_ms']:.2f} ms (bound {c['grad_bound']:.2f}); main_grad "
               f"{c['main_grad_ms']:.2f} ms (bound {c['main_grad_bound']:.2f})")  # fmt: skip
-    env = {"python": sys.version.split()[0], "device": "cpu",
-           "commit": os.environ.get("MOK_COMMIT") or bench_moe._git_commit(),
-           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-    record = {"benchmark": "wgrad_traffic", "environment": env, "args": vars(args),
-              "ceilings": vars(H200_CEILINGS), "cases": cases}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {args.out}")
+    bench_moe.write_model_record("wgrad_traffic", args, cases, ceilings=vars(H200_CEILINGS))
 
 
 if __name__ == "__main__":

@@ -511,23 +511,18 @@ def test_virtual_ranks_match_oracle_and_repeat_bitwise(case):
 
 
 # ------------------------------------------------------------------------------ timeouts
-# A child's forward whose comm CTAs never release minibatch 2; `knobs`: more MoKConfig fields.
-_STALL = """
-import os, torch
+# A child script's first and last lines: the imports, then `call` (a pass that should time out)
+# and what failed (test_megakernel_backward.py's child uses them too).
+_CHILD_HEAD = """
+import torch
 from mok_megatron import functional as F
 from mok_megatron.ops import interleave_gate_up
 from mok_megatron.ops.moe import check_mega_error
 from mok_megatron.testing import random_moe_problem
-p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
-x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
-                     wait_timeout_ms=1500{knobs})
-ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
-                        num_experts=8, intermediate_size=64, backend="cuda")
-ws.buffers.stall_minibatch = 2
-sched = F.build_schedule(ws, config, topk, router_weights=rw)
+"""
+_RUN_AND_REPORT = """
 try:
-    F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)
+    {call}
     torch.cuda.synchronize()
     print("NO-TIMEOUT", flush=True)
 except Exception as exc:
@@ -537,6 +532,25 @@ except Exception as exc:
     except RuntimeError as err:
         print("RECORD", err, flush=True)
 """
+_FORWARD = (
+    "F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)"
+)
+
+# A child's forward whose comm CTAs never release minibatch 2; `knobs`: more MoKConfig fields.
+_STALL = (
+    _CHILD_HEAD
+    + """
+p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
+x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
+config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
+                     wait_timeout_ms=1500{knobs})
+ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
+                        num_experts=8, intermediate_size=64, backend="cuda")
+ws.buffers.stall_minibatch = 2
+sched = F.build_schedule(ws, config, topk, router_weights=rw)
+"""
+    + _RUN_AND_REPORT.format(call=_FORWARD)
+)
 
 
 def _child(script: str, tmp_path) -> str:
@@ -560,12 +574,9 @@ def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(t
 # A child's forward on 2 CTAs (the first pulls) whose second CTA's consumers stop at their first
 # L2 task: its producer's wait for a free stage (an L2 task has 6 k-tiles, the pipeline 4 stages)
 # is then the only wait left, and it must give up, not hang (as CUTLASS's own wait would).
-_STALLED_CONSUMERS = """
-import torch
-from mok_megatron import functional as F
-from mok_megatron.ops import interleave_gate_up
-from mok_megatron.ops.moe import check_mega_error
-from mok_megatron.testing import random_moe_problem
+_STALLED_CONSUMERS = (
+    _CHILD_HEAD
+    + """
 p = random_moe_problem([300], 128, 384, 8, 2, seed=1)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
 config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=1, minibatch_size=128,
@@ -575,17 +586,9 @@ ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size
 ws.buffers.num_sms = 2
 ws.buffers.stall_l2_cta = 1
 sched = F.build_schedule(ws, config, topk, router_weights=rw)
-try:
-    F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)
-    torch.cuda.synchronize()
-    print("NO-TIMEOUT", flush=True)
-except Exception as exc:
-    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
-    try:
-        check_mega_error(ws.buffers.error_record)
-    except RuntimeError as err:
-        print("RECORD", err, flush=True)
 """
+    + _RUN_AND_REPORT.format(call=_FORWARD)
+)
 
 
 def test_consumers_that_stop_time_out_in_their_producers_slot_wait(tmp_path):

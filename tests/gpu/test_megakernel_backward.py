@@ -25,7 +25,7 @@ from test_cuda_backend import (
     _clone,
     _problem,
 )
-from test_megakernel import _child
+from test_megakernel import _CHILD_HEAD, _RUN_AND_REPORT, _child
 
 from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
@@ -193,12 +193,9 @@ def test_after_a_stage1_forward_megakernel_backward_fails_clearly():
         F.MoKConfig(cuda_forward="stage1", cuda_backward="megakernel")
 
 
-_STALL_BACKWARD = """
-import torch
-from mok_megatron import functional as F
-from mok_megatron.ops import interleave_gate_up
-from mok_megatron.ops.moe import check_mega_error
-from mok_megatron.testing import random_moe_problem
+_STALL_BACKWARD = (
+    _CHILD_HEAD
+    + """
 p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
 config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, bwd_num_comm_sms=4,
@@ -211,17 +208,12 @@ out, ctx = F.forward(config, ws, sched, x, rw, None, None, None, gu, None, d)
 torch.cuda.synchronize()
 print("FORWARD-OK", flush=True)
 ws.buffers.stall_minibatch = 1  # the backward's comm CTAs never release minibatch 1
-try:
-    F.backward(config, ws, sched, ctx, torch.randn_like(out), x, rw, None, None, None, gu, None, d)
-    torch.cuda.synchronize()
-    print("NO-TIMEOUT", flush=True)
-except Exception as exc:
-    print("LAUNCH-FAILED", type(exc).__name__, flush=True)
-    try:
-        check_mega_error(ws.buffers.error_record)
-    except RuntimeError as err:
-        print("RECORD", err, flush=True)
 """
+    + _RUN_AND_REPORT.format(
+        call="F.backward(config, ws, sched, ctx, torch.randn_like(out), x, rw, None, None, None, "
+        "gu, None, d)"
+    )
+)
 
 
 def test_a_stalled_backward_minibatch_times_out_naming_the_backward_phase(tmp_path):
