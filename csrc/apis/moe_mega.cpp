@@ -274,6 +274,8 @@ std::vector<at::Tensor> moe_mega_forward(
                       token_capacity, shape);
   }
   const int grid = mega_grid(x, num_sms, num_comm_sms, cluster, false, "fwd_num_comm_sms");
+  TORCH_CHECK(stall_l2_cta >= -1 && stall_l2_cta < grid, "mok::moe_mega_forward: stall_l2_cta=",
+              stall_l2_cta, " must be -1 or a CTA of the grid's ", grid);
 
   const int64_t ring = shape.ring_rows(), rounds = shape.num_rounds();
   const auto bf16 = x.options();
@@ -309,8 +311,6 @@ std::vector<at::Tensor> moe_mega_forward(
 
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kForward_trace_ctas], out[kForward_trace_tasks]);
-  TORCH_CHECK(stall_l2_cta >= -1 && stall_l2_cta < grid, "mok::moe_mega_forward: stall_l2_cta=",
-              stall_l2_cta, " must be -1 or a CTA of the grid's ", grid);
   a.stall_l2_cta = static_cast<int>(stall_l2_cta);
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();

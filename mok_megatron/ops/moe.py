@@ -139,7 +139,7 @@ def check_mega_error(record: torch.Tensor) -> None:
         return
     what, index_name, counter = MEGA_PHASES.get(values["phase"], ("unknown wait", "index", "?"))
     if values["counter"] < 0:  # a barrier in shared memory: its slot and the slot's use
-        waited = f"{counter} {values['seen']} not freed for use {values['expected']}"
+        waited = f"{counter} {values['seen']} stuck before its use {values['expected']}"
     else:
         waited = (f"counter {counter} (word {values['counter']}) = {values['seen']} < "
                   f"{values['expected']}")  # fmt: skip

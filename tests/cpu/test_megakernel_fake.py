@@ -58,7 +58,7 @@ def test_a_shared_memory_wait_reads_as_a_slot_and_its_use():
     fields = mops.MEGA_ERROR_FIELDS
     slot = dict.fromkeys(fields, 0) | {"timed_out": 1, "phase": 10, "index": 7, "counter": -1,
                                         "seen": 2, "expected": 5, "timeout_ms": 4}  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"CTA 7\): slot 2 not freed for use 5"):
+    with pytest.raises(RuntimeError, match=r"CTA 7\): slot 2 stuck before its use 5"):
         mops.check_mega_error(torch.tensor([slot[f] for f in fields], dtype=torch.int32))
     rows = slot | {"phase": 1, "counter": 40, "seen": 3, "expected": 4}
     with pytest.raises(RuntimeError, match=r"counter arrive \(word 40\) = 3 < 4"):

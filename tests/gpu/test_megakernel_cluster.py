@@ -113,7 +113,7 @@ def test_virtual_ranks_in_clusters_of_two_match_oracle_and_repeat_bitwise(w):
 
 
 def test_a_stalled_minibatch_in_clusters_times_out_naming_the_rows_not_the_mailbox(tmp_path):
-    """The mailbox waits (3x the timeout) outlast the L1 row wait (1x) that a stalled minibatch
+    """The mailbox waits (4x the timeout) outlast the L1 row wait (1x) that a stalled minibatch
     leaves waiting: the record names the cause."""
     output = _child(_STALL.format(knobs=", megakernel_cluster=2"), tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]

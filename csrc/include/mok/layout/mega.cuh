@@ -133,13 +133,12 @@ enum class MegaPhase : int {
   kBwdWaitRows = 4,   // backward: an L2-dgrad task waited for its d_out rows (arrive)
   kBwdWaitL1 = 5,     // backward: an L1-dgrad task waited for its m-tile's L2 dgrads (l1_done)
   kBwdRoundBarrier = 6,
-  // NOTE: the cluster mailbox's phases come after the others, numbered so that the depth rule
-  // (roles/megakernel_tasks.cuh, timeout_of) gives them the round barrier's 3x, and the backward's
-  // is the forward's + kBackwardPhases as for the others.
+  // NOTE: the later phases follow the same rule: the backward's is the forward's +
+  // kBackwardPhases. Their timeouts: phase_depth.
   kClusterTicket = 9,      // the second CTA of a cluster waited for the ticket the first took,
                            // or the first for the second to read an earlier one (a shared-memory
-                           // mailbox: counter -1, seen: its slot, expected: the slot's use;
-                           // index: the ticket's number in the launch)
+                           // mailbox: counter -1, seen: its slot, expected: the slot's use by
+                           // that ticket; index: the ticket's number in the launch)
   kProducerSlot = 10,      // a CTA's producer waited for a free slot: a mainloop stage (its
                            // consumers', in a cluster also the other CTA's, release) or a place
                            // in its ticket queue (counter -1, seen: the slot, expected: its use;
@@ -151,22 +150,26 @@ constexpr int kBackwardPhases = 3;  // phase p of the forward is p + 3 of the ba
 
 // A wait's depth in the chain of waits: it gives up after this many MegaParams::timeout_ns, so
 // that in a stall the wait nearest the cause gives up first. An L1 task waits on a comm CTA
-// (1), an L2 task on L1 tasks (2), the round barrier on all, a cluster's mailbox on the other
-// CTA's producer, which waits on L1 and L2 inputs (3); a producer's slot waits on consumers,
-// which wait on loads that may be the other CTA's, behind any of those (4).
-MOK_HOST_DEVICE constexpr int phase_depth(MegaPhase phase) {
-  switch (phase) {
+// (1); an L2 task on L1 tasks (2); a producer's free slot on its consumers, which wait only on
+// loads already issued, in a cluster also the other CTA's, issued after that CTA's input waits
+// (3); a cluster's mailbox on the other CTA's producer, stuck behind any of those (4); the round
+// barrier on every CTA (5).
+// NOTE: a consumer that stops while it holds an L1 task is named by the L2 task waiting for that
+// task (2x), not by its own producer's slot wait (3x): the record names the m-tile, and the
+// timeline (scripts/megakernel_trace.py) which CTA took its L1 task.
+// `forward`: a forward phase (a backward wait's depth is its forward phase's).
+MOK_HOST_DEVICE constexpr int phase_depth(MegaPhase forward) {
+  switch (forward) {
     case MegaPhase::kL1WaitRows:
-    case MegaPhase::kBwdWaitRows:
       return 1;
     case MegaPhase::kL2WaitL1:
-    case MegaPhase::kBwdWaitL1:
       return 2;
     case MegaPhase::kProducerSlot:
-    case MegaPhase::kBwdProducerSlot:
-      return 4;
-    default:  // the round barriers and the mailbox
       return 3;
+    case MegaPhase::kClusterTicket:
+      return 4;
+    default:  // the round barrier
+      return 5;
   }
 }
 static_assert(static_cast<int>(MegaPhase::kBwdProducerSlot) ==
@@ -184,12 +187,12 @@ enum MegaError : int {
   kMegaErrPhase = 2,     // a MegaPhase
   kMegaErrRound = 3,
   kMegaErrIndex = 4,     // minibatch (kL1WaitRows) or m-tile (kL2WaitL1) waited for; the
-                         // waiting CTA (kRoundBarrier)
-  kMegaErrCounter = 5,   // word index in the counters region
-  kMegaErrSeen = 6,      // its value, last read
-  kMegaErrExpected = 7,  // the generation waited for
-  kMegaErrTimeoutMs = 8, // how long that wait lasted: timeout_ns x 1 (kL1WaitRows), x 2
-                         // (kL2WaitL1), x 3 (kRoundBarrier, kClusterTicket), so the wait
+                         // waiting CTA (kRoundBarrier, kProducerSlot); the ticket's number in
+                         // the launch (kClusterTicket)
+  kMegaErrCounter = 5,   // word index in the counters region; -1: a shared-memory barrier
+  kMegaErrSeen = 6,      // its value, last read (-1 word: the barrier's slot)
+  kMegaErrExpected = 7,  // the generation waited for (-1 word: the slot's use)
+  kMegaErrTimeoutMs = 8, // how long that wait lasted: timeout_ns x phase_depth, so the wait
                          // nearest a stall's cause gives up first
   kMegaErrWords = 9,
 };

@@ -74,7 +74,7 @@ MOK_DEVICE void init_mailbox(MegaMailbox& box) {
 
 // One thread: waits until `barrier` (of mailbox slot seq % kMailboxSlots) completed its phase
 // `use` (parity use & 1), or records the timeout (index: the ticket's sequence number; seen: the
-// slot; expected: the use) and traps.
+// slot; expected: the slot's use by that ticket, seq / kMailboxSlots) and traps.
 MOK_DEVICE void wait_mailbox(const MegaParams& p, const uint64_t* barrier, uint32_t use,
                              int round, uint32_t seq) {
   const MegaPhase phase = pass_phase(p, MegaPhase::kClusterTicket);
@@ -88,7 +88,7 @@ MOK_DEVICE void wait_mailbox(const MegaParams& p, const uint64_t* barrier, uint3
     } else if (static_cast<int64_t>(now - start_ns) > timeout_ns) {
       const MegaWaitSite site{phase, round, static_cast<int>(seq), 0};
       report_mega_timeout(p, site, site.index, -1, static_cast<int32_t>(seq % kMailboxSlots),
-                          static_cast<int32_t>(use));
+                          static_cast<int32_t>(seq / kMailboxSlots));
     }
   }
 }

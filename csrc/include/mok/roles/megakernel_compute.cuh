@@ -262,6 +262,7 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
       gemm::acquire_slot(p, pipeline, state, p.num_rounds - 1);
     }
   }
+  __syncwarp();  // warp 0 converged again before the cluster's aligned barrier
 }
 
 // The consumer warpgroups, every round: a comm CTA's pulls first, then the producer's tickets up
@@ -295,8 +296,8 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
       ++queue_state;
       if (t >= rd.order.num_tasks()) break;
       const MegaTask task = rd.order.decode(t);
-      if (task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
       if (!rd.order.skipped(task)) {
+        if (task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
         consume_task<kBackward, kCluster>(p, gp, pipeline, state, storage.tensors, rd,
                                           trace_slot<kCluster>(t), cta_task<kCluster>(task),
                                           mma_thread_idx);

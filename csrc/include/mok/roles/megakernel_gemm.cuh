@@ -108,8 +108,8 @@ struct MegaLoad {
 // the ticket queue) is free, then acquires it (the mainloop's: arms the stage's transaction
 // bytes). Bounded, unlike the pipeline's own producer_acquire: a slot that never frees (a
 // consumer that stopped; in a cluster, CTAs out of step) records the timeout (phase
-// kProducerSlot; index: the waiting CTA; seen: the pipeline slot; expected: its phase bit) and
-// traps instead of hanging unnamed.
+// kProducerSlot; index: the waiting CTA; seen: the pipeline slot; expected: the slot's use, the
+// state's count over the stages) and traps instead of hanging unnamed.
 // NOTE: the record names the CTA, not the task: nothing more stays live in the producer warp's
 // 40 registers across the k-tile loop.
 template <class Pipeline, class State>
@@ -125,7 +125,7 @@ CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
       const int cta = static_cast<int>(blockIdx.x);
       const roles::MegaWaitSite site{phase, round, cta, 0};
       roles::report_mega_timeout(p, site, cta, -1, static_cast<int32_t>(state.index()),
-                                 static_cast<int32_t>(state.phase()));
+                                 static_cast<int32_t>(state.count() / Pipeline::Stages));
     }
   }
   pipeline.producer_acquire(state, {cutlass::BarrierStatus::WaitDone});

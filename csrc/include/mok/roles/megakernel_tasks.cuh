@@ -200,8 +200,11 @@ struct MegaWaitSite {
 // of waits (layout::phase_depth).
 // NOTE: a stall then shows where it starts: the wait nearest the cause gives up first (and
 // writes the record), though a wait further down the chain may have started earlier.
+// NOTE: the depth is the forward phase's: every wait builds its phase as pass_phase(p, forward),
+// so once inlined the subtraction gives back the constant and the switch folds away.
 MOK_DEVICE int64_t timeout_of(const MegaParams& p, MegaPhase phase) {
-  return p.timeout_ns * layout::phase_depth(phase);
+  const auto forward = static_cast<MegaPhase>(static_cast<int>(phase) - p.phase_offset);
+  return p.timeout_ns * layout::phase_depth(forward);
 }
 // This pass's phase for one of the forward's waits (the backward's are kBackwardPhases on).
 MOK_DEVICE MegaPhase pass_phase(const MegaParams& p, MegaPhase forward) {
