@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mok_megatron.testing.gpu_clocks import ClockSampler, nvml_reader  # noqa: E402
 from mok_megatron.testing.timing import moe_pass_cost, time_back_to_back, time_fn  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, experts, top-k
@@ -285,9 +286,18 @@ def traffic(sets, shape, rank, world):
     return int(rows[rank]), remote
 
 
+@functools.cache
+def _clock_reader():
+    """NVML's reader of this GPU's SM clock and power (testing.gpu_clocks), or None."""
+    if not torch.cuda.is_available():
+        return None
+    return nvml_reader(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
 def measure(layer, sets, args, backward: bool, calls: int = 0) -> dict:
     """The layer's pass timed call by call from an idle GPU (time_fn), or ``calls`` calls back to
-    back per sample (time_back_to_back); its peak memory."""
+    back per sample (time_back_to_back); its peak memory; the SM clock and power while it was
+    timed (``gpu_during``: testing.gpu_clocks, None where NVML cannot say)."""
     device = args.device
     if device == "cuda":
         torch.cuda.synchronize()
@@ -297,13 +307,14 @@ def measure(layer, sets, args, backward: bool, calls: int = 0) -> dict:
     def fn(i):
         return run_layer(layer, sets[i % len(sets)], backward)
 
-    if calls:
-        timing = time_back_to_back(fn, warmup=args.warmup, iters=args.iters, calls=calls,
-                                   device=device)  # fmt: skip
-    else:
-        timing = time_fn(fn, warmup=args.warmup, iters=args.iters, device=device)
+    with ClockSampler(_clock_reader() if device == "cuda" else None) as clocks:
+        if calls:
+            timing = time_back_to_back(fn, warmup=args.warmup, iters=args.iters, calls=calls,
+                                       device=device)  # fmt: skip
+        else:
+            timing = time_fn(fn, warmup=args.warmup, iters=args.iters, device=device)
     peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else 0
-    return _measured(timing, peak, device)
+    return {**_measured(timing, peak, device), "gpu_during": clocks.summary()}
 
 
 def _measured(timing, peak: int, device: str) -> dict:
@@ -336,8 +347,9 @@ def measure_graphed(layer, sets, args) -> dict:
         with torch.cuda.graph(graph):
             outs.append(run_layer(layer, inputs, backward=False).detach())
         graphs.append(graph)
-    timing = time_fn(lambda i: graphs[i % len(graphs)].replay(), warmup=args.warmup,
-                     iters=args.iters, device="cuda")  # fmt: skip
+    with ClockSampler(_clock_reader()) as clocks:
+        timing = time_fn(lambda i: graphs[i % len(graphs)].replay(), warmup=args.warmup,
+                         iters=args.iters, device="cuda")  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base_mem
     for graph, out in zip(graphs, outs):  # one more replay of each, into a poisoned output
         out.fill_(float("nan"))
@@ -349,7 +361,7 @@ def measure_graphed(layer, sets, args) -> dict:
             raise AssertionError(f"--mok-graph: input set {i}'s replay differs from eager")
     graphs.clear()  # the graphs and their pools go before the next contender
     outs.clear()
-    return _measured(timing, peak, "cuda")
+    return {**_measured(timing, peak, "cuda"), "gpu_during": clocks.summary()}
 
 
 def _rates(t: dict, cost: dict) -> dict:

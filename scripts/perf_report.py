@@ -228,6 +228,36 @@ def gpu_state_rows(records):
             )
 
 
+def clock_rows(records):
+    """The SM clock and power while each contender was timed (bench_moe.py's ``gpu_during``,
+    sampled through NVML), where a record has them."""
+    for path, record in records:
+        for case in record["cases"]:
+            for label in ("fwd", "fwd_bwd"):
+                for who, entry in case.get(label, {}).items():
+                    during = entry.get("gpu_during") if isinstance(entry, dict) else None
+                    if not during:
+                        continue
+                    yield (
+                        f"| {os.path.basename(path)} | {case['shape']} | {case['ep']} "
+                        f"| {case['tokens_per_rank']} | {case['routing']} | {label} | {who} "
+                        f"| {during['sm_mhz_median']:.0f} ({during['sm_mhz_min']:.0f}-"
+                        f"{during['sm_mhz_max']:.0f}) | {during['power_w_median']:.0f} "
+                        f"| {entry['fraction_of_floor']:.2f} |"
+                    )
+
+
+CLOCK_HEAD = (
+    "## The GPU's clock while each layer was timed\n\n"
+    "Sampled through NVML every 10 ms while each contender's timings ran (bench_moe.py's "
+    "`gpu_during`, `mok_megatron/testing/gpu_clocks.py`): the SM clock's median (min-max) in "
+    "MHz and the power drawn in W, beside the contender's fraction of the floor, which assumes "
+    "the full clock.\n\n"
+    "| record | shape | EP | tokens/rank | routing | pass | who | SM MHz | power W "
+    "| of floor |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 GPU_STATE_HEAD = (
     "## The GPU's state after each case\n\n"
     "Read from nvidia-smi after each case's timings (SM clock in MHz against its maximum, "
@@ -670,6 +700,9 @@ def main(argv=None) -> None:
     states = list(gpu_state_rows(records))
     if states:
         parts += ["", GPU_STATE_HEAD, *states]
+    clocks = list(clock_rows(records))
+    if clocks:
+        parts += ["", CLOCK_HEAD, *clocks]
     engine = list(engine_rows(records))
     if engine:
         settings = sorted(

@@ -36,6 +36,7 @@ def test_bench_runs_on_cpu_and_the_report_renders(tmp_path, ep):
             r = case[label]
             assert r["cost"]["flops"] > 0 and r["speedup"] > 0
             assert r["mok"]["median_ms"] > 0 and r["baseline"]["median_ms"] > 0
+            assert r["mok"]["gpu_during"] is None  # no GPU, no clock samples
         assert case["routed_rows_rank"] > 0
         assert (case["remote_pairs_rank"] > 0) == (ep > 1)
     md, png = tmp_path / "PERF.md", tmp_path / "perf.png"
@@ -90,6 +91,24 @@ def test_graph_rows_render_and_need_a_gpu(tmp_path):
     (row,) = perf_report.graph_rows([("r.json", {"cases": [case, {**case, "fwd": {}}]})])
     assert row == ("| s | 1 | 64 | uniform | cuda/megakernel | 2.000 (1.900-2.100) "
                    "| 1.000 (0.950-1.050) | 0.800 | 0.40 | 0.80 |")  # fmt: skip
+
+
+def test_clock_rows_render_each_contender_timed_with_clock_samples():
+    """perf_report's clock table: one row per pass and contender with ``gpu_during`` (bench_moe's
+    NVML samples while it was timed; a synthetic record), none for those without."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+    during = {"samples": 40, "sm_mhz_median": 1530.0, "sm_mhz_min": 1410.0,
+              "sm_mhz_max": 1980.0, "power_w_median": 689.6}  # fmt: skip
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
+            "fwd": {"cost": {"floor_ms": 1.0}, "speedup": 1.2,
+                    "mok": {"fraction_of_floor": 0.56, "gpu_during": during},
+                    "baseline": {"fraction_of_floor": 0.43, "gpu_during": None}}}  # fmt: skip
+    (row,) = perf_report.clock_rows([("/x/r.json", {"cases": [case]})])
+    assert row == "| r.json | s | 1 | 64 | uniform | fwd | mok | 1530 (1410-1980) | 690 | 0.56 |"
 
 
 def test_gpu_state_rows_render_each_case_that_has_one():
