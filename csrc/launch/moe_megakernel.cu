@@ -16,8 +16,6 @@ namespace {
 
 using layout::Region;
 
-
-
 bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
 
 int to_int32(int64_t v, const char* what) {
@@ -227,6 +225,27 @@ const void* kernel_ptr(bool backward, int cluster) {
   return cluster == 1 ? of(kernel_of<false, 1>()) : of(kernel_of<false, 2>());
 }
 
+// A launch of `grid` megakernel CTAs in clusters of `cluster` (cudaLaunchKernelEx's form): the
+// cluster occupancy query and the launch describe it alike.
+struct ClusterLaunch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t config{};
+
+  ClusterLaunch(int grid, int cluster, cudaStream_t stream) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    config.gridDim = dim3(static_cast<unsigned>(grid));
+    config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
+    config.dynamicSmemBytes = megakernel_smem_bytes();
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attr
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // CTAs of the megakernel (of a pass, for clusters of `cluster` CTAs) the device holds at once:
 // SMs x CTAs per SM, or clusters x `cluster` (a cluster's CTAs sit on SMs of one GPC); 0 where
 // it cannot run. Also sets the kernel's dynamic shared-memory attribute.
@@ -249,18 +268,9 @@ int query_resident_ctas(int device, bool backward, int cluster) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, megakernel_threads(), smem));
     return sms * ctas;
   }
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(cluster));
-  config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.attrs = &attr;
-  config.numAttrs = 1;
+  const ClusterLaunch one(cluster, cluster, nullptr);
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &one.config) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
@@ -292,18 +302,8 @@ void launch(const MegaArgs& args, cudaStream_t stream) {
   if constexpr (kCluster == 1) {
     kernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(), stream>>>(params);
   } else {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kCluster;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(args.num_ctas));
-    config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
-    config.dynamicSmemBytes = megakernel_smem_bytes();
-    config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    MOK_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+    const ClusterLaunch grid(args.num_ctas, kCluster, stream);
+    MOK_CUDA_CHECK(cudaLaunchKernelEx(&grid.config, kernel, params));
   }
 }
 
@@ -313,13 +313,6 @@ int megakernel_resident_ctas(bool backward, int cluster) {
   MOK_HOST_CHECK(cluster == 1 || cluster == layout::kMaxClusterCtas,
                  "megakernel: cluster=%d must be 1 or %d", cluster, layout::kMaxClusterCtas);
   return resident_ctas(backward, cluster);
-}
-
-int megakernel_ctas_per_sm() {
-  int device = 0, sms = 0;
-  MOK_CUDA_CHECK(cudaGetDevice(&device));
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return resident_ctas(false, 1) / sms;
 }
 
 void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {

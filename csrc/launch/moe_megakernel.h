@@ -72,19 +72,16 @@ struct MegaArgs {
 int megakernel_threads();
 size_t megakernel_smem_bytes();
 
-// CTAs of the megakernel one SM holds at once (>= 1 on sm_90a; 0 where it cannot run).
-int megakernel_ctas_per_sm();
-
-// CTAs of a pass's megakernel in clusters of `cluster` the device holds at once (clusters sit on
-// the SMs of one GPC, so this may be below SMs * megakernel_ctas_per_sm()); 0 where it cannot
-// run.
+// CTAs of a pass's megakernel in clusters of `cluster` the device holds at once: SMs x CTAs per
+// SM for 1, the clusters it holds x 2 for 2 (a cluster's CTAs sit on the SMs of one GPC, so this
+// may be fewer); 0 where it cannot run.
 int megakernel_resident_ctas(bool backward, int cluster);
 
 // Enqueue the megakernel args.backward names, in clusters of args.cluster_ctas (all have one
 // shared-memory size and thread count). Checks the arguments and that every CTA can be resident
-// (num_ctas <= SMs * megakernel_ctas_per_sm(), or the clusters the device holds at once); throws
-// mok::Error naming the rule otherwise. The backward runs one
-// round only (shape.num_rounds() == 1: the forward kept that round's activations).
+// (num_ctas <= megakernel_resident_ctas(args.backward, args.cluster_ctas)); throws mok::Error
+// naming the rule otherwise. The backward runs one round only (shape.num_rounds() == 1: the
+// forward kept that round's activations).
 void moe_megakernel(const MegaArgs& args, cudaStream_t stream);
 
 }  // namespace mok::launch

@@ -362,10 +362,11 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     stores each row only to its source slot); in more rounds, the received tokens ``x_recv``.
     ``stall_minibatch`` (tests only): the comm CTAs never release that minibatch of round 0, so
     its tiles time out; ``stall_l2_cta`` (tests only): that CTA's consumers stop at their first
-    L2 task, so its producer's wait for a free pipeline stage times out. ``trace`` (diagnostics, scripts/megakernel_trace.py): the outputs
-    ``trace_ctas`` / ``trace_tasks`` hold the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` /
-    ``MEGA_TRACE_TASK_FIELDS``), else [0]. ``cluster``: CTAs per cluster of the megakernel (1 or
-    2, ``MoKConfig.megakernel_cluster``); its grid is ``num_sms`` (0: every SM) rounded down to
+    L2 task, so its producer's wait for a free pipeline stage times out. ``trace``
+    (diagnostics, scripts/megakernel_trace.py): the outputs ``trace_ctas`` / ``trace_tasks``
+    hold the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` / ``MEGA_TRACE_TASK_FIELDS``), else
+    [0]. ``cluster``: CTAs per cluster of the megakernel (1 or 2,
+    ``MoKConfig.megakernel_cluster``); its grid is ``num_sms`` (0: every SM) rounded down to
     whole clusters.
     """
     given = [plan[name] for name in mega_plan_fields()] if plan is not None else []

@@ -511,8 +511,8 @@ def test_virtual_ranks_match_oracle_and_repeat_bitwise(case):
 
 
 # ------------------------------------------------------------------------------ timeouts
-# A child script's first and last lines: the imports, then `call` (a pass that should time out)
-# and what failed (test_megakernel_backward.py's child uses them too).
+# A child script's imports, and its last lines: `call` (a pass that should time out) and what
+# failed.
 _CHILD_HEAD = """
 import torch
 from mok_megatron import functional as F
@@ -536,21 +536,32 @@ _FORWARD = (
     "F.forward(config, ws, sched, x, rw, None, None, None, interleave_gate_up(g, u), None, d)"
 )
 
-# A child's forward whose comm CTAs never release minibatch 2; `knobs`: more MoKConfig fields.
-_STALL = (
-    _CHILD_HEAD
-    + """
-p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
+
+def _child_script(knobs: str, setup: str, call: str = _FORWARD, inter: int = 64) -> str:
+    """A child's script (the timeout tests here and in test_megakernel_backward.py): 300 tokens
+    of a problem with hidden 128, `inter`, 8 experts, top-2, on a megakernel workspace whose
+    MoKConfig also gets `knobs` (its other fields, as keyword arguments); its schedule; `setup`
+    (the fault to inject, and what must run first); then `call` and what failed."""
+    return (
+        _CHILD_HEAD
+        + f"""
+p = random_moe_problem([300], 128, {inter}, 8, 2, seed=1)
 x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
-                     wait_timeout_ms=1500{knobs})
+config = F.MoKConfig(cuda_forward="megakernel", minibatch_size=128, {knobs})
 ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
-                        num_experts=8, intermediate_size=64, backend="cuda")
-ws.buffers.stall_minibatch = 2
+                        num_experts=8, intermediate_size={inter}, backend="cuda")
 sched = F.build_schedule(ws, config, topk, router_weights=rw)
+{setup}
 """
-    + _RUN_AND_REPORT.format(call=_FORWARD)
-)
+        + _RUN_AND_REPORT.format(call=call)
+    )
+
+
+def _stalled_minibatch(knobs: str = "") -> str:
+    """A child's forward whose comm CTAs never release minibatch 2; `knobs`: more MoKConfig
+    fields (", name=value ...")."""
+    return _child_script(f"fwd_num_comm_sms=4, wait_timeout_ms=1500{knobs}",
+                         "ws.buffers.stall_minibatch = 2")  # fmt: skip
 
 
 def _child(script: str, tmp_path) -> str:
@@ -565,7 +576,7 @@ def _child(script: str, tmp_path) -> str:
 
 
 def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(tmp_path):
-    output = _child(_STALL.format(knobs=""), tmp_path)
+    output = _child(_stalled_minibatch(), tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "rank 0 timed out" in output and "L1 task waiting for its rows" in output, output[-3000:]
     assert "minibatch 2" in output and "arrive" in output, output[-3000:]
@@ -574,20 +585,10 @@ def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(t
 # A child's forward on 2 CTAs (the first pulls) whose second CTA's consumers stop at their first
 # L2 task: its producer's wait for a free stage (an L2 task has 6 k-tiles, the pipeline 4 stages)
 # is then the only wait left, and it must give up, not hang (as CUTLASS's own wait would).
-_STALLED_CONSUMERS = (
-    _CHILD_HEAD
-    + """
-p = random_moe_problem([300], 128, 384, 8, 2, seed=1)
-x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=1, minibatch_size=128,
-                     wait_timeout_ms=1000)
-ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
-                        num_experts=8, intermediate_size=384, backend="cuda")
-ws.buffers.num_sms = 2
-ws.buffers.stall_l2_cta = 1
-sched = F.build_schedule(ws, config, topk, router_weights=rw)
-"""
-    + _RUN_AND_REPORT.format(call=_FORWARD)
+_STALLED_CONSUMERS = _child_script(
+    "fwd_num_comm_sms=1, wait_timeout_ms=1000",
+    "ws.buffers.num_sms = 2\nws.buffers.stall_l2_cta = 1",
+    inter=384,
 )
 
 

@@ -25,7 +25,7 @@ from test_cuda_backend import (
     _clone,
     _problem,
 )
-from test_megakernel import _CHILD_HEAD, _RUN_AND_REPORT, _child
+from test_megakernel import _child, _child_script
 
 from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
@@ -193,26 +193,15 @@ def test_after_a_stage1_forward_megakernel_backward_fails_clearly():
         F.MoKConfig(cuda_forward="stage1", cuda_backward="megakernel")
 
 
-_STALL_BACKWARD = (
-    _CHILD_HEAD
-    + """
-p = random_moe_problem([300], 128, 64, 8, 2, seed=1)
-x, topk, rw, (g, u, d), _ = p.local(0, torch.bfloat16, "cuda")
-config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=4, bwd_num_comm_sms=4,
-                     minibatch_size=128, wait_timeout_ms=1500)
-ws = F.create_workspace(config, device="cuda", num_local_tokens=300, hidden_size=128, topk=2,
-                        num_experts=8, intermediate_size=64, backend="cuda")
-sched = F.build_schedule(ws, config, topk, router_weights=rw)
-gu = interleave_gate_up(g, u)
+_STALL_BACKWARD = _child_script(
+    "fwd_num_comm_sms=4, bwd_num_comm_sms=4, wait_timeout_ms=1500",
+    """gu = interleave_gate_up(g, u)
 out, ctx = F.forward(config, ws, sched, x, rw, None, None, None, gu, None, d)
 torch.cuda.synchronize()
 print("FORWARD-OK", flush=True)
-ws.buffers.stall_minibatch = 1  # the backward's comm CTAs never release minibatch 1
-"""
-    + _RUN_AND_REPORT.format(
-        call="F.backward(config, ws, sched, ctx, torch.randn_like(out), x, rw, None, None, None, "
-        "gu, None, d)"
-    )
+ws.buffers.stall_minibatch = 1  # the backward's comm CTAs never release minibatch 1""",
+    call="F.backward(config, ws, sched, ctx, torch.randn_like(out), x, rw, None, None, None, "
+    "gu, None, d)",
 )
 
 

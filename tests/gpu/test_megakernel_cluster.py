@@ -27,7 +27,13 @@ from test_cuda_backend import (
     _problem,
     _virtual_run_failures,
 )
-from test_megakernel import _STALL, STAGE1, _assert_equal_to_stage1, _child, _mega_and_stage1
+from test_megakernel import (
+    STAGE1,
+    _assert_equal_to_stage1,
+    _child,
+    _mega_and_stage1,
+    _stalled_minibatch,
+)
 
 from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
@@ -115,7 +121,7 @@ def test_virtual_ranks_in_clusters_of_two_match_oracle_and_repeat_bitwise(w):
 def test_a_stalled_minibatch_in_clusters_times_out_naming_the_rows_not_the_mailbox(tmp_path):
     """The mailbox waits (4x the timeout) outlast the L1 row wait (1x) that a stalled minibatch
     leaves waiting: the record names the cause."""
-    output = _child(_STALL.format(knobs=", megakernel_cluster=2"), tmp_path)
+    output = _child(_stalled_minibatch(", megakernel_cluster=2"), tmp_path)
     assert "LAUNCH-FAILED" in output, output[-3000:]
     assert "L1 task waiting for its rows" in output and "minibatch 2" in output, output[-3000:]
     assert "mailbox" not in output, output[-3000:]

@@ -206,6 +206,7 @@ MOK_DEVICE int64_t timeout_of(const MegaParams& p, MegaPhase phase) {
   const auto forward = static_cast<MegaPhase>(static_cast<int>(phase) - p.phase_offset);
   return p.timeout_ns * layout::phase_depth(forward);
 }
+
 // This pass's phase for one of the forward's waits (the backward's are kBackwardPhases on).
 MOK_DEVICE MegaPhase pass_phase(const MegaParams& p, MegaPhase forward) {
   return static_cast<MegaPhase>(static_cast<int>(forward) + p.phase_offset);
