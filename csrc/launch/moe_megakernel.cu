@@ -100,6 +100,10 @@ void check_args(const MegaArgs& a) {
                  static_cast<long long>(s.num_rounds()), static_cast<long long>(s.ring_rows()));
   MOK_HOST_CHECK(a.peer_bases != nullptr && a.my_base != 0 && a.error != nullptr,
                  "megakernel: null peer_bases, my_base or error");
+  MOK_HOST_CHECK(a.local_tokens == nullptr || (lay.num_ranks == 1 && aligned16(a.local_tokens)),
+                 "megakernel: local_tokens (token rows read in place) needs one rank, not %lld, "
+                 "and 16-byte aligned rows",
+                 static_cast<long long>(lay.num_ranks));
   MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr && a.x_ring != nullptr &&
                      a.act_ring != nullptr,
                  "megakernel: null w_gate_up, w_down, x_ring or act_ring");
@@ -135,6 +139,7 @@ roles::MegaParams device_params(const MegaArgs& a) {
   roles::MegaParams p{};
   p.peer_bases = a.peer_bases;
   p.tokens_offset = static_cast<uint64_t>(a.lay.offset(Region::kTokens));
+  p.local_tokens = static_cast<const uint8_t*>(a.local_tokens);
   p.slot_rows_offset = static_cast<uint64_t>(a.lay.offset(Region::kSlotRows));
   p.counters = a.lay.at<int32_t>(a.my_base, Region::kCounters);
   p.error = a.error;

@@ -24,8 +24,12 @@ struct MegaArgs {
   const uint64_t* peer_bases = nullptr;   // device [W]: base address of each rank's copy
   uint64_t my_base = 0;                   // this rank's copy (its counters live here)
   int rank = 0;
-  int64_t timeout_ns = 0;                 // a device wait gives up after this long (L1 row
-                                          // waits; L2 waits 2x, the round barrier 3x)
+  int64_t timeout_ns = 0;                 // a device wait gives up after this long (the L1's
+                                          // row waits; the others a multiple of it:
+                                          // layout::phase_depth)
+  const void* local_tokens = nullptr;     // one rank only (lay.num_ranks == 1): the token rows
+                                          // [T, H] read in place, with no staging copy into the
+                                          // tokens region; null: the ranks' tokens regions
   int32_t* error = nullptr;               // [kMegaErrWords] record (pinned host memory)
 
   // ---- shapes and knobs

@@ -16,7 +16,7 @@ import statistics
 import threading
 from collections.abc import Callable
 
-__all__ = ["ClockSampler", "nvml_reader"]
+__all__ = ["ClockSampler", "nvml_reader", "nvml_uuid"]
 
 #: One sample: (SM clock in MHz, power draw in W).
 Reader = Callable[[], "tuple[float, float] | None"]
@@ -25,16 +25,22 @@ _NVML_SUCCESS = 0
 _NVML_CLOCK_SM = 1
 
 
-def nvml_reader(uuid: str) -> Reader | None:
-    """A function reading (SM MHz, W) of the GPU with this UUID (torch's
+def nvml_uuid(uuid: object) -> bytes:
+    """NVML's name of the GPU with this UUID: torch's ``get_device_properties(i).uuid`` is not a
+    str (its ``str()`` is the bare UUID), NVML's names start with ``GPU-``."""
+    name = str(uuid)
+    return (name if name.startswith("GPU-") else f"GPU-{name}").encode()
+
+
+def nvml_reader(uuid: object) -> Reader | None:
+    """A function reading (SM MHz, W) of the GPU with this UUID (a str, or torch's
     ``get_device_properties(i).uuid``), or None where NVML or the GPU cannot be found."""
     try:
         lib = ctypes.CDLL("libnvidia-ml.so.1")
         if lib.nvmlInit_v2() != _NVML_SUCCESS:
             return None
         handle = ctypes.c_void_p()
-        name = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-        if lib.nvmlDeviceGetHandleByUUID(name.encode(), ctypes.byref(handle)) != _NVML_SUCCESS:
+        if lib.nvmlDeviceGetHandleByUUID(nvml_uuid(uuid), ctypes.byref(handle)) != _NVML_SUCCESS:
             return None
     except (OSError, AttributeError):
         return None

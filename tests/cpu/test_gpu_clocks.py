@@ -6,7 +6,7 @@ import itertools
 import statistics
 import time
 
-from mok_megatron.testing.gpu_clocks import ClockSampler, nvml_reader
+from mok_megatron.testing.gpu_clocks import ClockSampler, nvml_reader, nvml_uuid
 
 
 def test_the_sampler_summarises_what_it_read_while_its_block_ran():
@@ -39,3 +39,16 @@ def test_without_nvml_or_readings_there_is_no_summary():
     assert sampler.summary() is None
     # no driver (a CPU machine), or a driver without this GPU: no reader
     assert nvml_reader("00000000-0000-0000-0000-000000000000") is None
+
+
+def test_nvml_names_the_gpu_from_torchs_uuid_object():
+    # torch's device property `uuid` is an object whose str() is the bare UUID (no startswith):
+    # the reader once failed on it and every record's gpu_during was None
+    class TorchUuid:
+        def __str__(self):
+            return "5a3f0c1e-0000-4000-8000-00000000abcd"
+
+    assert nvml_uuid(TorchUuid()) == b"GPU-5a3f0c1e-0000-4000-8000-00000000abcd"
+    assert nvml_uuid("GPU-5a3f0c1e-0000-4000-8000-00000000abcd") == (
+        b"GPU-5a3f0c1e-0000-4000-8000-00000000abcd")
+    assert nvml_reader(TorchUuid()) is None  # no driver here

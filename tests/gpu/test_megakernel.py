@@ -43,6 +43,7 @@ from test_cuda_backend import (
     _device,
     _graph_check,
     _no_sync_check,
+    _poison_workspace,
     _problem,
     _schedule_failures,
     _virtual_run_failures,
@@ -248,6 +249,34 @@ def test_rows_longer_than_one_pull_batch_equal_stage1():
     failures = _check_accuracy(problem, got)
     assert not failures, failures
     _assert_equal_to_stage1(got, want)
+
+
+def test_one_rank_reads_the_token_rows_in_place():
+    """At one rank the megakernels read x (forward) and d_out (backward) where they lie
+    (MegaArgs::local_tokens): the forward runs no copy (the staging copy into the tokens region
+    is gone; that region stays poisoned, so a read of it would show in the results), the results
+    are stage 1's; token rows at an address that is not 16-byte aligned are staged as at several
+    ranks, with the same bits."""
+    problem = _problem([211], SHAPES["qwen3-30b-a3b"], seed=5)
+    _, _, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
+    _assert_equal_to_stage1(got, want)
+    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    _poison_workspace(run.ws)
+    sched = run.schedule()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, _ = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "Memcpy" in e.name or "Memset" in e.name]
+    assert not copies, f"the one-rank forward still copies: {copies}"
+    assert any("moe_forward_megakernel" in e.name for e in prof.events())
+    assert not _bitwise_equal({"out": want["out"]}, {"out": out})
+    # a view one element in: its rows are not 16-byte aligned, and are staged
+    flat = torch.empty(run.x.numel() + 8, dtype=run.x.dtype, device=run.x.device)
+    shifted = flat[1:1 + run.x.numel()].view_as(run.x).copy_(run.x)
+    assert shifted.data_ptr() % 16 != 0
+    out_shifted, _ = F.forward(run.config, run.ws, run.schedule(), shifted, run.rw, *run.weights)
+    assert not _bitwise_equal({"out": want["out"]}, {"out": out_shifted})
+    run.ws.check_errors()
 
 
 @pytest.mark.parametrize("cluster", [1, 2], ids=["one_cta", "clusters_of_2"])

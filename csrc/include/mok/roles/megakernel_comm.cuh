@@ -30,8 +30,10 @@ MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lan
   if (src >= 0) {
     const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
     const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
-    row = reinterpret_cast<const uint4*>(p.peer_bases[s] + p.tokens_offset) +
-          static_cast<int64_t>(t) * vecs;  // peer memory
+    const uint8_t* tokens = p.local_tokens != nullptr
+                                ? p.local_tokens  // one rank: the rows in place
+                                : reinterpret_cast<const uint8_t*>(p.peer_bases[s] + p.tokens_offset);
+    row = reinterpret_cast<const uint4*>(tokens) + static_cast<int64_t>(t) * vecs;  // peer memory
   }
   for (int base = 0; base < vecs; base += 32 * kPullUnroll) {
     uint4 v[kPullUnroll];

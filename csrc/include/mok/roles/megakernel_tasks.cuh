@@ -28,6 +28,7 @@ struct MegaParams {
   // ---- the symmetric workspace
   const uint64_t* peer_bases;  // [W] base of each rank's copy
   uint64_t tokens_offset;      // lay.offset(Region::kTokens): peer rows are pulled from there
+  const uint8_t* local_tokens; // or, at one rank, from the token rows themselves (MegaArgs)
   uint64_t slot_rows_offset;   // lay.offset(Region::kSlotRows): result rows are pushed there
   int32_t* counters;           // this rank's counters region (layout/mega.cuh)
   int32_t* error;              // [kMegaErrWords] or null
