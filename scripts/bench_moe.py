@@ -126,6 +126,14 @@ def parse_args(argv=None):
         "gradient_accumulation_fusion (MoK adds into main_grad in its backward; the baseline's "
         "experts have no fused path, so the hook adds their .grad)",
     )
+    p.add_argument(
+        "--live-ceiling",
+        action="store_true",
+        help="after each pass's contenders, time a dense bf16 GEMM (square matmuls of DENSE_N, "
+        "as many as the pass's FLOPs) with the clock sampled, as 'dense_ceiling', and give each "
+        "contender's rate over it ('of_dense_ceiling'): the floor's fixed 782 TFLOP/s against a "
+        "dense GEMM under the same power cap, in the same process",
+    )
     p.add_argument("--out", default=None, help="JSON file to write (rank 0)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
@@ -364,6 +372,37 @@ def measure_graphed(layer, sets, args) -> dict:
     return {**_measured(timing, peak, "cuda"), "gpu_during": clocks.summary()}
 
 
+#: The dense GEMM of ``--live-ceiling``: square bf16 matmuls of this size (CPU: a small one).
+DENSE_N = {"cuda": 8192, "cpu": 256}
+
+
+def measure_dense_ceiling(flops: float, args) -> dict:
+    """A dense bf16 GEMM's rate now, on this GPU in its present power state: square matmuls of
+    DENSE_N (into one preallocated output) back to back, as many as do the pass's ``flops``
+    (at least one), timed as ``measure`` times a contender, with the clock sampled. The floor's
+    782 TFLOP/s is a fixed ceiling measured once; this one is taken in the same process, after
+    the contenders, at whatever clock the power cap leaves, so a contender's rate over it says
+    how far it is from a dense GEMM under the same conditions."""
+    device = args.device
+    n = DENSE_N[device]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    a = torch.randn(n, n, generator=gen, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, generator=gen, device=device).to(torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    per_matmul = 2.0 * n**3
+    matmuls = max(1, round(flops / per_matmul))
+
+    def fn(_):
+        for _ in range(matmuls):
+            torch.mm(a, b, out=c)
+
+    with ClockSampler(_clock_reader() if device == "cuda" else None) as clocks:
+        timing = time_fn(fn, warmup=args.warmup, iters=args.iters, device=device)
+    t = {**timing.as_dict(), "n": n, "matmuls": matmuls, "gpu_during": clocks.summary()}
+    t["tflops"] = matmuls * per_matmul / (timing.median_ms * 1e-3) / 1e12
+    return t
+
+
 def _rates(t: dict, cost: dict) -> dict:
     """``t`` with its TFLOP/s, NVLink GB/s and fraction of the floor added."""
     ms = t["median_ms_all_ranks_max"]
@@ -449,6 +488,12 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_graph and not backward:
             result["mok_graph"] = _rates(measure_graphed(layer, sets, args), cost)
             layer.zero_grad(set_to_none=True)
+        if args.live_ceiling:  # after every contender of the pass
+            dense = measure_dense_ceiling(cost["flops"], args)
+            result["dense_ceiling"] = dense
+            for entry in result.values():
+                if isinstance(entry, dict) and "fraction_of_floor" in entry:
+                    entry["of_dense_ceiling"] = entry["tflops"] / dense["tflops"]
         result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
                              / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
         if args.mok_fp8:  # > 1: the FP8 experts beat MoK's default (BF16) layer

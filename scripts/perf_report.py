@@ -238,12 +238,18 @@ def clock_rows(records):
                     during = entry.get("gpu_during") if isinstance(entry, dict) else None
                     if not during:
                         continue
+                    if "fraction_of_floor" in entry:
+                        of_floor = f"{entry['fraction_of_floor']:.2f}"
+                        of_dense = entry.get("of_dense_ceiling")
+                        of_dense = "-" if of_dense is None else f"{of_dense:.2f}"
+                    else:  # the dense GEMM itself (--live-ceiling)
+                        of_floor, of_dense = f"({entry['tflops']:.0f} TFLOP/s)", "1.00"
                     yield (
                         f"| {os.path.basename(path)} | {case['shape']} | {case['ep']} "
                         f"| {case['tokens_per_rank']} | {case['routing']} | {label} | {who} "
                         f"| {during['sm_mhz_median']:.0f} ({during['sm_mhz_min']:.0f}-"
                         f"{during['sm_mhz_max']:.0f}) | {during['power_w_median']:.0f} "
-                        f"| {entry['fraction_of_floor']:.2f} |"
+                        f"| {of_floor} | {of_dense} |"
                     )
 
 
@@ -251,10 +257,13 @@ CLOCK_HEAD = (
     "## The GPU's clock while each layer was timed\n\n"
     "Sampled through NVML every 10 ms while each contender's timings ran (bench_moe.py's "
     "`gpu_during`, `mok_megatron/testing/gpu_clocks.py`): the SM clock's median (min-max) in "
-    "MHz and the power drawn in W, beside the contender's fraction of the floor, which assumes "
-    "the full clock.\n\n"
+    "MHz and the power drawn in W, beside the contender's fraction of the floor (its fixed "
+    "782 TFLOP/s ceiling was measured once) and, where the record has it (`--live-ceiling`), "
+    "its rate over a dense bf16 GEMM's of the same FLOPs timed in the same process after the "
+    "pass's contenders (`dense_ceiling`: square 8192 matmuls; its own rate in the floor "
+    "column).\n\n"
     "| record | shape | EP | tokens/rank | routing | pass | who | SM MHz | power W "
-    "| of floor |\n|---|---|---|---|---|---|---|---|---|---|"
+    "| of floor | of dense GEMM |\n|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = [os.path.join(ROOT, "scripts", "bench_moe.py"), "--tiny", "--device", "cpu",
-         "--iters", "2", "--warmup", "1", "--rotate", "2"]  # fmt: skip
+         "--iters", "2", "--warmup", "1", "--rotate", "2", "--live-ceiling"]  # fmt: skip
 
 
 def _env():
@@ -37,6 +37,10 @@ def test_bench_runs_on_cpu_and_the_report_renders(tmp_path, ep):
             assert r["cost"]["flops"] > 0 and r["speedup"] > 0
             assert r["mok"]["median_ms"] > 0 and r["baseline"]["median_ms"] > 0
             assert r["mok"]["gpu_during"] is None  # no GPU, no clock samples
+            dense = r["dense_ceiling"]  # --live-ceiling: a dense GEMM of (about) the pass's FLOPs
+            assert dense["matmuls"] >= 1 and dense["tflops"] > 0
+            assert r["mok"]["of_dense_ceiling"] == pytest.approx(
+                r["mok"]["tflops"] / dense["tflops"])
         assert case["routed_rows_rank"] > 0
         assert (case["remote_pairs_rank"] > 0) == (ep > 1)
     md, png = tmp_path / "PERF.md", tmp_path / "perf.png"
@@ -108,7 +112,16 @@ def test_clock_rows_render_each_contender_timed_with_clock_samples():
                     "mok": {"fraction_of_floor": 0.56, "gpu_during": during},
                     "baseline": {"fraction_of_floor": 0.43, "gpu_during": None}}}  # fmt: skip
     (row,) = perf_report.clock_rows([("/x/r.json", {"cases": [case]})])
-    assert row == "| r.json | s | 1 | 64 | uniform | fwd | mok | 1530 (1410-1980) | 690 | 0.56 |"
+    assert row == "| r.json | s | 1 | 64 | uniform | fwd | mok | 1530 (1410-1980) | 690 | 0.56 | - |"
+    # --live-ceiling: the contender's rate over the dense GEMM's, and the dense GEMM's own row
+    case["fwd"]["mok"]["of_dense_ceiling"] = 0.7
+    case["fwd"]["dense_ceiling"] = {"tflops": 612.4, "gpu_during": during}
+    rows = list(perf_report.clock_rows([("/x/r.json", {"cases": [case]})]))
+    assert rows == [
+        "| r.json | s | 1 | 64 | uniform | fwd | mok | 1530 (1410-1980) | 690 | 0.56 | 0.70 |",
+        "| r.json | s | 1 | 64 | uniform | fwd | dense_ceiling | 1530 (1410-1980) | 690 "
+        "| (612 TFLOP/s) | 1.00 |",
+    ]
 
 
 def test_gpu_state_rows_render_each_case_that_has_one():
