@@ -6,6 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_ceiling_f94e43d.json
   bench_moe_h200_ep1_cluster2_efe26e3.json
   bench_moe_h200_ep1_b2b_7098afa.json
   bench_moe_h200_ep1_bwd_4a24211.json
@@ -19,6 +20,7 @@ records=(
   bench_moe_h200_ep1_deepseek_fc524bd.json
 )
 compares=(  # BEFORE AFTER pairs
+  bench_moe_h200_ep1_graph_ed574ac.json bench_moe_h200_ep1_graph_2defa24.json
   bench_moe_h200_ep1_graph_62ca1f1.json bench_moe_h200_ep1_graph_05618ca.json
   bench_moe_h200_ep1_bwd_15fe76a.json bench_moe_h200_ep1_bwd_4a24211.json
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_bwd_15fe76a.json
@@ -26,6 +28,8 @@ compares=(  # BEFORE AFTER pairs
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_h200_ed574ac_keep.json
+  megakernel_trace_bwd_h200_ed574ac.json
   megakernel_trace_h200_e05a227_keep.json
   megakernel_trace_h200_efe26e3_cluster2_keep.json
   megakernel_trace_bwd_h200_e05a227.json
@@ -64,5 +68,6 @@ done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_1c8cc70.json")
 args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json")
-args+=(--profile "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
+args+=(--profile "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
+  "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
 exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png

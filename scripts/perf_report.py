@@ -657,7 +657,8 @@ def main(argv=None) -> None:
     p.add_argument("--md", default="docs/PERF.md")
     p.add_argument("--png", default="docs/perf.png")
     p.add_argument("--notes", default=None, help="a markdown file appended as the analysis")
-    p.add_argument("--profile", default=None, help="a scripts/profile_moe.py JSON to tabulate")
+    p.add_argument("--profile", nargs="*", default=[],
+                   help="scripts/profile_moe.py JSONs to tabulate, newest first")  # fmt: skip
     p.add_argument("--breakdown", default=None, help="a scripts/megakernel_breakdown.py JSON")
     p.add_argument("--padding", default=None, help="a scripts/tile_padding.py JSON")
     p.add_argument("--wgrad", default=None, help="a scripts/wgrad_traffic.py JSON")
@@ -735,8 +736,8 @@ def main(argv=None) -> None:
         parts += ["", *ncu_table(args.ncu)]
     if args.host:
         parts += ["", *host_tables(args.host)]
-    if args.profile:
-        parts += ["", *profile_tables(args.profile)]
+    for path in args.profile:
+        parts += ["", *profile_tables(path)]
     if args.notes:
         parts += ["", open(args.notes).read()]
     with open(args.md, "w") as f:
