@@ -55,7 +55,7 @@ __global__ void count_chunks(ScheduleParams p) {
 // offsets are a block scan. Integer sums: the same values in any order.
 constexpr int kScanBatch = 8;
 
-__global__ void scan_chunks(ScheduleParams p) {
+__global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
   using BlockScan = cub::BlockScan<int64_t, kTokenThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int s_flags;
