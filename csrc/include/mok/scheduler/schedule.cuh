@@ -48,11 +48,12 @@ __global__ void count_chunks(ScheduleParams p) {
 }
 
 // Grid: one block of kTokenThreads threads.
-// NOTE: its loops were latency chains (a thread's chunk loop reads and writes one array, so
-// each load waited for the store before it; thread 0 summed the experts one by one): 21 us for
-// qwen3-30b-a3b's 128 experts and 33 us for deepseek-v3's 256 at 8192 tokens (profile_moe at
-// 2defa24). The chunks are now read kScanBatch at a time before any store, and the experts'
-// offsets are a block scan. Integer sums: the same values in any order.
+// NOTE: the chunk counts are read kScanBatch at a time before any store and the experts' rows
+// are scanned by cub's BlockScan (thread 0 summed them one by one before): at 8192 tokens that
+// took deepseek-v3's 256 experts from 33 to 23 us and left qwen3-30b-a3b's 128 at 21 us
+// (profile_moe at 2defa24 and edf94f1). What remains is each thread's walk over the 256 chunks
+// (65536 slots / kChunk) with 128 or 256 of the 1024 threads busy: a warp per expert, its lanes
+// over the chunks, would spread it; not built. Integer sums: the same values in any order.
 constexpr int kScanBatch = 8;
 
 __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
