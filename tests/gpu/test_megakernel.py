@@ -54,6 +54,7 @@ from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
 from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
 from mok_megatron.functional.schedule import MoKSchedule
+from mok_megatron.ops import deinterleave_gate_up
 from mok_megatron.testing import relative_error
 
 pytestmark = [
@@ -253,9 +254,11 @@ def test_rows_longer_than_one_pull_batch_equal_stage1():
 
 def test_one_rank_reads_the_token_rows_in_place():
     """At one rank the megakernels read x (forward) and d_out (backward) where they lie
-    (MegaArgs::local_tokens): the forward runs no copy (the staging copy into the tokens region
-    is gone; that region stays poisoned, so a read of it would show in the results), the results
-    are stage 1's. (Token rows not 16-byte aligned never reach the op: the API refuses them.)"""
+    (MegaArgs::local_tokens), and the backward gathers the gate/up weight gradient's x rows from
+    x by the plan's row_src (mega._routed_rows) instead of dispatching x again: neither pass
+    copies or pulls the tokens (the tokens region stays poisoned, so a read of it would show in
+    the results); the output is stage 1's, and the profiled pass repeats the first bit for bit.
+    (Token rows not 16-byte aligned never reach the op: the API refuses them.)"""
     problem = _problem([211], SHAPES["qwen3-30b-a3b"], seed=5)
     _, _, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
     _assert_equal_to_stage1(got, want)
@@ -263,13 +266,26 @@ def test_one_rank_reads_the_token_rows_in_place():
     _poison_workspace(run.ws)
     sched = run.schedule()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out, _ = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights)
+        out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights)
         torch.cuda.synchronize()
     # (the forward's one host copy, a DtoH into pinned memory, is not a token copy)
     copies = [e.name for e in prof.events() if "DtoD" in e.name]
     assert not copies, f"the one-rank forward still copies on the device: {copies}"
     assert any("moe_forward_megakernel" in e.name for e in prof.events())
     assert not _bitwise_equal({"out": want["out"]}, {"out": out})
+    # the backward: d_out read in place, and the gate/up weight gradient's x rows gathered from
+    # x by the plan (no dispatch of x: no staging copy, no pull), with the gradients as above
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        grads = F.backward(run.config, run.ws, sched, ctx, run.d_out, run.x, run.rw,
+                           *run.weights)._asdict()  # fmt: skip
+        torch.cuda.synchronize()
+    moved = [e.name for e in prof.events() if "DtoD" in e.name or "pull_tokens" in e.name]
+    assert not moved, f"the one-rank backward still copies or pulls the tokens: {moved}"
+    assert any("moe_backward_megakernel" in e.name for e in prof.events())
+    gate_up = grads["d_w_routed_gate"]
+    grads["d_w_routed_gate"], grads["d_w_routed_up"] = deinterleave_gate_up(gate_up, -2)
+    got_again = {"out": out, **grads}
+    assert not _bitwise_equal(got, got_again), "the profiled pass differs from the first"
     run.ws.check_errors()
 
 

@@ -160,7 +160,7 @@ def _context(ws, sched, plan, outs, save, shared_gu, shared_a) -> stage1.CudaCon
     saved = x_recv = None
     if save and shape.num_rounds == 1:
         y = outs["y_rows"] if outs["y_rows"].shape[0] else None  # not kept: [0, H]
-        # not x_ring: the backward dispatches x again and gathers the rows (stage1.CudaContext)
+        # not x_ring: the backward gathers x's rows again (_routed_rows), for the peak memory
         saved = ExpertRows(None, outs["act_ring"], y, h=outs["h_ring"])
     elif save:
         x_recv = outs["x_recv"]
@@ -192,6 +192,21 @@ def runs_backward(ws, ctx: stage1.CudaContext, routed) -> bool:
         raise ValueError(f"MoKConfig.cuda_backward='megakernel' cannot run: {reason}; use "
                          "cuda_backward='auto' (stage 1 where the megakernel cannot run)")  # fmt: skip
     return reason is None
+
+
+def _routed_rows(ws, sched: MoKSchedule, ctx: stage1.CudaContext, x, window: slice, row_tok):
+    """The routed rows of x in the ring's row order (zero rows for padding), for the gate/up
+    weight gradient. Several ranks: x dispatched again (the forward dropped its x ring, to keep
+    its peak memory), then gathered by each row's received token. One rank: gathered from x
+    itself by the plan's row_src (the row's source token s * T_max + t, with s = 0), with no
+    dispatch: its staging copy and pull were 0.2 ms of deepseek-v3's 8192-token backward
+    (profile_moe at edf94f1), and they give the same rows."""
+    from mok_megatron.ops import moe as mops
+
+    if ws.num_ranks == 1:
+        return mops.moe_gather_rows(x.contiguous(), ctx.mega_plan["row_src"][window])
+    received = mops.moe_dispatch(x, sched.recv_token_src, ws.buffers.comm)
+    return mops.moe_gather_rows(received, row_tok)
 
 
 def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, router_weights,
@@ -243,7 +258,7 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
     yield stage1._weight_grad(experts, *down_rows.pop(), offs, rounds, acc_w, 2)
 
     # step 2: the gate/up weight gradient from d_h and the routed rows x (dispatched again)
-    x_rows = mops.moe_gather_rows(mops.moe_dispatch(x, sched.recv_token_src, comm), row_tok)
+    x_rows = _routed_rows(ws, sched, ctx, x, window, row_tok)
     d_w = [None, None, None]
     for slot, d in zip(experts.grad_slots, (d_h,)):
         d_w[slot] = stage1._weight_grad(experts, d, x_rows, offs, rounds, acc_w, slot)
