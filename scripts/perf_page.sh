@@ -6,6 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_ceiling_0d9dae0.json
   bench_moe_h200_ep1_ceiling_f94e43d.json
   bench_moe_h200_ep1_cluster2_efe26e3.json
   bench_moe_h200_ep1_b2b_7098afa.json
@@ -68,6 +69,6 @@ done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_1c8cc70.json")
 args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json")
-args+=(--profile "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
+args+=(--profile "$R/profile_moe_h200_ep1_0d9dae0.json" "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
   "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
 exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png
