@@ -10,6 +10,13 @@ Shapes: the three benchmark models at EP ``--ep`` (default 1) and ``--tokens`` p
        fp8_mok_save_h: the same, also writing h (bf16) for the backward
   l2   bf16_mok, bf16_torch, fp8_mok (cooperative 128x256 tile), fp8_mok_pingpong (128x128)
   quantize_x   ops.fp8_blockwise_quantize of the layer input, (1, 128) blocks (not a GEMM)
+  with --dense-ceiling, l1 and l2 also: dense_bf16_torch (torch.mm) and dense_fp8_torch
+       (torch._scaled_mm, one float32 scale per tensor) of the same rows x K x N, no groups:
+       what a dense GEMM of the same FLOPs reaches here, now, at the clock the power cap
+       leaves (an upper bound for the grouped, blockwise-scaled GEMM of the same precision)
+
+Each row also has the SM clock and power sampled while it was timed (``gpu_during``,
+testing.gpu_clocks).
 
 Each row: median and spread of per-call milliseconds (CUDA events), TFLOP/s at the median.
   python scripts/bench_fp8_gemm.py --out $OUT/bench_fp8_gemm.json
@@ -31,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mok_megatron.ops import fp8_blockwise as fb  # noqa: E402
 from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
 from mok_megatron.ops import grouped_gemm_fp8 as gf  # noqa: E402
+from mok_megatron.testing.gpu_clocks import ClockSampler, nvml_reader  # noqa: E402
 from mok_megatron.testing.records import commit  # noqa: E402
 from mok_megatron.testing.timing import time_fn  # noqa: E402
 
@@ -70,8 +78,23 @@ def m_tile_fill(offs: torch.Tensor, tile_m: int = 128) -> float:
     return float(counts.sum()) / float(tiles.sum() * tile_m)
 
 
-def ops_of(p: dict, sweep: bool = False) -> dict:
-    """op: (flops, {impl: fn}); ``sweep``: also the FP8 ops at every tile order of SWEEP."""
+def dense_ceilings(a: torch.Tensor, w: torch.Tensor) -> dict:
+    """``--dense-ceiling``'s impls for A [rows, K] (bf16) times one dense weight w [N, K]
+    (bf16): torch.mm, and torch._scaled_mm of their e4m3 casts with one scale each (the values
+    are N(0, 1)-sized, inside e4m3's range: the rate, not the numbers, is what is measured)."""
+    a8 = a.to(torch.float8_e4m3fn)
+    w8 = w.to(torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    return {
+        "dense_bf16_torch": lambda: torch.mm(a, w.t()),
+        "dense_fp8_torch": lambda: torch._scaled_mm(a8, w8.t(), one, one,
+                                                    out_dtype=torch.bfloat16),
+    }  # fmt: skip
+
+
+def ops_of(p: dict, sweep: bool = False, dense: bool = False) -> dict:
+    """op: (flops, {impl: fn}); ``sweep``: also the FP8 ops at every tile order of SWEEP;
+    ``dense``: also the dense GEMMs of the same FLOPs (dense_ceilings)."""
     x, act, offs = p["x"], p["act"], p["offs"]
     x_q = fb.fp8_blockwise_quantize(x, (1, 128))
     act_q = fb.fp8_blockwise_quantize(act, (1, 128))
@@ -93,6 +116,7 @@ def ops_of(p: dict, sweep: bool = False) -> dict:
             "fp8_mok_save_h": lambda: gf.grouped_gemm_fp8_l1_swiglu(x_q, w_gu_q, offs,
                                                                     save_h=True),
             **l1_sweep,
+            **(dense_ceilings(x, w_gu[0]) if dense else {}),
         }),
         "l2": (l2_flops, {
             "bf16_mok": lambda: gg.grouped_gemm_nt(act, w_down, offs),
@@ -100,6 +124,7 @@ def ops_of(p: dict, sweep: bool = False) -> dict:
             "fp8_mok": lambda: gf.grouped_gemm_fp8_nt(act_q, w_down_q, offs),
             "fp8_mok_pingpong": lambda: gf.grouped_gemm_fp8_nt(act_q, w_down_q, offs, pingpong),
             **l2_sweep,
+            **(dense_ceilings(act, w_down[0]) if dense else {}),
         }),
         "quantize_x": (0.0, {"fp8_mok": lambda: fb.fp8_blockwise_quantize(x, (1, 128))}),
     }  # fmt: skip
@@ -122,8 +147,8 @@ def render(record: dict) -> str:
         f"EP {cfg['ep']}, {cfg['tokens']} tokens per rank, {cfg['routing']} routing, median of "
         f"{cfg['iters']} calls [p10, p90].",
         "",
-        "| model | op | impl | rows / groups | ms | TFLOP/s | vs bf16_mok |",
-        "|---|---|---|---|---|---|---|",
+        "| model | op | impl | rows / groups | ms | TFLOP/s | vs bf16_mok | SM MHz |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     base = {
         (r["model"], r["op"]): r["median_ms"] for r in record["rows"] if r["impl"] == "bf16_mok"
@@ -132,9 +157,12 @@ def render(record: dict) -> str:
         rate = f"{r['tflops']:.0f}" if r["tflops"] else "-"
         ref = base.get((r["model"], r["op"]))
         speedup = f"{ref / r['median_ms']:.2f}x" if ref else "-"
+        during = r.get("gpu_during")  # older records: none
+        clock = f"{during['sm_mhz_median']:.0f}" if during else "-"
         lines.append(
             f"| {r['model']} | {r['op']} | {r['impl']} | {r['rows']} / {r['groups']} | "
-            f"{r['median_ms']:.3f} [{r['p10_ms']:.3f}, {r['p90_ms']:.3f}] | {rate} | {speedup} |"
+            f"{r['median_ms']:.3f} [{r['p10_ms']:.3f}, {r['p90_ms']:.3f}] | {rate} | {speedup} "
+            f"| {clock} |"
         )
     return "\n".join(lines)
 
@@ -202,6 +230,12 @@ def main() -> None:
         action="store_true",
         help="also time the FP8 ops at every raster / swizzle (GemmTuning)",
     )
+    ap.add_argument(
+        "--dense-ceiling",
+        action="store_true",
+        help="also time dense bf16 and FP8 GEMMs of each op's rows x K x N (torch.mm, "
+        "torch._scaled_mm): the rate a dense GEMM of the same FLOPs reaches at this clock",
+    )
     args = ap.parse_args()
     if args.render or args.render_layer:
         with open(args.render or args.render_layer) as f:
@@ -216,17 +250,19 @@ def main() -> None:
     if not args.out:
         ap.error("--out is required to benchmark")
     rows = []
+    read_clock = nvml_reader(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
     for model in args.models.split(","):
         p = problem(model, args.ep, args.tokens)
         fill = m_tile_fill(p["offs"])
         print(f"{model}: the 128-row M tiles hold {fill:.3f} routed rows per tile row", flush=True)
-        for op, (flops, impls) in ops_of(p, args.sweep_tuning).items():
+        for op, (flops, impls) in ops_of(p, args.sweep_tuning, args.dense_ceiling).items():
             for impl, fn in impls.items():
-                t = time_fn(lambda i, fn=fn: fn(), warmup=3, iters=args.iters, device="cuda")
+                with ClockSampler(read_clock) as clocks:
+                    t = time_fn(lambda i, fn=fn: fn(), warmup=3, iters=args.iters, device="cuda")
                 tflops = flops / (t.median_ms * 1e-3) / 1e12 if flops else None
                 rows.append(dict(model=model, op=op, impl=impl, rows=p["rows"],
                                  groups=p["groups"], m_tile_fill=fill, tflops=tflops,
-                                 **t.as_dict()))  # fmt: skip
+                                 gpu_during=clocks.summary(), **t.as_dict()))  # fmt: skip
                 rate = f"{tflops:7.1f} TFLOP/s" if tflops else ""
                 print(f"{model:14s} {op:10s} {impl:18s} {t.median_ms:8.3f} ms "
                       f"[{t.p10_ms:.3f}, {t.p90_ms:.3f}] {rate}", flush=True)  # fmt: skip

@@ -40,7 +40,8 @@ def test_bench_runs_on_cpu_and_the_report_renders(tmp_path, ep):
             dense = r["dense_ceiling"]  # --live-ceiling: a dense GEMM of (about) the pass's FLOPs
             assert dense["matmuls"] >= 1 and dense["tflops"] > 0
             assert r["mok"]["of_dense_ceiling"] == pytest.approx(
-                r["mok"]["tflops"] / dense["tflops"])
+                r["mok"]["tflops"] / dense["tflops"]
+            )
         assert case["routed_rows_rank"] > 0
         assert (case["remote_pairs_rank"] > 0) == (ep > 1)
     md, png = tmp_path / "PERF.md", tmp_path / "perf.png"
@@ -112,7 +113,9 @@ def test_clock_rows_render_each_contender_timed_with_clock_samples():
                     "mok": {"fraction_of_floor": 0.56, "gpu_during": during},
                     "baseline": {"fraction_of_floor": 0.43, "gpu_during": None}}}  # fmt: skip
     (row,) = perf_report.clock_rows([("/x/r.json", {"cases": [case]})])
-    assert row == "| r.json | s | 1 | 64 | uniform | fwd | mok | 1530 (1410-1980) | 690 | 0.56 | - |"
+    assert (
+        row == "| r.json | s | 1 | 64 | uniform | fwd | mok | 1530 (1410-1980) | 690 | 0.56 | - |"
+    )
     # --live-ceiling: the contender's rate over the dense GEMM's, and the dense GEMM's own row
     case["fwd"]["mok"]["of_dense_ceiling"] = 0.7
     case["fwd"]["dense_ceiling"] = {"tflops": 612.4, "gpu_during": during}
@@ -204,6 +207,41 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
         "| deepseek-v3 | 64 | fwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.5x |",
         "| deepseek-v3 | 64 | fwd_bwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.3x |",
         "| deepseek-v3 | 64 | fwd_bwd (FP8 dgrads) | 4.00 | 2.00 | 0.50 | 4.00x | 1.3x |",
+    ]
+
+
+def test_fp8_gemm_table_gives_each_rows_clock_and_the_dense_ceilings():
+    """bench_fp8_gemm's GEMM table from a synthetic record: each row's SM clock where it was
+    sampled ('-' for older records without ``gpu_during``), the --dense-ceiling rows beside the
+    grouped ones with their speed over our BF16 op."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import bench_fp8_gemm
+    finally:
+        sys.path.pop(0)
+
+    def row(impl, ms, tflops, mhz=None):
+        during = None if mhz is None else {"sm_mhz_median": mhz}
+        return {"model": "deepseek-v3", "op": "l1", "impl": impl, "rows": 64, "groups": 2,
+                "median_ms": ms, "p10_ms": ms, "p90_ms": ms, "tflops": tflops,
+                "gpu_during": during}  # fmt: skip
+
+    rows = [row("bf16_mok", 2.0, 500.0), row("fp8_mok", 1.0, 1000.0, 1395.0),
+            row("dense_fp8_torch", 0.8, 1250.0, 1410.0)]  # fmt: skip
+    del rows[0]["gpu_during"]  # a record from before the clock was sampled
+    record = {
+        "gpu": "G",
+        "torch": "t",
+        "commit": "abcdef0123",
+        "config": {"ep": 1, "tokens": 8, "iters": 2, "routing": "uniform"},
+        "rows": rows,
+    }
+    table = bench_fp8_gemm.render(record).splitlines()[4:]
+    assert table == [
+        "| deepseek-v3 | l1 | bf16_mok | 64 / 2 | 2.000 [2.000, 2.000] | 500 | 1.00x | - |",
+        "| deepseek-v3 | l1 | fp8_mok | 64 / 2 | 1.000 [1.000, 1.000] | 1000 | 2.00x | 1395 |",
+        "| deepseek-v3 | l1 | dense_fp8_torch | 64 / 2 | 0.800 [0.800, 0.800] | 1250 | 2.50x "
+        "| 1410 |",
     ]
 
 

@@ -50,5 +50,6 @@ def test_nvml_names_the_gpu_from_torchs_uuid_object():
 
     assert nvml_uuid(TorchUuid()) == b"GPU-5a3f0c1e-0000-4000-8000-00000000abcd"
     assert nvml_uuid("GPU-5a3f0c1e-0000-4000-8000-00000000abcd") == (
-        b"GPU-5a3f0c1e-0000-4000-8000-00000000abcd")
+        b"GPU-5a3f0c1e-0000-4000-8000-00000000abcd"
+    )
     assert nvml_reader(TorchUuid()) is None  # no driver here
