@@ -48,97 +48,78 @@ __global__ void count_chunks(ScheduleParams p) {
 }
 
 // Grid: one block of kTokenThreads threads.
-// NOTE: a warp per expert (and per rank), its lanes over the chunks, each lane loading
-// kScanBatch chunks before it sums or stores: at 8192 tokens the 256 chunks (65536 slots /
-// kChunk) of an expert are one batch, where a thread per expert walked them in 32 batches of 8
-// (21 us for qwen3-30b-a3b, 23 for deepseek-v3: profile_moe at edf94f1), and before that one
-// by one (33 us for deepseek-v3 at 2defa24). Integer sums: the same values in any order.
+// NOTE: the chunk counts are read kScanBatch at a time before any store and the experts' rows
+// are scanned by cub's BlockScan (thread 0 summed them one by one before): at 8192 tokens that
+// took deepseek-v3's 256 experts from 33 to 23 us and left qwen3-30b-a3b's 128 at 21 us
+// (profile_moe at 2defa24 and edf94f1). What remains is each thread's walk over the 256 chunks
+// (65536 slots / kChunk) with 128 or 256 of the 1024 threads busy. Integer sums: the same
+// values in any order.
+// NOTE: a warp per expert with its lanes over the chunks was built (4cad4e2): right (the
+// schedule tests passed on the H200) and three to seven times slower (71 us on qwen3-30b-a3b,
+// 157 on deepseek-v3: profile_moe_h200_ep1_4cad4e2.json). Its lanes read chunk_expert_rows with
+// a stride of E_l ints, a sector each, and one SM's load throughput bounds the kernel; the lanes
+// must stay over the experts (coalesced), with the warps splitting the chunks between them.
 constexpr int kScanBatch = 8;
-constexpr int kScanWarps = kTokenThreads / 32;
-
-// The warp's sum of counts[b * stride + col] over b < num_chunks (every lane gets it).
-MOK_DEVICE int64_t warp_chunk_sum(const int* counts, int stride, int col, int num_chunks,
-                                  int lane) {
-  int64_t sum = 0;
-  for (int b0 = 0; b0 < num_chunks; b0 += 32 * kScanBatch) {
-    int c[kScanBatch];
-#pragma unroll
-    for (int j = 0; j < kScanBatch; ++j) {
-      const int b = b0 + j * 32 + lane;
-      c[j] = b < num_chunks ? counts[b * stride + col] : 0;
-    }
-#pragma unroll
-    for (int j = 0; j < kScanBatch; ++j) sum += c[j];
-  }
-#pragma unroll
-  for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-  return sum;
-}
 
 __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
   using BlockScan = cub::BlockScan<int64_t, kTokenThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int s_flags;
   const int num_chunks = p.num_chunks(), e_l = p.num_local_experts;
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   if (threadIdx.x == 0) s_flags = 0;
   __syncthreads();
-  for (int d = warp; d < p.num_ranks; d += kScanWarps) {
-    const int64_t total = warp_chunk_sum(p.chunk_rank_slots, p.num_ranks, d, num_chunks, lane);
-    if (lane == 0 && total > p.row_capacity) atomicOr(&s_flags, kErrRowOverflow);
+  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
+    int64_t total = 0;
+    for (int b = 0; b < num_chunks; ++b) total += p.chunk_rank_slots[b * p.num_ranks + d];
+    if (total > p.row_capacity) atomicOr(&s_flags, kErrRowOverflow);
   }
   for (int b = threadIdx.x; b < num_chunks; b += blockDim.x) {
     if (p.chunk_bad[b]) atomicOr(&s_flags, kErrExpertId);
   }
-  // Rows per expert, kept in expert_offsets[e + 1] until the scan below reads them.
-  for (int e = warp; e < e_l; e += kScanWarps) {
-    const int64_t rows = warp_chunk_sum(p.chunk_expert_rows, e_l, e, num_chunks, lane);
-    if (lane == 0) p.expert_offsets[e + 1] = rows;
-  }
-  __syncthreads();
-  // The experts' offsets: an exclusive scan, blockDim.x experts at a time after the carry of
-  // the experts before.
+  // Experts [base, base + blockDim.x) at a time: each thread's expert's rows (its chunk counts,
+  // read in batches), their exclusive scan over the block after the carry of the experts before,
+  // then each chunk's first row per expert (the counts turned into running starts in place).
   int64_t carry = 0;
   for (int base = 0; base < e_l; base += blockDim.x) {
     const int e = base + static_cast<int>(threadIdx.x);
-    const int64_t rows = e < e_l ? p.expert_offsets[e + 1] : 0;
+    int64_t rows = 0;
+    if (e < e_l) {
+      for (int b0 = 0; b0 < num_chunks; b0 += kScanBatch) {
+        int count[kScanBatch];
+#pragma unroll
+        for (int j = 0; j < kScanBatch; ++j) {
+          count[j] = b0 + j < num_chunks ? p.chunk_expert_rows[(b0 + j) * e_l + e] : 0;
+        }
+#pragma unroll
+        for (int j = 0; j < kScanBatch; ++j) rows += count[j];
+      }
+    }
     int64_t start, block_rows;
     BlockScan(scan_storage).ExclusiveSum(rows, start, block_rows);
-    __syncthreads();  // every read of this block's rows is done before the starts overwrite them
-    if (e < e_l) p.expert_offsets[e] = carry + start;  // uncapped for now (e + 1 is read above)
+    start += carry;
     carry += block_rows;
+    if (e < e_l) {
+      p.expert_offsets[e] = start;  // uncapped for now
+      int running = static_cast<int>(start);  // int fits: rows <= W * T * K
+      for (int b0 = 0; b0 < num_chunks; b0 += kScanBatch) {
+        int count[kScanBatch];
+#pragma unroll
+        for (int j = 0; j < kScanBatch; ++j) {
+          count[j] = b0 + j < num_chunks ? p.chunk_expert_rows[(b0 + j) * e_l + e] : 0;
+        }
+#pragma unroll
+        for (int j = 0; j < kScanBatch; ++j) {
+          if (b0 + j < num_chunks) p.chunk_expert_rows[(b0 + j) * e_l + e] = running;
+          running += count[j];
+        }
+      }
+    }
     __syncthreads();  // scan_storage is reused by the next experts' scan
   }
   if (threadIdx.x == 0) {
     p.expert_offsets[e_l] = carry;
     p.num_rows[0] = carry;
     p.error_flags[0] = s_flags;
-  }
-  __syncthreads();
-  // Each chunk's first row per expert (int fits: rows <= W * T * K), the counts turned into
-  // running starts in place: a warp per expert, 32 chunks per step in a warp scan.
-  for (int e = warp; e < e_l; e += kScanWarps) {
-    int running = static_cast<int>(p.expert_offsets[e]);
-    for (int b0 = 0; b0 < num_chunks; b0 += 32 * kScanBatch) {
-      int c[kScanBatch];
-#pragma unroll
-      for (int j = 0; j < kScanBatch; ++j) {
-        const int b = b0 + j * 32 + lane;
-        c[j] = b < num_chunks ? p.chunk_expert_rows[b * e_l + e] : 0;
-      }
-#pragma unroll
-      for (int j = 0; j < kScanBatch; ++j) {
-        int incl = c[j];  // inclusive scan of the 32 chunks' counts over the lanes
-#pragma unroll
-        for (int d = 1; d < 32; d *= 2) {
-          const int up = __shfl_up_sync(0xffffffffu, incl, d);
-          if (lane >= d) incl += up;
-        }
-        const int b = b0 + j * 32 + lane;
-        if (b < num_chunks) p.chunk_expert_rows[b * e_l + e] = running + incl - c[j];
-        running += __shfl_sync(0xffffffffu, incl, 31);
-      }
-    }
   }
   __syncthreads();
   for (int e = threadIdx.x; e <= e_l; e += blockDim.x) {
