@@ -22,6 +22,8 @@ Each row: median and spread of per-call milliseconds (CUDA events), TFLOP/s at t
   python scripts/bench_fp8_gemm.py --out $OUT/bench_fp8_gemm.json
   python scripts/bench_fp8_gemm.py --render docs/results/bench_fp8_gemm_<gpu>_<commit>.json \
       --md docs/FP8.md          (the table in docs/FP8.md, from a record)
+  python scripts/bench_fp8_gemm.py --render docs/results/bench_fp8_gemm_ceiling_h200_4cad4e2.json \
+      --md docs/FP8.md --table "bench_fp8_gemm ceiling table"   (the dense-ceiling table)
 """
 
 from __future__ import annotations
@@ -159,8 +161,9 @@ def render(record: dict) -> str:
         speedup = f"{ref / r['median_ms']:.2f}x" if ref else "-"
         during = r.get("gpu_during")  # older records: none
         clock = f"{during['sm_mhz_median']:.0f}" if during else "-"
+        groups = "dense" if r["impl"].startswith("dense_") else r["groups"]  # --dense-ceiling
         lines.append(
-            f"| {r['model']} | {r['op']} | {r['impl']} | {r['rows']} / {r['groups']} | "
+            f"| {r['model']} | {r['op']} | {r['impl']} | {r['rows']} / {groups} | "
             f"{r['median_ms']:.3f} [{r['p10_ms']:.3f}, {r['p90_ms']:.3f}] | {rate} | {speedup} "
             f"| {clock} |"
         )
@@ -221,6 +224,12 @@ def main() -> None:
     ap.add_argument("--render", help="a record to render into --md instead of benchmarking")
     ap.add_argument("--render-layer", help="a bench_moe.py --mok-fp8 record to render into --md")
     ap.add_argument("--md", help="with --render: the markdown file whose table to replace")
+    ap.add_argument(
+        "--table",
+        default="bench_fp8_gemm table",
+        help="with --render and --md: the table's markers' name ('<!-- NAME begin -->'), for a "
+        "page with more than one GEMM table",
+    )
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -241,7 +250,10 @@ def main() -> None:
         with open(args.render or args.render_layer) as f:
             record = json.load(f)
         table = render(record) if args.render else render_layer(record)
-        markers = (TABLE_BEGIN, TABLE_END) if args.render else (LAYER_BEGIN, LAYER_END)
+        if args.render:
+            markers = (f"<!-- {args.table} begin -->", f"<!-- {args.table} end -->")
+        else:
+            markers = (LAYER_BEGIN, LAYER_END)
         if args.md:
             write_table(args.md, table, *markers)
         else:

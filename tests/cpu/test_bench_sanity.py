@@ -240,7 +240,7 @@ def test_fp8_gemm_table_gives_each_rows_clock_and_the_dense_ceilings():
     assert table == [
         "| deepseek-v3 | l1 | bf16_mok | 64 / 2 | 2.000 [2.000, 2.000] | 500 | 1.00x | - |",
         "| deepseek-v3 | l1 | fp8_mok | 64 / 2 | 1.000 [1.000, 1.000] | 1000 | 2.00x | 1395 |",
-        "| deepseek-v3 | l1 | dense_fp8_torch | 64 / 2 | 0.800 [0.800, 0.800] | 1250 | 2.50x "
+        "| deepseek-v3 | l1 | dense_fp8_torch | 64 / dense | 0.800 [0.800, 0.800] | 1250 | 2.50x "
         "| 1410 |",
     ]
 
