@@ -61,6 +61,16 @@ __global__ void count_chunks(ScheduleParams p) {
 // must stay over the experts (coalesced), with the warps splitting the chunks between them.
 constexpr int kScanBatch = 8;
 
+// count[j] = expert e's rows in chunk b0 + j of chunk_expert_rows [num_chunks, e_l] (0 past the
+// last chunk): kScanBatch loads issued before any is used.
+MOK_DEVICE void load_chunk_counts(const int* chunk_expert_rows, int num_chunks, int e_l, int b0,
+                                  int e, int (&count)[kScanBatch]) {
+#pragma unroll
+  for (int j = 0; j < kScanBatch; ++j) {
+    count[j] = b0 + j < num_chunks ? chunk_expert_rows[(b0 + j) * e_l + e] : 0;
+  }
+}
+
 __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
   using BlockScan = cub::BlockScan<int64_t, kTokenThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
@@ -86,10 +96,7 @@ __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
     if (e < e_l) {
       for (int b0 = 0; b0 < num_chunks; b0 += kScanBatch) {
         int count[kScanBatch];
-#pragma unroll
-        for (int j = 0; j < kScanBatch; ++j) {
-          count[j] = b0 + j < num_chunks ? p.chunk_expert_rows[(b0 + j) * e_l + e] : 0;
-        }
+        load_chunk_counts(p.chunk_expert_rows, num_chunks, e_l, b0, e, count);
 #pragma unroll
         for (int j = 0; j < kScanBatch; ++j) rows += count[j];
       }
@@ -103,10 +110,7 @@ __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
       int running = static_cast<int>(start);  // int fits: rows <= W * T * K
       for (int b0 = 0; b0 < num_chunks; b0 += kScanBatch) {
         int count[kScanBatch];
-#pragma unroll
-        for (int j = 0; j < kScanBatch; ++j) {
-          count[j] = b0 + j < num_chunks ? p.chunk_expert_rows[(b0 + j) * e_l + e] : 0;
-        }
+        load_chunk_counts(p.chunk_expert_rows, num_chunks, e_l, b0, e, count);
 #pragma unroll
         for (int j = 0; j < kScanBatch; ++j) {
           if (b0 + j < num_chunks) p.chunk_expert_rows[(b0 + j) * e_l + e] = running;
