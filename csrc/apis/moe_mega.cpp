@@ -161,12 +161,15 @@ std::pair<at::Tensor, at::Tensor> trace_buffers(const at::Tensor& like, bool tra
           buffer({shape.num_rounds(), shape.max_tasks(), layout::kTraceTaskWords})};
 }
 
-// At one rank the megakernel reads the token rows in place (MegaArgs::local_tokens): no peer
-// reads them, so the staging copy into the tokens region and its barriers are only cost (a copy
-// of every token row, 0.14 ms of deepseek-v3's 8192-token forward in its profile). Rows that
-// are not 16-byte aligned (a view's offset) are staged as at several ranks.
-bool tokens_in_place(const launch::MoeComm& comm, const at::Tensor& rows) {
-  return comm.lay.num_ranks == 1 && reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0;
+// The token rows the megakernel reads in place (MegaArgs::local_tokens), or null where they are
+// staged into the tokens region for the ranks to pull. At one rank no peer reads them, so the
+// staging copy and its barriers are only cost (a copy of every token row, 0.14 ms of
+// deepseek-v3's 8192-token forward in its profile). Rows that are not 16-byte aligned (a view's
+// offset; the Python API refuses them, a direct op call may not) are staged as at several ranks.
+const void* tokens_in_place(const launch::MoeComm& comm, const at::Tensor& rows) {
+  const bool one_rank = comm.lay.num_ranks == 1;
+  return one_rank && reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0 ? rows.data_ptr()
+                                                                            : nullptr;
 }
 
 // The launch arguments both megakernels share: the workspace, the shape, the grid, the plan.
@@ -306,11 +309,12 @@ std::vector<at::Tensor> moe_mega_forward(
   std::tie(out[kForward_trace_ctas], out[kForward_trace_tasks]) =
       trace_buffers(x, trace, grid, shape);
   const int num_tokens = static_cast<int>(x.size(0));
+  const void* in_place = keep_tokens ? nullptr : tokens_in_place(comm, x);
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens, comm.lay.hidden,
                          plan[kPlan_recv_token_src].data_ptr<int64_t>(),
                          static_cast<int>(token_capacity), out[kForward_x_recv].data_ptr(), stream);
-  } else if (!tokens_in_place(comm, x)) {
+  } else if (in_place == nullptr) {
     launch::moe_stage_tokens(comm, x.data_ptr(), num_tokens, comm.lay.hidden, stream);
   }
   launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
@@ -320,7 +324,7 @@ std::vector<at::Tensor> moe_mega_forward(
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kForward_trace_ctas], out[kForward_trace_tasks]);
   a.stall_l2_cta = static_cast<int>(stall_l2_cta);
-  if (!keep_tokens && tokens_in_place(comm, x)) a.local_tokens = x.data_ptr();
+  a.local_tokens = in_place;
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
   a.x_ring = out[kForward_x_ring].data_ptr();
@@ -402,7 +406,8 @@ std::vector<at::Tensor> moe_mega_backward(
   std::tie(out[kBackward_trace_ctas], out[kBackward_trace_tasks]) =
       trace_buffers(d_out, trace, grid, shape);
   const int num_tokens = static_cast<int>(d_out.size(0));
-  if (!tokens_in_place(comm, d_out)) {
+  const void* in_place = tokens_in_place(comm, d_out);
+  if (in_place == nullptr) {
     launch::moe_stage_tokens(comm, d_out.data_ptr(), num_tokens, comm.lay.hidden, stream);
   }
   launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
@@ -412,7 +417,7 @@ std::vector<at::Tensor> moe_mega_backward(
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kBackward_trace_ctas], out[kBackward_trace_tasks]);
   a.backward = true;
-  if (tokens_in_place(comm, d_out)) a.local_tokens = d_out.data_ptr();
+  a.local_tokens = in_place;
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
   a.x_ring = out[kBackward_d_rows].data_ptr();

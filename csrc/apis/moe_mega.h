@@ -45,8 +45,8 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
                                       int64_t row_capacity, int64_t token_capacity, int64_t inter,
                                       int64_t minibatch, int64_t macrobatch);
 
-// One forward pass: the plan (unless `plan`, else empty, holds moe_mega_plan's tensors), staging, the
-// megakernel, the slot sum. x [T, H] bf16; w_gate_up [E_l, 2I, H] (interleaved); w_down
+// One forward pass: the plan (unless `plan`, else empty, holds moe_mega_plan's tensors), staging
+// (at one rank none: the megakernel reads x in place), the megakernel, the slot sum. x [T, H] bf16; w_gate_up [E_l, 2I, H] (interleaved); w_down
 // [E_l, H, I]; shared_out [T, H] or none -> MOK_MEGA_FORWARD_FIELDS then MOK_MEGA_PLAN_FIELDS.
 // `save`: keep what a backward needs; `keep_y`: that includes the L2 output rows y (only a
 // backward whose L2 dgrad fuses the SwiGLU backward reads them). `cluster`: CTAs per cluster of
@@ -61,8 +61,8 @@ std::vector<at::Tensor> moe_mega_forward(
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta);
 
-// The data gradients of one forward pass (one round), from one call: staging d_out, the backward
-// megakernel, the unweighted slot sum (+ shared_dx [T, H] or none), the per-row router-weight
+// The data gradients of one forward pass (one round), from one call: staging d_out (at one rank
+// none: read in place), the backward megakernel, the unweighted slot sum (+ shared_dx [T, H] or none), the per-row router-weight
 // gradients. plan: the forward's (moe_mega_plan's tensors); act_ring / h_ring: the forward's kept
 // rings. -> MOK_MEGA_BACKWARD_FIELDS. Collective.
 std::vector<at::Tensor> moe_mega_backward(

@@ -352,7 +352,8 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
                      num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
                      trace=False, cluster=1, stall_l2_cta=-1):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
-    given), staging, the megakernel, the slot-ordered sum at the source. Collective.
+    given), staging (none at one rank: the megakernel reads x in place), the megakernel, the
+    slot-ordered sum at the source. Collective.
 
     x: [T, H] bf16; topk / router_weights: [T, K]; w_gate_up: [E_l, 2I, H] (interleaved);
     w_down: [E_l, H, I]; shared_out: [T, H] or None. Returns (forward outputs, plan), dicts by
@@ -382,11 +383,11 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
 def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, *,
                       num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
                       stall_minibatch=-1, trace=False, cluster=1):  # fmt: skip
-    """The data gradients of one forward pass (one round) in one op: staging d_out, the backward
-    megakernel (d_out rows pulled into the ring; the L2 dgrad with the SwiGLU backward and the
-    router-weight gradient in its epilogue; the L1 dgrad, its rows stored into their sources'
-    slots), the unweighted slot sum (+ ``shared_dx``), the rows' router-weight gradients.
-    Collective.
+    """The data gradients of one forward pass (one round) in one op: staging d_out (none at one
+    rank: read in place), the backward megakernel (d_out rows pulled into the ring; the L2 dgrad
+    with the SwiGLU backward and the router-weight gradient in its epilogue; the L1 dgrad, its
+    rows stored into their sources' slots), the unweighted slot sum (+ ``shared_dx``), the rows'
+    router-weight gradients. Collective.
 
     plan: the forward's ``moe_mega_plan`` dict; act_ring [ring, I] / h_ring [ring, 2I]: the
     forward's kept rings. Returns a dict by name (``mega_backward_fields``): d_x [T, H], d_rows

@@ -12,11 +12,12 @@ driver, as on a CPU machine) the sampler records nothing and ``summary()`` is No
 from __future__ import annotations
 
 import ctypes
+import functools
 import statistics
 import threading
 from collections.abc import Callable
 
-__all__ = ["ClockSampler", "nvml_reader", "nvml_uuid"]
+__all__ = ["ClockSampler", "cuda_reader", "nvml_reader", "nvml_uuid"]
 
 #: One sample: (SM clock in MHz, power draw in W).
 Reader = Callable[[], "tuple[float, float] | None"]
@@ -54,6 +55,17 @@ def nvml_reader(uuid: object) -> Reader | None:
         return float(mhz.value), milliwatts.value / 1e3
 
     return read
+
+
+@functools.cache
+def cuda_reader() -> Reader | None:
+    """``nvml_reader`` of torch's current CUDA device (made once per process), or None without
+    CUDA or NVML."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return nvml_reader(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
 class ClockSampler:

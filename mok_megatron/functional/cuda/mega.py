@@ -257,7 +257,7 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
     # NOTE: yielded unnamed, its operands popped (as stage 1's step 1)
     yield stage1._weight_grad(experts, *down_rows.pop(), offs, rounds, acc_w, 2)
 
-    # step 2: the gate/up weight gradient from d_h and the routed rows x (dispatched again)
+    # step 2: the gate/up weight gradient from d_h and the routed rows of x (_routed_rows)
     x_rows = _routed_rows(ws, sched, ctx, x, window, row_tok)
     d_w = [None, None, None]
     for slot, d in zip(experts.grad_slots, (d_h,)):

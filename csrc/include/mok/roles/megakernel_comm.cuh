@@ -33,7 +33,7 @@ MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lan
     const uint8_t* tokens = p.local_tokens != nullptr
                                 ? p.local_tokens  // one rank: the rows in place
                                 : reinterpret_cast<const uint8_t*>(p.peer_bases[s] + p.tokens_offset);
-    row = reinterpret_cast<const uint4*>(tokens) + static_cast<int64_t>(t) * vecs;  // peer memory
+    row = reinterpret_cast<const uint4*>(tokens) + static_cast<int64_t>(t) * vecs;  // peer's or x
   }
   for (int base = 0; base < vecs; base += 32 * kPullUnroll) {
     uint4 v[kPullUnroll];
