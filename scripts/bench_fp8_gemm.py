@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mok_megatron.ops import fp8_blockwise as fb  # noqa: E402
 from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
 from mok_megatron.ops import grouped_gemm_fp8 as gf  # noqa: E402
-from mok_megatron.testing.gpu_clocks import ClockSampler, nvml_reader  # noqa: E402
+from mok_megatron.testing.gpu_clocks import ClockSampler, cuda_reader  # noqa: E402
 from mok_megatron.testing.records import commit  # noqa: E402
 from mok_megatron.testing.timing import time_fn  # noqa: E402
 
@@ -134,8 +134,16 @@ def ops_of(p: dict, sweep: bool = False, dense: bool = False) -> dict:
 
 #: FP8 L1 target of issue 15 (deepseek-v3's EP-1 rows at 8192 tokens per rank), TFLOP/s.
 L1_TARGET_TFLOPS = 1100.0
-TABLE_BEGIN, TABLE_END = "<!-- bench_fp8_gemm table begin -->", "<!-- bench_fp8_gemm table end -->"
-LAYER_BEGIN, LAYER_END = "<!-- fp8_layer table begin -->", "<!-- fp8_layer table end -->"
+
+
+def table_markers(name: str) -> tuple[str, str]:
+    """The comments a generated table sits between in its markdown page."""
+    return f"<!-- {name} begin -->", f"<!-- {name} end -->"
+
+
+TABLE_NAME = "bench_fp8_gemm table"  # --table's default: the GEMM table of docs/FP8.md
+TABLE_BEGIN, TABLE_END = table_markers(TABLE_NAME)
+LAYER_BEGIN, LAYER_END = table_markers("fp8_layer table")
 #: Layer targets of issue 15 (deepseek-v3, EP 1, 8192 tokens per rank): FP8 over MoK's BF16.
 LAYER_TARGETS = {"fwd": 1.5, "fwd_bwd": 1.3}
 
@@ -226,7 +234,7 @@ def main() -> None:
     ap.add_argument("--md", help="with --render: the markdown file whose table to replace")
     ap.add_argument(
         "--table",
-        default="bench_fp8_gemm table",
+        default=TABLE_NAME,
         help="with --render and --md: the table's markers' name ('<!-- NAME begin -->'), for a "
         "page with more than one GEMM table",
     )
@@ -250,10 +258,7 @@ def main() -> None:
         with open(args.render or args.render_layer) as f:
             record = json.load(f)
         table = render(record) if args.render else render_layer(record)
-        if args.render:
-            markers = (f"<!-- {args.table} begin -->", f"<!-- {args.table} end -->")
-        else:
-            markers = (LAYER_BEGIN, LAYER_END)
+        markers = table_markers(args.table) if args.render else (LAYER_BEGIN, LAYER_END)
         if args.md:
             write_table(args.md, table, *markers)
         else:
@@ -262,14 +267,13 @@ def main() -> None:
     if not args.out:
         ap.error("--out is required to benchmark")
     rows = []
-    read_clock = nvml_reader(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
     for model in args.models.split(","):
         p = problem(model, args.ep, args.tokens)
         fill = m_tile_fill(p["offs"])
         print(f"{model}: the 128-row M tiles hold {fill:.3f} routed rows per tile row", flush=True)
         for op, (flops, impls) in ops_of(p, args.sweep_tuning, args.dense_ceiling).items():
             for impl, fn in impls.items():
-                with ClockSampler(read_clock) as clocks:
+                with ClockSampler(cuda_reader()) as clocks:
                     t = time_fn(lambda i, fn=fn: fn(), warmup=3, iters=args.iters, device="cuda")
                 tflops = flops / (t.median_ms * 1e-3) / 1e12 if flops else None
                 rows.append(dict(model=model, op=op, impl=impl, rows=p["rows"],

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mok_megatron.testing.gpu_clocks import ClockSampler, nvml_reader  # noqa: E402
+from mok_megatron.testing.gpu_clocks import ClockSampler, cuda_reader  # noqa: E402
 from mok_megatron.testing.timing import moe_pass_cost, time_back_to_back, time_fn  # noqa: E402
 
 SHAPES = {  # hidden, intermediate, experts, top-k
@@ -294,12 +294,12 @@ def traffic(sets, shape, rank, world):
     return int(rows[rank]), remote
 
 
-@functools.cache
-def _clock_reader():
-    """NVML's reader of this GPU's SM clock and power (testing.gpu_clocks), or None."""
-    if not torch.cuda.is_available():
-        return None
-    return nvml_reader(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+def _sampled(device: str, run):
+    """``run()`` (a timing) with the GPU's SM clock and power sampled meanwhile:
+    (timing, ``gpu_during``: testing.gpu_clocks' summary, None off CUDA or without NVML)."""
+    with ClockSampler(cuda_reader() if device == "cuda" else None) as clocks:
+        timing = run()
+    return timing, clocks.summary()
 
 
 def measure(layer, sets, args, backward: bool, calls: int = 0) -> dict:
@@ -315,14 +315,15 @@ def measure(layer, sets, args, backward: bool, calls: int = 0) -> dict:
     def fn(i):
         return run_layer(layer, sets[i % len(sets)], backward)
 
-    with ClockSampler(_clock_reader() if device == "cuda" else None) as clocks:
+    def run():
         if calls:
-            timing = time_back_to_back(fn, warmup=args.warmup, iters=args.iters, calls=calls,
-                                       device=device)  # fmt: skip
-        else:
-            timing = time_fn(fn, warmup=args.warmup, iters=args.iters, device=device)
+            return time_back_to_back(fn, warmup=args.warmup, iters=args.iters, calls=calls,
+                                     device=device)  # fmt: skip
+        return time_fn(fn, warmup=args.warmup, iters=args.iters, device=device)
+
+    timing, during = _sampled(device, run)
     peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else 0
-    return {**_measured(timing, peak, device), "gpu_during": clocks.summary()}
+    return {**_measured(timing, peak, device), "gpu_during": during}
 
 
 def _measured(timing, peak: int, device: str) -> dict:
@@ -355,9 +356,9 @@ def measure_graphed(layer, sets, args) -> dict:
         with torch.cuda.graph(graph):
             outs.append(run_layer(layer, inputs, backward=False).detach())
         graphs.append(graph)
-    with ClockSampler(_clock_reader()) as clocks:
-        timing = time_fn(lambda i: graphs[i % len(graphs)].replay(), warmup=args.warmup,
-                         iters=args.iters, device="cuda")  # fmt: skip
+    timing, during = _sampled("cuda", lambda: time_fn(
+        lambda i: graphs[i % len(graphs)].replay(), warmup=args.warmup, iters=args.iters,
+        device="cuda"))  # fmt: skip
     peak = torch.cuda.max_memory_allocated() - base_mem
     for graph, out in zip(graphs, outs):  # one more replay of each, into a poisoned output
         out.fill_(float("nan"))
@@ -369,7 +370,7 @@ def measure_graphed(layer, sets, args) -> dict:
             raise AssertionError(f"--mok-graph: input set {i}'s replay differs from eager")
     graphs.clear()  # the graphs and their pools go before the next contender
     outs.clear()
-    return {**_measured(timing, peak, "cuda"), "gpu_during": clocks.summary()}
+    return {**_measured(timing, peak, "cuda"), "gpu_during": during}
 
 
 #: The dense GEMM of ``--live-ceiling``: square bf16 matmuls of this size (CPU: a small one).
@@ -396,9 +397,9 @@ def measure_dense_ceiling(flops: float, args) -> dict:
         for _ in range(matmuls):
             torch.mm(a, b, out=c)
 
-    with ClockSampler(_clock_reader() if device == "cuda" else None) as clocks:
-        timing = time_fn(fn, warmup=args.warmup, iters=args.iters, device=device)
-    t = {**timing.as_dict(), "n": n, "matmuls": matmuls, "gpu_during": clocks.summary()}
+    timing, during = _sampled(device, lambda: time_fn(fn, warmup=args.warmup, iters=args.iters,
+                                                      device=device))  # fmt: skip
+    t = {**timing.as_dict(), "n": n, "matmuls": matmuls, "gpu_during": during}
     t["tflops"] = matmuls * per_matmul / (timing.median_ms * 1e-3) / 1e12
     return t
 
