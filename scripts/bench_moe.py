@@ -103,6 +103,13 @@ def parse_args(argv=None):
         "same process",
     )
     p.add_argument(
+        "--mok-fp8-mega",
+        action="store_true",
+        help="also time MoK's FP8 megakernel forward (expert_precision='fp8_blockwise', "
+        "cuda_forward='megakernel'; its backward is stage 1's) as 'mok_fp8_mega', in the same "
+        "process",
+    )
+    p.add_argument(
         "--mok-graph",
         action="store_true",
         help="also time MoK's forward replayed from CUDA graphs (one captured per input set, "
@@ -472,6 +479,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 contenders.append(
                     ("mok_fp8_dgrad", layer, {**MOK_FP8_KNOBS, "fp8_backward": "dgrad"})
                 )
+        if args.mok_fp8_mega:
+            contenders.append(("mok_fp8_mega", layer, MOK_FP8_MEGA_KNOBS))
         for who, module, knobs in contenders:
             with _mok_knobs(module, **knobs):
                 t = measure(module, sets, args, backward)
@@ -505,6 +514,14 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                     result["mok"]["median_ms_all_ranks_max"]
                     / result["mok_fp8_dgrad"]["median_ms_all_ranks_max"]
                 )
+        if args.mok_fp8_mega:  # > 1: the FP8 megakernel beats MoK's default (BF16) layer
+            result["fp8_mega_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
+                                          / result["mok_fp8_mega"]["median_ms_all_ranks_max"])  # fmt: skip
+            if args.mok_fp8:  # > 1: the FP8 megakernel beats the FP8 stage 1
+                result["fp8_mega_over_stage1"] = (
+                    result["mok_fp8"]["median_ms_all_ranks_max"]
+                    / result["mok_fp8_mega"]["median_ms_all_ranks_max"]
+                )
         if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
             result["stage1_speedup"] = (result["mok_stage1"]["median_ms_all_ranks_max"]
                                         / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
@@ -531,9 +548,10 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
     return case
 
 
-#: The MoK knobs of the FP8-experts contender (``--mok-fp8``; profile_moe.py's too): stage 1,
-#: the megakernel having no FP8 mainloop.
+#: The MoK knobs of the FP8-experts contenders: stage 1 (``--mok-fp8``; profile_moe.py's too)
+#: and the FP8 megakernel forward (``--mok-fp8-mega``).
 MOK_FP8_KNOBS = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
+MOK_FP8_MEGA_KNOBS = {"cuda_forward": "megakernel", "expert_precision": "fp8_blockwise"}
 
 
 @contextlib.contextmanager

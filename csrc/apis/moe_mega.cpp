@@ -8,11 +8,13 @@
 #include <utility>
 
 #include "apis/comm.h"
+#include "apis/fp8_blockwise.h"
 #include "apis/moe.h"
 #include "apis/tensor_arena.h"
 #include "apis/tensor_checks.h"
 #include "launch/moe_mega.h"
 #include "launch/moe_megakernel.h"
+#include "mok/common/fp8_blockwise.cuh"
 
 namespace mok::apis {
 namespace {
@@ -245,9 +247,14 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& shared_out, at::TensorList given_plan,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta) {
+    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
+    const std::optional<at::Tensor>& w_gate_up_scales,
+    const std::optional<at::Tensor>& w_down_scales) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
+  const bool fp8 = w_gate_up_scales.has_value();
+  TORCH_CHECK(fp8 == w_down_scales.has_value(), "mok::moe_mega_forward: w_gate_up_scales and "
+              "w_down_scales are both given (FP8 weights) or neither (bf16)");
   check(x, "x", at::kBFloat16, 2);
   check(topk, "topk", at::kLong, 2);
   check(router_weights, "router_weights", at::kFloat, 2);
@@ -255,9 +262,29 @@ std::vector<at::Tensor> moe_mega_forward(
                   router_weights.sizes() == topk.sizes(),
               "mok::moe_mega_forward: topk ", topk.sizes(), " / router_weights ",
               router_weights.sizes(), " must be [T, K] = [", x.size(0), ", ", lay.topk, "]");
-  check(w_gate_up, "w_gate_up", at::kBFloat16, 3);
-  check(w_down, "w_down", at::kBFloat16, 3);
+  const auto w_dtype = fp8 ? at::kFloat8_e4m3fn : at::kBFloat16;
+  check(w_gate_up, "w_gate_up", w_dtype, 3);
+  check(w_down, "w_down", w_dtype, 3);
   const int64_t e_l = num_experts / lay.num_ranks, inter = w_down.size(2);
+  if (fp8) {
+    constexpr int64_t kBlock = fp8_blockwise::kBlock;
+    TORCH_CHECK(lay.hidden % kBlock == 0 && inter % kBlock == 0,
+                "mok::moe_mega_forward: FP8 weights need hidden=", lay.hidden,
+                " and intermediate=", inter, " to be multiples of 128 (the FP8 blocks)");
+    check(*w_gate_up_scales, "w_gate_up_scales", at::kFloat, 3);
+    check(*w_down_scales, "w_down_scales", at::kFloat, 3);
+    TORCH_CHECK(w_gate_up_scales->sizes() ==
+                        at::IntArrayRef({e_l, 2 * inter / kBlock, lay.hidden / kBlock}) &&
+                    w_down_scales->sizes() ==
+                        at::IntArrayRef({e_l, lay.hidden / kBlock, inter / kBlock}),
+                "mok::moe_mega_forward: w_gate_up_scales ", w_gate_up_scales->sizes(),
+                " / w_down_scales ", w_down_scales->sizes(), " must be the (128, 128) blocks' [",
+                e_l, ", ", 2 * inter / kBlock, ", ", lay.hidden / kBlock, "] / [", e_l, ", ",
+                lay.hidden / kBlock, ", ", inter / kBlock, "]");
+    TORCH_CHECK(cluster == 1, "mok::moe_mega_forward: the FP8 megakernel runs without clusters "
+                "(megakernel_cluster=", cluster, "); use MoKConfig.megakernel_cluster=1 with "
+                "expert_precision='fp8_blockwise'");
+  }
   TORCH_CHECK(x.size(0) <= lay.max_tokens && x.size(1) == lay.hidden, "mok::moe_mega_forward: x ",
               x.sizes(), " does not fit the workspace [<=", lay.max_tokens, ", ", lay.hidden, "]");
   TORCH_CHECK(w_gate_up.size(0) == e_l && w_gate_up.size(1) == 2 * inter &&
@@ -295,12 +322,12 @@ std::vector<at::Tensor> moe_mega_forward(
   if (keep_rows) {
     // NOTE: one allocation each, not an arena: the backward lets each ring go after its last
     // read (y and act in its first step, h and x_rows in its second), which lowers its peak.
-    out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
+    out[kForward_x_ring] = at::empty({fp8 ? 0 : ring, lay.hidden}, bf16);
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({ring, 2 * inter}, bf16);
     out[kForward_y_rows] = at::empty({keep_y ? ring : 0, lay.hidden}, bf16);
   } else {  // x_ring and act_ring are dropped after the pass: not in one storage with x_recv
-    out[kForward_x_ring] = at::empty({ring, lay.hidden}, bf16);
+    out[kForward_x_ring] = at::empty({fp8 ? 0 : ring, lay.hidden}, bf16);
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({0, 2 * inter}, bf16);
     out[kForward_y_rows] = at::empty({0, lay.hidden}, bf16);
@@ -309,13 +336,22 @@ std::vector<at::Tensor> moe_mega_forward(
   std::tie(out[kForward_trace_ctas], out[kForward_trace_tasks]) =
       trace_buffers(x, trace, grid, shape);
   const int num_tokens = static_cast<int>(x.size(0));
-  const void* in_place = keep_tokens ? nullptr : tokens_in_place(comm, x);
+  // The token rows the megakernel pulls: x, or with FP8 weights x quantised in (1, 128) blocks
+  // as stage 1's packed FP8 rows (its FP8 dispatch's; moe_fp8_pack_rows).
+  at::Tensor tokens = x;
+  if (fp8) {
+    const auto [data, scales] = fp8_blockwise_quantize(x.contiguous(), 1, fp8_blockwise::kBlock,
+                                                       false);
+    tokens = moe_fp8_pack_rows(data, scales);
+  }
+  const void* in_place = keep_tokens ? nullptr : tokens_in_place(comm, tokens);
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens, comm.lay.hidden,
                          plan[kPlan_recv_token_src].data_ptr<int64_t>(),
                          static_cast<int>(token_capacity), out[kForward_x_recv].data_ptr(), stream);
-  } else if (in_place == nullptr) {
-    launch::moe_stage_tokens(comm, x.data_ptr(), num_tokens, comm.lay.hidden, stream);
+  }
+  if (in_place == nullptr) {  // NOTE: after a dispatch, whose rows in the tokens region it replaces
+    launch::moe_stage_tokens(comm, tokens.data_ptr(), num_tokens, tokens.size(1), stream);
   }
   launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
                                  plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
@@ -327,10 +363,27 @@ std::vector<at::Tensor> moe_mega_forward(
   a.local_tokens = in_place;
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
-  a.x_ring = out[kForward_x_ring].data_ptr();
+  a.x_ring = fp8 ? nullptr : out[kForward_x_ring].data_ptr();
   a.act_ring = out[kForward_act_ring].data_ptr();
   a.h_ring = keep_rows ? out[kForward_h_ring].data_ptr() : nullptr;
   a.y_rows = keep_rows && keep_y ? out[kForward_y_rows].data_ptr() : nullptr;
+  std::vector<at::Tensor> rings;  // FP8: the rings and their M-major scales, for the launch only
+  if (fp8) {
+    const int64_t stride = shape.fp8_scale_stride(), h = lay.hidden, kb = fp8_blockwise::kBlock;
+    TensorArena arena(x);
+    arena.add({ring, h}, at::kByte);
+    arena.add({h / kb, stride}, at::kFloat);
+    arena.add({ring, inter}, at::kByte);
+    arena.add({inter / kb, stride}, at::kFloat);
+    rings = arena.make();
+    a.fp8 = true;
+    a.w_gate_up_scales = w_gate_up_scales->data_ptr<float>();
+    a.w_down_scales = w_down_scales->data_ptr<float>();
+    a.x8_ring = rings[0].data_ptr();
+    a.x_scales = rings[1].data_ptr<float>();
+    a.act8_ring = rings[2].data_ptr();
+    a.act_scales = rings[3].data_ptr<float>();
+  }
   launch::moe_megakernel(a, stream);
 
   out[kForward_out] = at::empty({x.size(0), lay.hidden}, bf16);

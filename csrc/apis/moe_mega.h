@@ -52,14 +52,20 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
 // backward whose L2 dgrad fuses the SwiGLU backward reads them). `cluster`: CTAs per cluster of
 // the megakernel (1 or 2; the grid is num_sms rounded down to whole clusters). `stall_l2_cta`
 // (tests only, -1: none): that CTA's consumers stop at their first second-GEMM task, so that its
-// producer's wait for a free pipeline stage times out. Collective.
+// producer's wait for a free pipeline stage times out. FP8 experts (the FP8 megakernel, issue
+// 15): w_gate_up / w_down are the weights' (128, 128)-block e4m3 copies and w_gate_up_scales
+// [E_l, 2I / 128, H / 128] / w_down_scales [E_l, H / 128, I / 128] their float32 scales (both
+// given or neither); x is quantised in (1, 128) blocks here, the forward runs stage 1's FP8
+// arithmetic (x_ring is then [0, H]: the ring holds FP8 rows). Collective.
 std::vector<at::Tensor> moe_mega_forward(
     const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
     const at::Tensor& w_gate_up, const at::Tensor& w_down,
     const std::optional<at::Tensor>& shared_out, at::TensorList plan,
     at::IntArrayRef comm, int64_t num_experts, int64_t row_capacity, int64_t token_capacity,
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
-    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta);
+    bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
+    const std::optional<at::Tensor>& w_gate_up_scales,
+    const std::optional<at::Tensor>& w_down_scales);
 
 // The data gradients of one forward pass (one round), from one call: staging d_out (at one rank
 // none: read in place), the backward megakernel, the unweighted slot sum (+ shared_dx [T, H] or none), the per-row router-weight

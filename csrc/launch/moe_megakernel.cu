@@ -52,9 +52,34 @@ typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, 
   return params;
 }
 
+// The FP8 forward's operands (MegaArgs::fp8).
+void check_fp8_args(const MegaArgs& a) {
+  const layout::MegaShape& s = a.shape;
+  constexpr int kBlock = gemm::kFp8ScaleBlock;
+  MOK_HOST_CHECK(!a.backward && a.cluster_ctas == 1,
+                 "FP8 megakernel: the forward only, without clusters (cluster_ctas=%d; use "
+                 "MoKConfig.megakernel_cluster=1 with FP8 experts)",
+                 a.cluster_ctas);
+  MOK_HOST_CHECK(s.hidden % kBlock == 0 && s.inter % kBlock == 0 &&
+                     s.hidden / kBlock <= gemm::kMegaFp8MaxKBlocks &&
+                     s.inter / kBlock <= gemm::kMegaFp8MaxKBlocks,
+                 "FP8 megakernel: hidden=%lld and inter=%lld must be multiples of %d (the FP8 "
+                 "blocks) and at most %d",
+                 static_cast<long long>(s.hidden), static_cast<long long>(s.inter), kBlock,
+                 kBlock * gemm::kMegaFp8MaxKBlocks);
+  MOK_HOST_CHECK(a.w_gate_up_scales != nullptr && a.w_down_scales != nullptr &&
+                     a.x8_ring != nullptr && a.x_scales != nullptr && a.act8_ring != nullptr &&
+                     a.act_scales != nullptr,
+                 "FP8 megakernel: null weight scales, x8_ring, x_scales, act8_ring or act_scales");
+  MOK_HOST_CHECK(aligned16(a.x8_ring) && aligned16(a.x_scales) && aligned16(a.act8_ring) &&
+                     aligned16(a.act_scales),
+                 "FP8 megakernel: the FP8 rings and their scales must be 16-byte aligned (TMA)");
+}
+
 void check_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
   const layout::WorkspaceLayout& lay = a.lay;
+  if (a.fp8) check_fp8_args(a);
   MOK_HOST_CHECK(a.cluster_ctas == 1 || a.cluster_ctas == layout::kMaxClusterCtas,
                  "megakernel: cluster_ctas=%d must be 1 or %d", a.cluster_ctas,
                  layout::kMaxClusterCtas);
@@ -104,8 +129,8 @@ void check_args(const MegaArgs& a) {
                  "megakernel: local_tokens (token rows read in place) needs one rank, not %lld, "
                  "and 16-byte aligned rows",
                  static_cast<long long>(lay.num_ranks));
-  MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr && a.x_ring != nullptr &&
-                     a.act_ring != nullptr,
+  MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr &&
+                     (a.fp8 || a.x_ring != nullptr) && a.act_ring != nullptr,
                  "megakernel: null w_gate_up, w_down, x_ring or act_ring");
   if (a.backward) {
     MOK_HOST_CHECK(a.h_ring != nullptr && a.dh_ring != nullptr && a.w_rows != nullptr &&
@@ -159,9 +184,12 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.l2_k = a.backward ? 2 * p.inter : p.inter;
   p.l1_ntiles = to_int32(a.backward ? s.dgrad_ntiles() : s.l1_ntiles(), "l1_ntiles");
   p.l2_ntiles = to_int32(s.l2_ntiles(), "l2_ntiles");
-  constexpr int kBlockK = cute::size<2>(gemm::MegaTileShape{});
-  p.l1_ktiles = to_int32(layout::MegaShape::ceil_div(s.hidden, kBlockK), "l1_ktiles");
-  p.l2_ktiles = to_int32(layout::MegaShape::ceil_div(p.l2_k, kBlockK), "l2_ktiles");
+  // A task's k-tiles (mainloop stages); FP8: two halves of K / 128 each.
+  const int block_k = a.fp8 ? cute::size<2>(gemm::MegaFp8TileShape{})
+                            : cute::size<2>(gemm::MegaTileShape{});
+  const int halves = a.fp8 ? gemm::kMegaFp8Halves : 1;
+  p.l1_ktiles = to_int32(halves * layout::MegaShape::ceil_div(s.hidden, block_k), "l1_ktiles");
+  p.l2_ktiles = to_int32(halves * layout::MegaShape::ceil_div(p.l2_k, block_k), "l2_ktiles");
   p.arrive_word = to_int32(s.arrive_word(), "arrive_word");
   p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
   p.num_ctas = a.num_ctas;
@@ -184,7 +212,62 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.trace_ctas = a.trace_ctas;
   p.trace_tasks = a.trace_tasks;
   p.max_tasks = to_int32(s.max_tasks(), "max_tasks");
+  if (a.fp8) {
+    p.x8_ring = static_cast<uint8_t*>(a.x8_ring);
+    p.x_scales = a.x_scales;
+    p.act8_ring = static_cast<uint8_t*>(a.act8_ring);
+    p.act_scales = a.act_scales;
+    p.scale_stride = to_int32(s.fp8_scale_stride(), "fp8_scale_stride");
+    // The packed rows in place (one rank), or staged into the tokens region's rows of hidden
+    // bf16 (moe_stage_tokens' pitch).
+    p.token_row_bytes =
+        to_int32(a.local_tokens != nullptr ? fp8_blockwise::packed_row_bytes(s.hidden)
+                                           : s.hidden * 2,
+                 "token_row_bytes");
+  }
   return p;
+}
+
+// One FP8 GEMM's operands: A = a [a_rows, k] e4m3 with M-major scales a_scales [k / 128,
+// scale_stride]; B = b [num_experts, n, k] e4m3 with scales b_scales [num_experts, n / 128,
+// k / 128]. As gemm_params, A's descriptor from a problem with L = 1, B's with L = num_experts.
+gemm::MegaFp8Gemm fp8_gemm_params(const void* a, const float* a_scales, int a_rows,
+                                  int scale_stride, const void* b, const float* b_scales, int n,
+                                  int k, int num_experts) {
+  using Mainloop = gemm::MegaFp8Mainloop;
+  using Element = gemm::Fp8Element;
+  constexpr int kBlock = gemm::kFp8ScaleBlock;
+  const auto stride_a = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{a_rows} * k);
+  const auto stride_b = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{n} * k);
+  const auto args = [&](int l) {
+    const auto shape = cute::make_shape(a_rows, n, k, l);
+    return typename Mainloop::Arguments{static_cast<const Element*>(a), stride_a,
+                                        static_cast<const Element*>(b), stride_b,
+                                        a_scales, gemm::Fp8ScaleConfig::tile_atom_to_shape_SFA(shape),
+                                        b_scales, gemm::Fp8ScaleConfig::tile_atom_to_shape_SFB(shape)};
+  };
+  gemm::MegaFp8Gemm g{};
+  g.ml = Mainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, 1), args(1), nullptr);
+  g.ml.tma_load_b = Mainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, num_experts),
+                                                      args(num_experts), nullptr)
+                        .tma_load_b;
+  g.sfa = gemm::make_sfa_tma(a_scales, a_rows, k / kBlock, scale_stride);
+  g.sfb = b_scales;
+  g.n_blocks = n / kBlock;
+  g.k_blocks = k / kBlock;
+  return g;
+}
+
+kernels::MegaKernelParams<false, 1, true> fp8_kernel_params(const MegaArgs& a) {
+  kernels::MegaKernelParams<false, 1, true> kp;
+  kp.p = device_params(a);
+  const int ring = kp.p.ring_rows, h = kp.p.hidden, i = kp.p.inter, e = kp.p.num_local_experts;
+  const int stride = kp.p.scale_stride;
+  kp.gemm.l1 = fp8_gemm_params(a.x8_ring, a.x_scales, ring, stride, a.w_gate_up,
+                               a.w_gate_up_scales, 2 * i, h, e);
+  kp.gemm.l2 = fp8_gemm_params(a.act8_ring, a.act_scales, ring, stride, a.w_down,
+                               a.w_down_scales, h, i, e);
+  return kp;
 }
 
 // Forward: L1 = x_ring x w_gate_up[e] (N = 2I, K = H), L2 = act_ring x w_down[e] (N = H,
@@ -210,7 +293,9 @@ kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) 
 
 int megakernel_threads() { return kernels::kMegaThreads; }
 
-size_t megakernel_smem_bytes() { return kernels::kMegaSmemBytes; }
+size_t megakernel_smem_bytes(bool fp8) {
+  return fp8 ? kernels::kMegaFp8SmemBytes : kernels::kMegaSmemBytes;
+}
 
 namespace {
 
@@ -223,9 +308,11 @@ auto kernel_of() {
   }
 }
 
-// The megakernel of a pass for clusters of `cluster` CTAs (1 or 2: check_args).
-const void* kernel_ptr(bool backward, int cluster) {
+// The megakernel of a pass for clusters of `cluster` CTAs (1 or 2: check_args), or the FP8
+// forward's.
+const void* kernel_ptr(bool backward, int cluster, bool fp8) {
   const auto of = [](auto kernel) { return reinterpret_cast<const void*>(kernel); };
+  if (fp8) return of(&kernels::moe_forward_megakernel_fp8);
   if (backward) return cluster == 1 ? of(kernel_of<true, 1>()) : of(kernel_of<true, 2>());
   return cluster == 1 ? of(kernel_of<false, 1>()) : of(kernel_of<false, 2>());
 }
@@ -236,13 +323,13 @@ struct ClusterLaunch {
   cudaLaunchAttribute attr{};
   cudaLaunchConfig_t config{};
 
-  ClusterLaunch(int grid, int cluster, cudaStream_t stream) {
+  ClusterLaunch(int grid, int cluster, cudaStream_t stream, bool fp8 = false) {
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = static_cast<unsigned>(cluster);
     attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
     config.gridDim = dim3(static_cast<unsigned>(grid));
     config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
-    config.dynamicSmemBytes = megakernel_smem_bytes();
+    config.dynamicSmemBytes = megakernel_smem_bytes(fp8);
     config.stream = stream;
     config.attrs = &attr;
     config.numAttrs = 1;
@@ -254,14 +341,14 @@ struct ClusterLaunch {
 // CTAs of the megakernel (of a pass, for clusters of `cluster` CTAs) the device holds at once:
 // SMs x CTAs per SM, or clusters x `cluster` (a cluster's CTAs sit on SMs of one GPC); 0 where
 // it cannot run. Also sets the kernel's dynamic shared-memory attribute.
-int query_resident_ctas(int device, bool backward, int cluster) {
+int query_resident_ctas(int device, bool backward, int cluster, bool fp8) {
   int major = 0, minor = 0, sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   if (major != 9 || minor != 0) return 0;  // the kernels are built for sm_90a only
-  const int smem = static_cast<int>(megakernel_smem_bytes());
-  const void* kernel = kernel_ptr(backward, cluster);
+  const int smem = static_cast<int>(megakernel_smem_bytes(fp8));
+  const void* kernel = kernel_ptr(backward, cluster, fp8);
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
       cudaSuccess) {
     (void)cudaGetLastError();  // not built for this device, or too much shared memory
@@ -285,16 +372,17 @@ int query_resident_ctas(int device, bool backward, int cluster) {
 // query_resident_ctas, asked once per device, pass and cluster size (the answer and the
 // shared-memory attribute the query sets do not change): the launch asks on every pass, and the
 // query costs host time the GPU waits out.
-int resident_ctas(bool backward, int cluster) {
+int resident_ctas(bool backward, int cluster, bool fp8) {
   int device = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[2][layout::kMaxClusterCtas][kMaxDevices];  // 1 + the answer
-  if (device >= kMaxDevices) return query_resident_ctas(device, backward, cluster);
-  std::atomic<int>& slot = known[backward ? 1 : 0][cluster - 1][device];
+  // [fp8][backward][cluster - 1][device]: 1 + the answer
+  static std::atomic<int> known[2][2][layout::kMaxClusterCtas][kMaxDevices];
+  if (device >= kMaxDevices) return query_resident_ctas(device, backward, cluster, fp8);
+  std::atomic<int>& slot = known[fp8 ? 1 : 0][backward ? 1 : 0][cluster - 1][device];
   int k = slot.load(std::memory_order_acquire);
   if (k == 0) {
-    k = 1 + query_resident_ctas(device, backward, cluster);
+    k = 1 + query_resident_ctas(device, backward, cluster, fp8);
     slot.store(k, std::memory_order_release);
   }
   return k - 1;
@@ -314,25 +402,32 @@ void launch(const MegaArgs& args, cudaStream_t stream) {
 
 }  // namespace
 
-int megakernel_resident_ctas(bool backward, int cluster) {
+int megakernel_resident_ctas(bool backward, int cluster, bool fp8) {
   MOK_HOST_CHECK(cluster == 1 || cluster == layout::kMaxClusterCtas,
                  "megakernel: cluster=%d must be 1 or %d", cluster, layout::kMaxClusterCtas);
-  return resident_ctas(backward, cluster);
+  MOK_HOST_CHECK(!fp8 || (!backward && cluster == 1),
+                 "megakernel: the FP8 megakernel is a forward without clusters");
+  return resident_ctas(backward, cluster, fp8);
 }
 
 void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {
   check_args(args);
-  const int resident = resident_ctas(args.backward, args.cluster_ctas);  // sets the smem attribute
+  // NOTE: sets the kernel's shared-memory attribute
+  const int resident = resident_ctas(args.backward, args.cluster_ctas, args.fp8);
   MOK_HOST_CHECK(resident >= 1,
                  "megakernel: cannot run on this device (needs sm_90a, %zu bytes of shared "
                  "memory per CTA and clusters of %d)",
-                 megakernel_smem_bytes(), args.cluster_ctas);
+                 megakernel_smem_bytes(args.fp8), args.cluster_ctas);
   MOK_HOST_CHECK(args.num_ctas <= resident,
                  "megakernel: num_ctas=%d exceeds the %d CTAs (clusters of %d) this GPU holds at "
                  "once: every CTA must be resident, or a spin-wait could wait on an unscheduled "
                  "CTA",
                  args.num_ctas, resident, args.cluster_ctas);
-  if (args.backward) {
+  if (args.fp8) {
+    const auto params = fp8_kernel_params(args);
+    kernels::moe_forward_megakernel_fp8<<<args.num_ctas, megakernel_threads(),
+                                          megakernel_smem_bytes(true), stream>>>(params);
+  } else if (args.backward) {
     args.cluster_ctas == 1 ? launch<true, 1>(args, stream) : launch<true, 2>(args, stream);
   } else {
     args.cluster_ctas == 1 ? launch<false, 1>(args, stream) : launch<false, 2>(args, stream);

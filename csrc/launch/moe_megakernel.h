@@ -56,6 +56,18 @@ struct MegaArgs {
   const float* w_rows = nullptr;          // [R * ring_rows]: each row's router weight (0: padding)
   float* rw_partials = nullptr;           // [ring_rows, shape.dgrad_ntiles()]: <m, a> per n-tile
 
+  // ---- the FP8 forward's (fp8: MoKConfig.expert_precision="fp8_blockwise", roles/
+  // megakernel_fp8.cuh): w_gate_up / w_down are then the weights' e4m3 (128, 128)-block copies,
+  // local_tokens (one rank) the packed FP8 token rows (fp8_blockwise::packed_row_bytes), and the
+  // tokens regions hold them at several ranks; x_ring is not used
+  bool fp8 = false;
+  const float* w_gate_up_scales = nullptr;  // [E_l, 2I / 128, H / 128]
+  const float* w_down_scales = nullptr;     // [E_l, H / 128, I / 128]
+  void* x8_ring = nullptr;                  // [ring_rows, H] e4m3: the pulled rows
+  float* x_scales = nullptr;                // [H / 128, shape.fp8_scale_stride()]
+  void* act8_ring = nullptr;                // [ring_rows, I] e4m3: act for L2
+  float* act_scales = nullptr;              // [I / 128, shape.fp8_scale_stride()]
+
   // ---- the plan (device; the plan kernels write it before the launch)
   const int64_t* row_src = nullptr;       // [R * ring_rows]: s * T_max + t, -1 (zero row)
   const int64_t* row_dst = nullptr;       // [R * ring_rows]: (s * T_max + t) * K + k, -1 (none)
@@ -72,14 +84,14 @@ struct MegaArgs {
   int64_t* trace_tasks = nullptr;         // [R, shape.max_tasks(), kTraceTaskWords]
 };
 
-// Dynamic shared memory and threads of one megakernel CTA.
+// Dynamic shared memory and threads of one megakernel CTA (the FP8 forward's, or the others').
 int megakernel_threads();
-size_t megakernel_smem_bytes();
+size_t megakernel_smem_bytes(bool fp8 = false);
 
 // CTAs of a pass's megakernel in clusters of `cluster` the device holds at once: SMs x CTAs per
 // SM for 1, the clusters it holds x 2 for 2 (a cluster's CTAs sit on the SMs of one GPC, so this
 // may be fewer); 0 where it cannot run.
-int megakernel_resident_ctas(bool backward, int cluster);
+int megakernel_resident_ctas(bool backward, int cluster, bool fp8 = false);
 
 // Enqueue the megakernel args.backward names, in clusters of args.cluster_ctas (all have one
 // shared-memory size and thread count). Checks the arguments and that every CTA can be resident

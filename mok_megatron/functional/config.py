@@ -79,7 +79,7 @@ KNOB_USERS = {
     "megakernel_cluster": ("cuda/megakernel",),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
-    "expert_precision": ("reference", "cuda/stage1"),  # the megakernel refuses fp8_blockwise
+    "expert_precision": ("reference", "cuda/stage1", "cuda/megakernel"),
     "fp8_backward": ("reference", "cuda/stage1"),
     "wait_timeout_ms": ("reference", "cuda/stage1", "cuda/megakernel"),
 }
@@ -149,8 +149,8 @@ class MoKConfig:
         "Megatron's --fp8-recipe blockwise: E4M3 with (1, 128) activation and (128, 128) weight "
         "blocks, float32 scales; weights quantised once per weight update). The backward is "
         "BF16 unless fp8_backward says otherwise (docs/FP8.md). fp8_blockwise runs on the "
-        "reference backend and the CUDA backend's stage 1 (the megakernel has no FP8 mainloop "
-        "yet).",
+        "reference backend, the CUDA backend's stage 1, and its FP8 megakernel forward with "
+        "cuda_forward='megakernel' ('auto' runs stage 1 for FP8).",
     )
     fp8_backward: str = _knob(
         "bf16",
@@ -259,11 +259,21 @@ class MoKConfig:
                 f"expert_precision='fp8_blockwise' (it is {self.expert_precision!r}): the FP8 "
                 "backward reads the FP8 forward's weight copies; set both, or fp8_backward='bf16'"
             )
-        if self.expert_precision != "bf16" and self.cuda_forward == "megakernel":
+        if self.expert_precision != "bf16" and self.cuda_backward == "megakernel":
+            raise ValueError(
+                f"MoKConfig.cuda_backward='megakernel' with expert_precision="
+                f"{self.expert_precision!r}: FP8 experts' backward is stage 1's (its router-weight "
+                "gradient reads the FP8 forward's output rows); set cuda_backward='auto' or 'stage1'"
+            )
+        if (
+            self.expert_precision != "bf16"
+            and self.cuda_forward != "stage1"
+            and self.megakernel_cluster != 1
+        ):
             raise ValueError(
                 f"MoKConfig.expert_precision={self.expert_precision!r} with "
-                "cuda_forward='megakernel': the megakernel has no FP8 mainloop yet; use "
-                "cuda_forward='stage1' (or 'auto', which runs stage 1 for FP8)"
+                f"megakernel_cluster={self.megakernel_cluster}: the FP8 megakernel runs without "
+                "clusters; set megakernel_cluster=1 (or cuda_forward='stage1')"
             )
         if not 1 <= self.wait_timeout_ms < 2**31:
             raise ValueError(

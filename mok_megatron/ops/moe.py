@@ -350,7 +350,8 @@ def moe_mega_plan(topk, router_weights, comm, num_experts, row_capacity, token_c
 def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm, *,
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                      num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
-                     trace=False, cluster=1, stall_l2_cta=-1):  # fmt: skip
+                     trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
+                     w_down_scales=None):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging (none at one rank: the megakernel reads x in place), the megakernel, the
     slot-ordered sum at the source. Collective.
@@ -369,12 +370,18 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     [0]. ``cluster``: CTAs per cluster of the megakernel (1 or 2,
     ``MoKConfig.megakernel_cluster``); its grid is ``num_sms`` (0: every SM) rounded down to
     whole clusters.
+
+    FP8 experts (the FP8 megakernel): ``w_gate_up`` / ``w_down`` are the weights' (128, 128)-block
+    e4m3 copies and ``w_gate_up_scales`` [E_l, 2I / 128, H / 128] / ``w_down_scales``
+    [E_l, H / 128, I / 128] their scales (``functional.fp8_weights.fp8_weight``); x is quantised
+    in (1, 128) blocks in the op and the pass computes stage 1's FP8 forward; ``x_ring`` is then
+    [0, H] (the ring holds FP8 rows).
     """
     given = [plan[name] for name in mega_plan_fields()] if plan is not None else []
     values = torch.ops.mok.moe_mega_forward(
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
-        keep_y, stall_minibatch, trace, cluster, stall_l2_cta,
+        keep_y, stall_minibatch, trace, cluster, stall_l2_cta, w_gate_up_scales, w_down_scales,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -438,14 +445,16 @@ def _mega_grid(like, num_sms: int, cluster: int) -> int:
 def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, plan, comm,
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                        num_comm_sms, num_sms, save, keep_y, stall_minibatch,
-                       trace=False, cluster=1, stall_l2_cta=-1):  # fmt: skip
+                       trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
+                       w_down_scales=None):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring, one = shape.ring_rows, shape.num_rounds == 1
     plan = list(plan) or _mega_plan_fake(topk, router_weights, comm, num_experts, row_capacity,
                                          token_capacity, inter, minibatch, macrobatch)  # fmt: skip
     out = [
-        x.new_empty(x.shape), x.new_empty(ring, hidden), x.new_empty(ring, inter),
+        x.new_empty(x.shape), x.new_empty(0 if w_gate_up_scales is not None else ring, hidden),
+        x.new_empty(ring, inter),
         x.new_empty(ring if save and one else 0, 2 * inter),
         x.new_empty(ring if save and one and keep_y else 0, hidden),
         x.new_empty(token_capacity if save and not one else 0, hidden),

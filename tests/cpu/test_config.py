@@ -47,8 +47,20 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"expert_precision": "fp8"}, ["expert_precision='fp8'", "'fp8_blockwise'", "'bf16'"]),
         ({"fp8_backward": "dgrad"}, ["fp8_backward='dgrad'", "expert_precision='fp8_blockwise'"]),
         (
-            {"expert_precision": "fp8_blockwise", "cuda_forward": "megakernel"},
-            ["no FP8 mainloop", "cuda_forward='stage1'"],
+            {
+                "expert_precision": "fp8_blockwise",
+                "cuda_forward": "megakernel",
+                "cuda_backward": "megakernel",
+            },  # fmt: skip
+            ["cuda_backward='megakernel'", "stage 1", "cuda_backward='auto'"],
+        ),
+        (
+            {
+                "expert_precision": "fp8_blockwise",
+                "cuda_forward": "megakernel",
+                "megakernel_cluster": 2,
+            },  # fmt: skip
+            ["megakernel_cluster=2", "FP8 megakernel", "megakernel_cluster=1"],
         ),
         ({"expert_gemm": ""}, ["expert_gemm=''"]),
         ({"expert_gemm": 2}, ["expert_gemm=2"]),

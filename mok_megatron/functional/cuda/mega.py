@@ -59,10 +59,10 @@ def unavailable_here() -> str | None:
 def wanted(config, device: torch.device | None) -> bool:
     """Whether a workspace of ``config`` on ``device`` is laid out for the megakernel:
     cuda_forward='megakernel' (which raises at allocation where it cannot run), or 'auto' where
-    it can run, for BF16 experts."""
+    it can run, for BF16 experts (FP8 experts run the FP8 megakernel when asked for by name)."""
     if config.cuda_forward == "megakernel":
         return True
-    if config.expert_precision != "bf16":  # no FP8 mainloop in the megakernel yet: stage 1
+    if config.expert_precision != "bf16":  # 'auto': stage 1 for FP8
         return False
     return config.cuda_forward == "auto" and not unsupported_reasons(device)
 
@@ -129,19 +129,29 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         sched.weights_source = (router_weights, router_weights._version)
     shared_out, shared_gu, shared_a = stage1.shared_forward(x, shared)
     c = ws.config
-    # y: only for stage 1's backward where it reads y; the backward megakernel never does
-    keep_y = Experts(routed, c.expert_gemm, x.device).backward_reads_y and not (
-        c.cuda_backward != "stage1" and ws.buffers.mega.num_rounds == 1
-    )
+    fp8 = c.expert_precision == "fp8_blockwise"
+    # y: only for stage 1's backward where it reads y (FP8's always: backward_unavailable); the
+    # backward megakernel never does
+    keep_y = Experts(routed, c.expert_gemm, x.device, precision=c.expert_precision).backward_reads_y
+    keep_y = keep_y and (fp8 or c.cuda_backward == "stage1" or ws.buffers.mega.num_rounds > 1)
+    w_gate_up, w_down, scales = routed.gate_up, routed.down, {}
+    if fp8:  # the FP8 megakernel, on the weights' FP8 copies
+        from ..fp8_weights import fp8_weight
+        from .fp8 import check_fp8_experts
+
+        check_fp8_experts(routed, x.device)
+        gu, dn = fp8_weight(routed.gate_up), fp8_weight(routed.down)
+        w_gate_up, w_down = gu.data, dn.data
+        scales = {"w_gate_up_scales": gu.scales, "w_down_scales": dn.scales}
     outs, plan = mops.moe_mega_forward(
-        x, topk, weights, routed.gate_up, routed.down, shared_out,
+        x, topk, weights, w_gate_up, w_down, shared_out,
         None if sched.is_pending() else sched.device_plan, ws.buffers.comm,
         num_experts=ws.num_experts, row_capacity=ws.row_capacity,
         token_capacity=ws.token_capacity, minibatch=c.minibatch_size,
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
         num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
         stall_minibatch=ws.buffers.stall_minibatch, stall_l2_cta=ws.buffers.stall_l2_cta,
-        trace=ws.buffers.trace, cluster=c.megakernel_cluster,
+        trace=ws.buffers.trace, cluster=c.megakernel_cluster, **scales,
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_trace = (outs["trace_ctas"], outs["trace_tasks"])
@@ -178,6 +188,9 @@ def backward_unavailable(ws, ctx: stage1.CudaContext, routed) -> str | None:
         return "the forward did not keep its activation rings"
     if not can_run(routed) or routed.gate_up.dtype != torch.bfloat16:
         return "the backward megakernel takes the bf16 fused gate/up weights of MoKExperts"
+    if ws.config.expert_precision == "fp8_blockwise":
+        return ("FP8 experts: their backward is stage 1's (the router-weight gradient reads the "
+                "FP8 forward's y, the backward megakernel recomputes it from act in BF16)")  # fmt: skip
     return None
 
 

@@ -29,25 +29,28 @@ constexpr bool one_smem_size() {
 static_assert(one_smem_size<1>() && one_smem_size<layout::kMaxClusterCtas>(),
               "one shared-memory size (and occupancy check) serves both megakernels, in every "
               "cluster size");
+// The FP8 forward's: its own stages (roles/megakernel_fp8.cuh).
+constexpr size_t kMegaFp8SmemBytes = sizeof(roles::MegaComputeStorage<false, 1, true>) + kMegaSmemAlign;
 
 // Passed by value (__grid_constant__): the TMA descriptors stay in parameter space.
-template <bool kBackward, int kCluster>
+template <bool kBackward, int kCluster, bool kFp8 = false>
 struct MegaKernelParams {
   roles::MegaParams p;
-  gemm::MegaGemmParamsOf<gemm::MegaMainloopOf<kBackward, kCluster>> gemm;
+  roles::MegaParamsKind<kBackward, kCluster, kFp8> gemm;
 };
 static_assert(sizeof(MegaKernelParams<false, 1>) <= 4096 &&
+                  sizeof(MegaKernelParams<false, 1, true>) <= 4096 &&
                   sizeof(MegaKernelParams<true, 1>) <= 4096 &&
                   sizeof(MegaKernelParams<false, layout::kMaxClusterCtas>) <= 4096 &&
                   sizeof(MegaKernelParams<true, layout::kMaxClusterCtas>) <= 4096,
               "kernel parameters must fit the classic 4 KB");
 
 // The dynamic shared memory base, rounded up to kMegaSmemAlign (kMegaSmemBytes has the slack).
-template <bool kBackward, int kCluster>
-MOK_DEVICE roles::MegaComputeStorage<kBackward, kCluster>& compute_storage(char* smem) {
+template <bool kBackward, int kCluster, bool kFp8 = false>
+MOK_DEVICE roles::MegaComputeStorage<kBackward, kCluster, kFp8>& compute_storage(char* smem) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t pad = (kMegaSmemAlign - addr % kMegaSmemAlign) % kMegaSmemAlign;
-  return *reinterpret_cast<roles::MegaComputeStorage<kBackward, kCluster>*>(smem + pad);
+  return *reinterpret_cast<roles::MegaComputeStorage<kBackward, kCluster, kFp8>*>(smem + pad);
 }
 
 // kCluster: CTAs per cluster, 1 or 2 (launched with that cluster dimension; roles/
@@ -60,6 +63,16 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem[];
   roles::cta_role<false, kCluster>(params.p, params.gemm, compute_storage<false, kCluster>(smem));
+#endif
+}
+
+// The FP8 forward (MoKConfig.expert_precision="fp8_blockwise"): the same roles over FP8 rows and
+// weights, no clusters (roles/megakernel_fp8.cuh).
+__global__ void __launch_bounds__(kMegaThreads, 1)
+    moe_forward_megakernel_fp8(const __grid_constant__ MegaKernelParams<false, 1, true> params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem[];
+  roles::cta_role<false, 1, true>(params.p, params.gemm, compute_storage<false, 1, true>(smem));
 #endif
 }
 

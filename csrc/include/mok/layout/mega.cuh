@@ -76,6 +76,9 @@ struct MegaShape {
     return ceil_div(ceil_div(padded_rows(), rounds), kGroupAlign) * kGroupAlign;
   }
   MOK_HOST_DEVICE int64_t num_minibatches() const { return ceil_div(ring_rows(), minibatch_rows); }
+  // The FP8 forward's M-major scale regions ([K / 128, fp8_scale_stride()] float32): row
+  // stride rounded up to 4 floats (TMA strides are multiples of 16 bytes).
+  MOK_HOST_DEVICE int64_t fp8_scale_stride() const { return ceil_div(ring_rows(), 4) * 4; }
   MOK_HOST_DEVICE int64_t max_tiles() const {
     return ceil_div(ring_rows(), kBlockM) + num_local_experts;
   }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "mok/common/fp8_blockwise.cuh"
 #include "mok/common/macros.cuh"
 #include "mok/common/ptx.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
@@ -21,20 +22,20 @@ constexpr int kPullUnroll = 8;   // 16-byte loads in flight per lane
 // pull share and the L1 tasks' stalls grew on qwen3-30b-a3b and deepseek-v3; docs/perf_notes.md):
 // one row per warp stays until a profile says what bounds a comm SM's copy.
 
-// One warp: ring row x_ring[ring_row] = token t of rank s for src = s * T_max + t, or zeros for
-// src < 0. NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
-MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lane) {
-  const int vecs = p.hidden / 8;
-  uint4* dst = reinterpret_cast<uint4*>(p.x_ring) + static_cast<int64_t>(ring_row) * vecs;
-  const uint4* row = nullptr;
-  if (src >= 0) {
-    const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
-    const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
-    const uint8_t* tokens = p.local_tokens != nullptr
-                                ? p.local_tokens  // one rank: the rows in place
-                                : reinterpret_cast<const uint8_t*>(p.peer_bases[s] + p.tokens_offset);
-    row = reinterpret_cast<const uint4*>(tokens) + static_cast<int64_t>(t) * vecs;  // peer's or x
-  }
+// The token row of src = s * T_max + t (rank s's token t, `row_bytes` a row), or null for src < 0:
+// in the peer's tokens region, or at one rank in the token rows themselves.
+MOK_DEVICE const uint8_t* token_row(const MegaParams& p, int64_t src, int row_bytes) {
+  if (src < 0) return nullptr;
+  const uint32_t s = static_cast<uint32_t>(src) / static_cast<uint32_t>(p.max_tokens);
+  const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
+  const uint8_t* tokens = p.local_tokens != nullptr
+                              ? p.local_tokens  // one rank: the rows in place
+                              : reinterpret_cast<const uint8_t*>(p.peer_bases[s] + p.tokens_offset);
+  return tokens + static_cast<int64_t>(t) * row_bytes;  // peer's or x
+}
+
+// One warp: dst[0, vecs) = row[0, vecs) (16-byte vectors), or zeros where row is null.
+MOK_DEVICE void copy_row(uint4* dst, const uint4* row, int vecs, int lane) {
   for (int base = 0; base < vecs; base += 32 * kPullUnroll) {
     uint4 v[kPullUnroll];
 #pragma unroll
@@ -53,14 +54,44 @@ MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lan
   }
 }
 
+// One warp: ring row x_ring[ring_row] = token t of rank s for src = s * T_max + t, or zeros for
+// src < 0. NOTE: hidden % 8 == 0, so a row is whole 16-byte vectors.
+MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lane) {
+  const int vecs = p.hidden / 8;
+  uint4* dst = reinterpret_cast<uint4*>(p.x_ring) + static_cast<int64_t>(ring_row) * vecs;
+  copy_row(dst, reinterpret_cast<const uint4*>(token_row(p, src, p.hidden * 2)), vecs, lane);
+}
+
+// The FP8 forward's (roles/megakernel_fp8.cuh): the token's packed FP8 row (stage 1's: hidden
+// e4m3 bytes, then hidden / 128 float32 scales) split into x8_ring[ring_row] and the row's
+// column of the M-major scale region; src < 0: zeros and scale 1 (an all-zero row's
+// quantisation, as stage 1's row gather gives). NOTE: hidden % 128 == 0 (the host checks).
+MOK_DEVICE void pull_row_fp8(const MegaParams& p, int64_t src, int ring_row, int lane) {
+  const int vecs = p.hidden / 16;
+  const uint8_t* row = token_row(p, src, p.token_row_bytes);
+  copy_row(reinterpret_cast<uint4*>(p.x8_ring + static_cast<int64_t>(ring_row) * p.hidden),
+           reinterpret_cast<const uint4*>(row), vecs, lane);
+  const float* scales = reinterpret_cast<const float*>(row + p.hidden);
+  for (int kb = lane; kb < p.hidden / fp8_blockwise::kBlock; kb += 32) {
+    // NOTE: read-only during the launch, as the data (copy_row)
+    p.x_scales[static_cast<int64_t>(kb) * p.scale_stride + ring_row] =
+        row != nullptr ? __ldg(scales + kb) : 1.0f;
+  }
+}
+
 // The pulling warps (warp index `warp` of kPullWarps): ring rows [row_begin, row_end) of round
 // `round`, one warp per row.
+template <bool kFp8>
 MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end,
                                int warp) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
   for (int row = row_begin + warp; row < row_end; row += kPullWarps) {
-    pull_row(p, row_src[row], row, lane);
+    if constexpr (kFp8) {
+      pull_row_fp8(p, row_src[row], row, lane);
+    } else {
+      pull_row(p, row_src[row], row, lane);
+    }
   }
 }
 
@@ -74,13 +105,13 @@ MOK_DEVICE int rows_used(const MegaParams& p, int round) {
 // every minibatch of round `round` this comm CTA owns (mb % num_comm_ctas == comm_idx), in
 // increasing mb; each pulled, then released with arrive[mb] = gen. `sync` is a barrier over
 // exactly those threads.
-template <class Sync>
+template <bool kFp8, class Sync>
 MOK_DEVICE void comm_round(const MegaParams& p, int comm_idx, int round, int32_t gen, int warp,
                            Sync sync) {
   const int used = rows_used(p, round);
   for (int mb = comm_idx; mb * p.minibatch_rows < used; mb += p.num_comm_ctas) {
     const int row_begin = mb * p.minibatch_rows;
-    pull_minibatch(p, round, row_begin, min(row_begin + p.minibatch_rows, used), warp);
+    pull_minibatch<kFp8>(p, round, row_begin, min(row_begin + p.minibatch_rows, used), warp);
     // NOTE: the rows are read by TMA (the async proxy): each writer fences its own generic
     // stores against it before the barrier; the reader fences again after its acquire.
     ptx::fence_proxy_async_global();

@@ -13,6 +13,8 @@
 // kCluster: CTAs per cluster (1 or 2). In a cluster of 2, a ticket is a cluster task: the two
 // CTAs run n-tiles 2 n and 2 n + 1 of one m-tile and share its A tile (TMA multicast); the first
 // takes the tickets, the second receives them (roles/megakernel_cluster.cuh).
+// kFp8: the FP8 forward (one CTA per cluster): the same roles over blockwise-FP8 operands, each
+// task's n-tile as two FP8 tiles (roles/megakernel_fp8.cuh).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +23,7 @@
 #include "mok/common/ptx.cuh"
 #include "mok/roles/megakernel_cluster.cuh"
 #include "mok/roles/megakernel_comm.cuh"
+#include "mok/roles/megakernel_fp8.cuh"
 #include "mok/roles/megakernel_gemm.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
 
@@ -30,8 +33,28 @@ using gemm::MegaAccumulators;
 using gemm::MegaLaunchCluster;
 using gemm::MegaGemmParamsOf;
 using gemm::MegaMainloopOf;
-using gemm::MegaPipeline;
-using gemm::MegaPipelineState;
+
+// A megakernel's GEMM types: BF16 (either pass, clusters of 1 or 2) or the FP8 forward.
+template <bool kBackward, int kCluster, bool kFp8>
+struct MegaGemmKind {
+  using Mainloop = MegaMainloopOf<kBackward, kCluster>;
+  using Params = MegaGemmParamsOf<Mainloop>;
+  struct Scratch {};
+};
+template <>
+struct MegaGemmKind<false, 1, true> {
+  using Mainloop = gemm::MegaFp8Mainloop;
+  using Params = gemm::MegaFp8GemmParams;
+  using Scratch = gemm::MegaFp8Scratch;
+};
+template <bool kBackward, int kCluster, bool kFp8>
+using MegaMainloopKind = typename MegaGemmKind<kBackward, kCluster, kFp8>::Mainloop;
+template <bool kBackward, int kCluster, bool kFp8>
+using MegaParamsKind = typename MegaGemmKind<kBackward, kCluster, kFp8>::Params;
+template <bool kBackward, int kCluster, bool kFp8>
+using MegaPipelineKind = typename MegaMainloopKind<kBackward, kCluster, kFp8>::MainloopPipeline;
+template <bool kBackward, int kCluster, bool kFp8>
+using MegaStateKind = typename MegaMainloopKind<kBackward, kCluster, kFp8>::PipelineState;
 
 constexpr int kMegaProducerRegs = 40;   // setmaxnreg of the producer warpgroup
 constexpr int kMegaConsumerRegs = 232;  // and of the consumer warpgroups (as CUTLASS's kernel)
@@ -50,9 +73,9 @@ enum class MegaBarrier : int {
 using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
 using MegaTicketState = typename MegaTicketQueue::PipelineState;
 
-template <bool kBackward, int kCluster = 1>
+template <bool kBackward, int kCluster = 1, bool kFp8 = false>
 struct MegaComputeStorage {
-  using Mainloop = MegaMainloopOf<kBackward, kCluster>;
+  using Mainloop = MegaMainloopKind<kBackward, kCluster, kFp8>;
   // NOTE: 128-byte-swizzled TMA / wgmma tiles want 1024-byte alignment; the kernel aligns the
   // dynamic shared memory base to it. The ticket queue and the mailbox fit the mainloop's
   // carveout.
@@ -61,6 +84,7 @@ struct MegaComputeStorage {
   alignas(16) typename MegaTicketQueue::SharedStorage ticket_barriers;
   int32_t tickets[kMegaTicketDepth];
   MegaMailbox mailbox;  // clusters of 2 only
+  typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;  // the producer warp's (FP8)
 };
 
 // One round as this CTA sees it.
@@ -91,16 +115,21 @@ MOK_DEVICE int trace_slot(int ticket) {
 
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
 // `task` is this CTA's (cta_task); `slot` its trace record.
-template <bool kBackward, int kCluster>
+template <bool kBackward, int kCluster, bool kFp8>
 CUTLASS_DEVICE void produce_task(const MegaParams& p,
-                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
-                                 MegaPipeline& pipeline, MegaPipelineState& state,
-                                 typename MegaMainloopOf<kBackward, kCluster>::TensorStorage& smem,
+                                 const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                 MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                 MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                 MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
                                  const MegaRound& rd, int slot, const MegaTask& task) {
-  using Mainloop = MegaMainloopOf<kBackward, kCluster>;
+  using Mainloop = MegaMainloopKind<kBackward, kCluster, kFp8>;
+  auto& smem = storage.tensors;
   const MegaTile tile = p.tile(rd.round, task.tile);
   const bool leader = threadIdx.x % 32 == 0;  // NOTE: thread 0 is the pipeline's is_leader
   if (leader) trace_task(p, rd.round, slot, layout::kTraceTake);
+  if constexpr (kFp8) {  // the weight scales do not wait for the task's inputs
+    gemm::stage_weight_scales(task.l2 ? gp.l2 : gp.l1, tile.expert, task.n, storage.scratch);
+  }
   if (!task.l2) {
     // The rows [row_begin, row_end) landed: every minibatch covering them was released.
     const int mb_first = tile.row_begin / p.minibatch_rows;
@@ -112,7 +141,13 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
                               p.l1_n,         p.hidden, p.l1_ktiles,
                               p.num_local_experts, rd.round};
-    if (leader) gemm::load_task<Mainloop>(p, gp.l1, pipeline, state, smem, load);
+    if (leader) {
+      if constexpr (kFp8) {
+        gemm::load_task_fp8(p, gp.l1, pipeline, state, smem, load, storage.scratch);
+      } else {
+        gemm::load_task<Mainloop>(p, gp.l1, pipeline, state, smem, load);
+      }
+    }
     state.advance(p.l1_ktiles);
   } else {
     // The m-tile's act rows are stored: all n1 L1 tasks of the m-tile released l1_done.
@@ -122,7 +157,13 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
                               p.hidden,       p.l2_k,   p.l2_ktiles,
                               p.num_local_experts, rd.round};
-    if (leader) gemm::load_task<Mainloop>(p, gp.l2, pipeline, state, smem, load);
+    if (leader) {
+      if constexpr (kFp8) {
+        gemm::load_task_fp8(p, gp.l2, pipeline, state, smem, load, storage.scratch);
+      } else {
+        gemm::load_task<Mainloop>(p, gp.l2, pipeline, state, smem, load);
+      }
+    }
     state.advance(p.l2_ktiles);
   }
   __syncwarp();
@@ -152,11 +193,12 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
 // `task` is this CTA's (cta_task); `slot` its trace record. In a cluster, a task past the GEMM's
 // n-tiles (its n-tile count odd) only keeps the cluster in step: both warpgroups take its stages
 // (loaded: A for the other CTA, B zero-filled) as an idle warpgroup does, and store nothing.
-template <bool kBackward, int kCluster>
+template <bool kBackward, int kCluster, bool kFp8>
 CUTLASS_DEVICE void consume_task(const MegaParams& p,
-                                 const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
-                                 MegaPipeline& pipeline, MegaPipelineState& state,
-                                 typename MegaMainloopOf<kBackward, kCluster>::TensorStorage& smem,
+                                 const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                 MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                 MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                 typename MegaMainloopKind<kBackward, kCluster, kFp8>::TensorStorage& smem,
                                  const MegaRound& rd, int slot, const MegaTask& task,
                                  int mma_thread_idx) {
   const MegaTile tile = p.tile(rd.round, task.tile);
@@ -182,27 +224,34 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
     if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx);
     return;
   }
-  // An L2 task's row destinations, loaded before the mainloop hides their latency (the epilogue
-  // would otherwise wait on two dependent global loads per row half).
-  const gemm::L2RowDsts dsts = task.l2 ? gemm::l2_row_dsts(p, mma_thread_idx, rd.round,
-                                                         tile.row_begin, rows)
-                                       : gemm::L2RowDsts{};
-  MegaAccumulators acc;
-  // NOTE: the collective's mma() reads no Params field (the data comes through shared memory),
-  // so one call serves both GEMMs; only the k-tile count differs.
-  gemm::mma_task<MegaMainloopOf<kBackward, kCluster>>(gp.l1, pipeline, state, smem, acc, k_tiles,
-                                                       mma_thread_idx);
-  if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
-  if (!task.l2) {
-    if constexpr (kBackward) {
-      gemm::dswiglu_epilogue(p, acc, mma_thread_idx, rd.round, tile.row_begin, rows, task.n);
-    } else {
-      gemm::l1_epilogue(p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
-    }
-    release_l1_done(p, rd, task, mma_thread_idx);
+  if constexpr (kFp8) {
+    gemm::fp8_task(p, gp, pipeline, state, smem, task.l2, rd.round, tile.row_begin, rows, task.n,
+                   k_tiles, mma_thread_idx, [&] {
+                     if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
+                   });
   } else {
-    gemm::l2_epilogue(p, acc, dsts, task.n);
+    // An L2 task's row destinations, loaded before the mainloop hides their latency (the
+    // epilogue would otherwise wait on two dependent global loads per row half).
+    const gemm::L2RowDsts dsts = task.l2 ? gemm::l2_row_dsts(p, mma_thread_idx, rd.round,
+                                                           tile.row_begin, rows)
+                                         : gemm::L2RowDsts{};
+    MegaAccumulators acc;
+    // NOTE: the collective's mma() reads no Params field (the data comes through shared
+    // memory), so one call serves both GEMMs; only the k-tile count differs.
+    gemm::mma_task<MegaMainloopOf<kBackward, kCluster>>(gp.l1, pipeline, state, smem, acc,
+                                                         k_tiles, mma_thread_idx);
+    if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
+    if (!task.l2) {
+      if constexpr (kBackward) {
+        gemm::dswiglu_epilogue(p, acc, mma_thread_idx, rd.round, tile.row_begin, rows, task.n);
+      } else {
+        gemm::l1_epilogue(p, acc, mma_thread_idx, tile.row_begin, rows, task.n);
+      }
+    } else {
+      gemm::l2_epilogue(p, acc, dsts, task.n * layout::kBlockN);
+    }
   }
+  if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx);
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
 }
 
@@ -216,12 +265,14 @@ MOK_DEVICE int comm_index(const MegaParams& p) {
 // rows are pulled) and passes each ticket on, the round's first ticket past its tasks last;
 // warps 1-3 only meet the round barriers. In a cluster the first CTA takes the tickets and posts
 // them to the second (cluster_ticket).
-template <bool kBackward, int kCluster>
+template <bool kBackward, int kCluster, bool kFp8>
 CUTLASS_DEVICE void producer_role(const MegaParams& p,
-                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
-                                  MegaPipeline& pipeline, MegaTicketQueue& queue,
-                                  MegaComputeStorage<kBackward, kCluster>& storage) {
-  MegaPipelineState state = cutlass::make_producer_start_state<MegaPipeline>();
+                                  const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                  MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                  MegaTicketQueue& queue,
+                                  MegaComputeStorage<kBackward, kCluster, kFp8>& storage) {
+  using Pipeline = MegaPipelineKind<kBackward, kCluster, kFp8>;
+  MegaStateKind<kBackward, kCluster, kFp8> state = cutlass::make_producer_start_state<Pipeline>();
   MegaTicketState queue_state = cutlass::make_producer_start_state<MegaTicketQueue>();
   const bool loader = threadIdx.x / 32 == 0;
   const bool leader = threadIdx.x % 32 == 0;
@@ -247,8 +298,8 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
         if (t >= rd.order.num_tasks()) break;
         const MegaTask task = rd.order.decode(t);
         if (!rd.order.skipped(task)) {
-          produce_task<kBackward, kCluster>(p, gp, pipeline, state, storage.tensors, rd,
-                                            trace_slot<kCluster>(t), cta_task<kCluster>(task));
+          produce_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd,
+                                                  trace_slot<kCluster>(t), cta_task<kCluster>(task));
         }
       }
     }
@@ -258,7 +309,7 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
   // stages then trap here, named, rather than leave the launch hanging (as CUTLASS's load_tail,
   // which waits without a bound).
   if (loader && leader) {
-    for (uint32_t s = 0; s < MegaPipeline::Stages; ++s, ++state) {
+    for (uint32_t s = 0; s < Pipeline::Stages; ++s, ++state) {
       gemm::acquire_slot(p, pipeline, state, p.num_rounds - 1);
     }
   }
@@ -267,12 +318,13 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
 
 // The consumer warpgroups, every round: a comm CTA's pulls first, then the producer's tickets up
 // to the one past the round's tasks, then the round barrier.
-template <bool kBackward, int kCluster>
+template <bool kBackward, int kCluster, bool kFp8>
 CUTLASS_DEVICE void consumer_role(const MegaParams& p,
-                                  const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
-                                  MegaPipeline& pipeline, MegaTicketQueue& queue,
-                                  MegaComputeStorage<kBackward, kCluster>& storage) {
-  MegaPipelineState state;         // phase 0: waits for the producer's first fill
+                                  const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                  MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                  MegaTicketQueue& queue,
+                                  MegaComputeStorage<kBackward, kCluster, kFp8>& storage) {
+  MegaStateKind<kBackward, kCluster, kFp8> state;  // phase 0: waits for the producer's first fill
   MegaTicketState queue_state;     // likewise
   // As CUTLASS's cooperative kernel: consumer warpgroup 1 is the tile's second 64 rows.
   const int mma_thread_idx = static_cast<int>(threadIdx.x) % kMegaConsumerThreads;
@@ -284,7 +336,7 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
         ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kConsumers), kMegaConsumerThreads);
       };
       const int64_t began = mma_thread_idx == 0 && p.trace_ctas != nullptr ? trace_now() : 0;
-      comm_round(p, comm_idx, round, rd.gen, mma_thread_idx / 32, sync);
+      comm_round<kFp8>(p, comm_idx, round, rd.gen, mma_thread_idx / 32, sync);
       if (mma_thread_idx == 0) trace_cta_add(p, layout::kTracePullNs, trace_now() - began);
       ptx::named_barrier_arrive(static_cast<int>(MegaBarrier::kPulled),
                                 32 + kMegaConsumerThreads);
@@ -298,9 +350,9 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
       const MegaTask task = rd.order.decode(t);
       if (!rd.order.skipped(task)) {
         if (task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
-        consume_task<kBackward, kCluster>(p, gp, pipeline, state, storage.tensors, rd,
-                                          trace_slot<kCluster>(t), cta_task<kCluster>(task),
-                                          mma_thread_idx);
+        consume_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage.tensors, rd,
+                                                trace_slot<kCluster>(t), cta_task<kCluster>(task),
+                                                mma_thread_idx);
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
@@ -319,26 +371,32 @@ MOK_DEVICE Category pipeline_role(int warp_group) {
 
 // A CTA's whole launch: the pipelines, then the warpgroup roles with their register budgets
 // (setmaxnreg, in one if/else as CUTLASS's kernel does).
-template <bool kBackward, int kCluster>
+template <bool kBackward, int kCluster, bool kFp8 = false>
 CUTLASS_DEVICE void cta_role(const MegaParams& p,
-                             const MegaGemmParamsOf<MegaMainloopOf<kBackward, kCluster>>& gp,
-                             MegaComputeStorage<kBackward, kCluster>& storage) {
-  using Mainloop = MegaMainloopOf<kBackward, kCluster>;
+                             const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                             MegaComputeStorage<kBackward, kCluster, kFp8>& storage) {
+  using Mainloop = MegaMainloopKind<kBackward, kCluster, kFp8>;
+  using Pipeline = MegaPipelineKind<kBackward, kCluster, kFp8>;
   const int warp_group = static_cast<int>(threadIdx.x) / 128;
-  typename MegaPipeline::Params pipe;
-  pipe.role = pipeline_role<typename MegaPipeline::ThreadCategory>(warp_group);
+  typename Pipeline::Params pipe;
+  pipe.role = pipeline_role<typename Pipeline::ThreadCategory>(warp_group);
   pipe.is_leader = threadIdx.x % 128 == 0;
   pipe.num_consumers = kMegaConsumerThreads;
   pipe.num_producers = 1;
   // NOTE: both GEMMs move full 128x64 + 256x64 bf16 boxes per stage (TMA counts zero-filled
-  // bytes too), so one transaction size serves L1 and L2.
-  pipe.transaction_bytes = gp.l1.tma_transaction_bytes;
+  // bytes too), so one transaction size serves L1 and L2; FP8: 128x128 + 128x128 e4m3 boxes and
+  // A's 128 scales.
+  if constexpr (kFp8) {
+    pipe.transaction_bytes = gp.l1.ml.tma_transaction_bytes + gemm::kMegaFp8SfaBytes;
+  } else {
+    pipe.transaction_bytes = gp.l1.tma_transaction_bytes;
+  }
   // NOTE: in a cluster, every consumer release must also reach the other CTA's empty barrier
   // (its producer multicasts A into this CTA's stages). The pipeline picks the CTAs it signals
   // by their cluster coordinates (block_id_in_cluster), so it takes the launch's geometry,
   // (kCluster, 1, 1), not the collective's (1, kCluster, 1): with the latter the second CTA's
   // barriers would get half their arrivals (the same count, 2 CTAs x 2 warpgroups, either way).
-  MegaPipeline pipeline(storage.pipeline, pipe, MegaLaunchCluster<kCluster>{});
+  Pipeline pipeline(storage.pipeline, pipe, MegaLaunchCluster<kCluster>{});
   typename MegaTicketQueue::Params qp;
   qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group);
   qp.producer_arv_count = 1;                     // the producer warp's lane 0
@@ -350,8 +408,12 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   qp.dst_blockid = static_cast<uint32_t>(cluster_rank<kCluster>());
   MegaTicketQueue queue(storage.ticket_barriers, qp, cute::true_type{});
   if (threadIdx.x == 0) {
-    Mainloop::prefetch_tma_descriptors(gp.l1);
-    Mainloop::prefetch_tma_descriptors(gp.l2);
+    if constexpr (kFp8) {
+      gemm::prefetch_tma_descriptors(gp);
+    } else {
+      Mainloop::prefetch_tma_descriptors(gp.l1);
+      Mainloop::prefetch_tma_descriptors(gp.l2);
+    }
   }
   if constexpr (kCluster > 1) {
     if (threadIdx.x == 0) init_mailbox(storage.mailbox);
@@ -365,10 +427,10 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   if (threadIdx.x == 0) trace_cta_set(p, layout::kTraceStart, trace_now());
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kMegaProducerRegs>();
-    producer_role<kBackward, kCluster>(p, gp, pipeline, queue, storage);
+    producer_role<kBackward, kCluster, kFp8>(p, gp, pipeline, queue, storage);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMegaConsumerRegs>();
-    consumer_role<kBackward, kCluster>(p, gp, pipeline, queue, storage);
+    consumer_role<kBackward, kCluster, kFp8>(p, gp, pipeline, queue, storage);
   }
   if constexpr (kCluster > 1) {
     // NOTE: no CTA leaves while the other may still signal its barriers (stage releases, the

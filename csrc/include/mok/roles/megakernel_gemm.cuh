@@ -112,9 +112,14 @@ struct MegaLoad {
 // state's count over the stages) and traps instead of hanging unnamed.
 // NOTE: the record names the CTA, not the task: nothing more stays live in the producer warp's
 // 40 registers across the k-tile loop.
-template <class Pipeline, class State>
+// `before_arm(stage)` runs once the slot is free, before the full barrier is armed (whose arrival
+// releases what it stored to the consumers: the FP8 mainloop's weight scale of the stage).
+struct NoArmHook {
+  CUTLASS_DEVICE void operator()(int) const {}
+};
+template <class Pipeline, class State, class BeforeArm = NoArmHook>
 CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
-                                 const State& state, int round) {
+                                 const State& state, int round, BeforeArm before_arm = {}) {
   const auto phase = roles::pass_phase(p, layout::MegaPhase::kProducerSlot);
   uint64_t start_ns = 0;
   while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
@@ -128,6 +133,7 @@ CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
                                  static_cast<int32_t>(state.count() / Pipeline::Stages));
     }
   }
+  before_arm(static_cast<int>(state.index()));
   pipeline.producer_acquire(state, {cutlass::BarrierStatus::WaitDone});
 }
 
@@ -190,10 +196,12 @@ static_assert(std::is_same_v<MegaAccumulators,
 
 // Consumers (both warpgroups, 256 threads): the collective's mainloop over one task's k-tiles,
 // then its tail (all wgmma done, every slot released); advances `state` past them.
-template <class Mainloop>
-CUTLASS_DEVICE void mma_task(typename Mainloop::Params const& mp, MegaPipeline& pipeline,
-                             MegaPipelineState& state, typename Mainloop::TensorStorage& smem,
-                             MegaAccumulators& acc, int k_tiles, int mma_thread_idx) {
+template <class Mainloop, class Accumulators>
+CUTLASS_DEVICE void mma_task(typename Mainloop::Params const& mp,
+                             typename Mainloop::MainloopPipeline& pipeline,
+                             typename Mainloop::PipelineState& state,
+                             typename Mainloop::TensorStorage& smem, Accumulators& acc,
+                             int k_tiles, int mma_thread_idx) {
   Mainloop mainloop;
   mainloop.mma(pipeline, state, acc, k_tiles, mma_thread_idx, smem, mp);
   mainloop.mma_tail(pipeline, state, k_tiles);
@@ -216,7 +224,8 @@ MOK_DEVICE bool consumer_rows_idle(int mma_thread_idx, int rows) {
 // other warpgroup has the SM's tensor cores to itself and the tile takes about half the time.
 // The other warpgroup's wgmma sequence is unchanged: its rows are bitwise a full tile's.
 // Advances `state` past the task's k-tiles, as mma_task does.
-CUTLASS_DEVICE void idle_task(MegaPipeline& pipeline, MegaPipelineState& state, int k_tiles) {
+template <class Pipeline, class State>
+CUTLASS_DEVICE void idle_task(Pipeline& pipeline, State& state, int k_tiles) {
   CUTLASS_PRAGMA_NO_UNROLL
   for (int k = 0; k < k_tiles; ++k) {
     pipeline.consumer_wait(state, pipeline.consumer_try_wait(state));
@@ -225,11 +234,13 @@ CUTLASS_DEVICE void idle_task(MegaPipeline& pipeline, MegaPipelineState& state, 
   }
 }
 
-// Tile-local (row, col) of each accumulator element of this consumer thread.
+// Tile-local (row, col) of each accumulator element of this consumer thread (of the BF16 tile, or
+// of another mainloop's TiledMma and tile).
+template <class TiledMma = MegaTiledMma, class TileShape = MegaTileShape>
 CUTLASS_DEVICE auto thread_coords(int mma_thread_idx) {
   using namespace cute;
-  Tensor coords = make_identity_tensor(take<0, 2>(MegaTileShape{}));
-  return MegaTiledMma{}.get_thread_slice(mma_thread_idx).partition_C(coords);
+  Tensor coords = make_identity_tensor(take<0, 2>(TileShape{}));
+  return TiledMma{}.get_thread_slice(mma_thread_idx).partition_C(coords);
 }
 
 // NOTE: wgmma accumulator fragment: mode 0 is (2 cols, 2 row halves, N/8 col blocks), one MMA
@@ -297,10 +308,16 @@ MOK_DEVICE void for_each_group(Word word, Fn fn) {
   }
 }
 
+// Fragment blocks (of 8 columns) of an accumulator type: kFragBlocks for the BF16 tile.
+template <class Accumulators>
+constexpr int frag_blocks() {
+  return cute::size<0, 2>(typename Accumulators::layout_type{});
+}
+
 // The raw columns of one row half: block j's pair is bf16 of elements 2 half + 4 j (+ 1).
-template <class Fn>
-MOK_DEVICE void for_each_raw_group(const MegaAccumulators& acc, int half, Fn fn) {
-  for_each_group<kFragBlocks>(
+template <class Accumulators, class Fn>
+MOK_DEVICE void for_each_raw_group(const Accumulators& acc, int half, Fn fn) {
+  for_each_group<frag_blocks<Accumulators>()>(
       [&](int j) {
         const int i = 2 * half + kFragPartner * j;
         return pack_bf16x2(acc(i), acc(i + 1));
@@ -448,9 +465,10 @@ struct L2RowDsts {
   L2RowDst half[2] = {{nullptr, nullptr}, {nullptr, nullptr}};
 };
 
+template <class TiledMma = MegaTiledMma, class TileShape = MegaTileShape>
 CUTLASS_DEVICE L2RowDsts l2_row_dsts(const roles::MegaParams& p, int mma_thread_idx, int round,
                                      int row_begin, int rows) {
-  auto coords = thread_coords(mma_thread_idx);
+  auto coords = thread_coords<TiledMma, TileShape>(mma_thread_idx);
   L2RowDsts d;
   CUTLASS_PRAGMA_UNROLL
   for (int half = 0; half < 2; ++half) {
@@ -460,12 +478,12 @@ CUTLASS_DEVICE L2RowDsts l2_row_dsts(const roles::MegaParams& p, int mma_thread_
   return d;
 }
 
-// L2 epilogue (consumers): the columns of n-tile n_tile below H of this thread's rows `dsts`:
-// y = bf16(acc) (round to nearest even), into y_rows and the slot row.
-CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
-                                const L2RowDsts& dsts, int n_tile) {
+// L2 epilogue (consumers): the tile's columns [col0, col0 + its width) below H of this thread's
+// rows `dsts`: y = bf16(acc) (round to nearest even), into y_rows and the slot row.
+template <class Accumulators>
+CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const Accumulators& acc,
+                                const L2RowDsts& dsts, int col0) {
   const int q = static_cast<int>(threadIdx.x % 4);
-  const int col0 = n_tile * layout::kBlockN;
   CUTLASS_PRAGMA_UNROLL
   for (int half = 0; half < 2; ++half) {
     const L2RowDst& d = dsts.half[half];

@@ -75,6 +75,17 @@ struct MegaParams {
   const int32_t* tile_count;   // [R]
   const MegaTile* tiles;       // [R, max_tiles]
 
+  // ---- the FP8 forward's (roles/megakernel_fp8.cuh; null / 0 otherwise). Token rows are stage
+  // 1's packed FP8 rows (fp8_blockwise::packed_row_bytes); the rings' scales are M-major: row r's
+  // scale of K block kb at [kb * scale_stride + r] (one TMA box per k-tile and m-tile)
+  uint8_t* x8_ring;            // [ring_rows, H] e4m3: pulled rows
+  float* x_scales;             // [H / 128, scale_stride]
+  uint8_t* act8_ring;          // [ring_rows, I] e4m3: act quantised in (1, 128) blocks (L2's A)
+  float* act_scales;           // [I / 128, scale_stride]
+  int scale_stride;            // ring_rows rounded up to 4 (16-byte TMA strides)
+  int token_row_bytes;         // bytes from one token row to the next (packed FP8 rows: in
+                               // place, their own size; staged, the tokens region's 2 H)
+
   // ---- diagnostics: the timeline (layout/mega.cuh, MegaTraceCta / MegaTraceTask), or null
   int64_t* trace_ctas;         // [num_ctas, kTraceCtaWords]
   int64_t* trace_tasks;        // [R, max_tasks, kTraceTaskWords]
