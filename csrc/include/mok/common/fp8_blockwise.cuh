@@ -22,6 +22,32 @@ constexpr float kDataMax = mxfp8::kDataMax;
 constexpr uint8_t kDataNaN = mxfp8::kDataNaN;
 constexpr float kMinScale = 1.1754943508222875e-38f;  // 2^-126: s stays a normal float32
 
+// x / s rounded to nearest even (IEEE division), for finite x and a normal s > 0 with x / s
+// below 2^120, the quantiser's two divisions (amax / 448, and x / s of an element of the block
+// whose scale s is), without the subroutine call of the compiler's division: its slow path is a
+// CALL, and a call anywhere in a kernel that issues wgmma makes ptxas serialise them (the FP8
+// megakernel quantises act in its GEMM epilogue). s is scaled by a power of two into [1, 2) and
+// x with it (exact), then the compiler's own fast-path sequence (a reciprocal, refined once; the
+// quotient, corrected once) gives the correctly rounded quotient, as it does wherever the
+// division's range check (FCHK) lets it. The one case outside that check: x * 2^-e below the
+// normal range, where |x / s| < 2^-125: any rounding of it quantises to the same e4m3 (+-0) and
+// clamps to the same scale. +-0 keeps its sign.
+MOK_HOST_DEVICE float div_rn(float x, float s) {
+#if defined(__CUDA_ARCH__)
+  const int e = static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127;  // s = 1.m * 2^e
+  const float f = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);      // 2^-e
+  const float xs = __fmul_rn(x, f), ss = __fmul_rn(s, f);                     // ss in [1, 2)
+  if (xs == 0.0f) return xs;
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(ss));
+  r = __fmaf_rn(__fmaf_rn(-ss, r, 1.0f), r, r);
+  const float q = __fmul_rn(xs, r);
+  return __fmaf_rn(__fmaf_rn(-ss, q, xs), r, q);
+#else
+  return x / s;
+#endif
+}
+
 struct BlockScale {
   float scale;   // the stored s (NaN for a non-finite block, 1 for an all-zero one)
   float factor;  // 2^-e to multiply by (pow2), or the divisor s (otherwise)
@@ -40,7 +66,7 @@ MOK_HOST_DEVICE BlockScale block_scale(uint32_t amax_bits, bool pow2) {
     return BlockScale{zero ? 1.0f : mxfp8::exp2_int(e), mxfp8::exp2_int(-e), false};
   }
   const float amax = mxfp8::float_from_bits(amax_bits);
-  float s = amax / kDataMax;  // NOTE: IEEE division (no fast-math in this project)
+  float s = div_rn(amax, kDataMax);
   s = s < kMinScale ? kMinScale : s;
   return BlockScale{zero ? 1.0f : s, s, false};
 }

@@ -46,7 +46,7 @@ MOK_DEVICE uint32_t max_of(const uint32_t* words) {
 
 MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2) {
   if (s.nonfinite) return kDataNaN;
-  const float q = pow2 ? x * s.factor : __fdiv_rn(x, s.factor);
+  const float q = pow2 ? x * s.factor : div_rn(x, s.factor);
   const float c = fminf(fmaxf(q, -kDataMax), kDataMax);
   return static_cast<uint8_t>(ptx::cvt_e4m3x2(c, 0.0f) & 0xFF);
 }
