@@ -58,6 +58,13 @@ def parse_args(argv=None):
     p.add_argument("--megakernel-cluster", default=None, choices=("1", "2"),
                    help="MoKConfig.megakernel_cluster; default: the config's (1)")  # fmt: skip
     p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 experts (expert_precision='fp8_blockwise'): the FP8 megakernel's timeline; its "
+        "k-tiles are 128 deep, two halves of a task's n-tile each, and the per-k-tile times below "
+        "stay per 64 of K of a 128 x 256 task, comparable with BF16's",
+    )
+    p.add_argument(
         "--keep",
         action="store_true",
         help="trace forwards that keep h and y for a backward (default: no_grad)",
@@ -172,6 +179,8 @@ def trace_case(name, args, rank) -> dict:
                                     ("minibatch_size", args.minibatch_size),
                                     ("megakernel_cluster", args.megakernel_cluster))
              if v is not None}  # fmt: skip
+    if args.fp8:
+        knobs["expert_precision"] = "fp8_blockwise"
     if knobs:
         runtime.mok_config = dataclasses.replace(runtime.mok_config, **knobs)
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
@@ -200,6 +209,7 @@ def trace_case(name, args, rank) -> dict:
             "fwd_num_comm_sms": resolved.fwd_num_comm_sms,
             "minibatch_size": resolved.minibatch_size, "num_ctas": len(ctas),
             "megakernel_cluster": resolved.megakernel_cluster,
+            "expert_precision": resolved.expert_precision,
             "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip
     del layer, sets
     bench_moe._release_memory()
