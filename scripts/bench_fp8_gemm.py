@@ -181,7 +181,8 @@ def render(record: dict) -> str:
 def render_layer(record: dict) -> str:
     """The layer table of a ``bench_moe.py --mok-fp8`` record: per case and pass, the baseline,
     MoK (BF16 experts) and MoK with FP8 experts, and the FP8 speedup over MoK; in forward +
-    backward also FP8 with FP8 data gradients (``mok_fp8_dgrad``), where the record has it."""
+    backward also FP8 with FP8 data gradients (``mok_fp8_dgrad``), and the FP8 megakernel's
+    forward (``mok_fp8_mega``, ``bench_moe.py --mok-fp8-mega``), where the record has them."""
     env = record["environment"]
     lines = [
         f"Record: {env['gpu']}, torch {env['torch']}, commit `{env['commit'][:7]}`, EP "
@@ -204,6 +205,13 @@ def render_layer(record: dict) -> str:
                 f"| {case['shape']} | {case['tokens_per_rank']} | {label} | {ms['baseline']:.2f} | "
                 f"{ms['mok']:.2f} | {ms['mok_fp8']:.2f} | {r['fp8_speedup']:.2f}x | {target} |"
             )
+            if "mok_fp8_mega" in r:
+                mega = r["mok_fp8_mega"]["median_ms_all_ranks_max"]
+                lines.append(
+                    f"| {case['shape']} | {case['tokens_per_rank']} | {label} (FP8 megakernel) | "
+                    f"{ms['baseline']:.2f} | {ms['mok']:.2f} | {mega:.2f} | "
+                    f"{r['fp8_mega_speedup']:.2f}x | {target} |"
+                )
             if "mok_fp8_dgrad" in r:
                 dgrad = r["mok_fp8_dgrad"]["median_ms_all_ranks_max"]
                 lines.append(

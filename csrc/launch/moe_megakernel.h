@@ -61,6 +61,7 @@ struct MegaArgs {
   // local_tokens (one rank) the packed FP8 token rows (fp8_blockwise::packed_row_bytes), and the
   // tokens regions hold them at several ranks; x_ring is not used
   bool fp8 = false;
+  bool quantize_tokens = false;             // local_tokens is bf16 x, quantised by the pull
   const float* w_gate_up_scales = nullptr;  // [E_l, 2I / 128, H / 128]
   const float* w_down_scales = nullptr;     // [E_l, H / 128, I / 128]
   void* x8_ring = nullptr;                  // [ring_rows, H] e4m3: the pulled rows

@@ -187,7 +187,8 @@ def test_compare_rows_pair_the_same_cases_of_two_records(tmp_path):
 
 def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
     """bench_fp8_gemm's layer table from a synthetic ``bench_moe.py --mok-fp8`` record: one row
-    per pass, and a "(FP8 dgrads)" row for the forward + backward's ``mok_fp8_dgrad``."""
+    per pass, a "(FP8 dgrads)" row for the forward + backward's ``mok_fp8_dgrad`` and a "(FP8
+    megakernel)" row for the forward's ``mok_fp8_mega``."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import bench_fp8_gemm
@@ -199,12 +200,14 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
 
     fwd = {"baseline": ms(4.0), "mok": ms(2.0), "mok_fp8": ms(1.0), "fp8_speedup": 2.0}
     bwd = {**fwd, "mok_fp8_dgrad": ms(0.5), "fp8_dgrad_speedup": 4.0}
+    fwd = {**fwd, "mok_fp8_mega": ms(0.8), "fp8_mega_speedup": 2.5}
     record = {"environment": {"gpu": "G", "torch": "t", "commit": "abcdef0123", "world_size": 1},
               "cases": [{"shape": "deepseek-v3", "tokens_per_rank": 64, "fwd": fwd,
                          "fwd_bwd": bwd}]}  # fmt: skip
     rows = bench_fp8_gemm.render_layer(record).splitlines()[4:]
     assert rows == [
         "| deepseek-v3 | 64 | fwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.5x |",
+        "| deepseek-v3 | 64 | fwd (FP8 megakernel) | 4.00 | 2.00 | 0.80 | 2.50x | 1.5x |",
         "| deepseek-v3 | 64 | fwd_bwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.3x |",
         "| deepseek-v3 | 64 | fwd_bwd (FP8 dgrads) | 4.00 | 2.00 | 0.50 | 4.00x | 1.3x |",
     ]

@@ -34,15 +34,18 @@ constexpr float kMinScale = 1.1754943508222875e-38f;  // 2^-126: s stays a norma
 // clamps to the same scale. +-0 keeps its sign.
 MOK_HOST_DEVICE float div_rn(float x, float s) {
 #if defined(__CUDA_ARCH__)
+  // NOTE: no branch before the reciprocal: its part, a function of s alone, is computed once
+  // for the many x of one s where this is inlined (a block's elements).
   const int e = static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127;  // s = 1.m * 2^e
   const float f = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);      // 2^-e
-  const float xs = __fmul_rn(x, f), ss = __fmul_rn(s, f);                     // ss in [1, 2)
-  if (xs == 0.0f) return xs;
+  const float ss = __fmul_rn(s, f);                                           // in [1, 2)
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(ss));
   r = __fmaf_rn(__fmaf_rn(-ss, r, 1.0f), r, r);
+  const float xs = __fmul_rn(x, f);
   const float q = __fmul_rn(xs, r);
-  return __fmaf_rn(__fmaf_rn(-ss, q, xs), r, q);
+  const float d = __fmaf_rn(__fmaf_rn(-ss, q, xs), r, q);
+  return xs == 0.0f ? xs : d;
 #else
   return x / s;
 #endif

@@ -141,6 +141,24 @@ constexpr int kRowBlockThreads = 256;
 constexpr int kElemsPerLane = kBlock / 32;
 constexpr int kRowBlocksPerWarp = 4;
 
+// One (1, 128) block held by a warp, kElemsPerLane consecutive elements per lane: this lane's
+// e4m3 bytes (little-endian in a word) and the block's scale (in every lane). Every lane of the
+// warp takes part. The FP8 megakernel's pull quantises token rows with it too.
+struct QuantizedLane {
+  uint32_t bytes;
+  float scale;
+};
+MOK_DEVICE QuantizedLane quantize_block_lane(const float (&x)[kElemsPerLane], bool pow2) {
+  uint32_t m = 0;
+  #pragma unroll
+  for (int i = 0; i < kElemsPerLane; ++i) m = max(m, __float_as_uint(x[i]) & mxfp8::kFloatAbsMask);
+  const BlockScale s = block_scale(__reduce_max_sync(0xffffffffu, m), pow2);
+  uint32_t bytes = 0;
+  #pragma unroll
+  for (int i = 0; i < kElemsPerLane; ++i) bytes |= uint32_t{encode(x[i], s, pow2)} << (8 * i);
+  return {bytes, s.scale};
+}
+
 template <typename Input>
 __global__ void __launch_bounds__(kRowBlockThreads)
     fp8_blockwise_quantize_rows_kernel(const QuantizeParams p) {
@@ -166,19 +184,12 @@ __global__ void __launch_bounds__(kRowBlockThreads)
     for (int j = 0; j < kRowBlocksPerWarp; ++j) {
       if (b0 + j >= num_blocks) break;  // warp-uniform
       float x[kElemsPerLane];
-      uint32_t m = 0;
       #pragma unroll
-      for (int i = 0; i < kElemsPerLane; ++i) {
-        x[i] = Input::to_float(in[j].v[i]);
-        m = max(m, __float_as_uint(x[i]) & mxfp8::kFloatAbsMask);
-      }
-      const BlockScale s = block_scale(__reduce_max_sync(0xffffffffu, m), p.pow2);
-      uint32_t bytes = 0;
-      #pragma unroll
-      for (int i = 0; i < kElemsPerLane; ++i) bytes |= uint32_t{encode(x[i], s, p.pow2)} << (8 * i);
+      for (int i = 0; i < kElemsPerLane; ++i) x[i] = Input::to_float(in[j].v[i]);
+      const QuantizedLane q = quantize_block_lane(x, p.pow2);
       const int64_t offset = (b0 + j) * kBlock + lane * kElemsPerLane;
-      *reinterpret_cast<uint32_t*>(p.data + offset) = bytes;
-      if (lane == 0) p.scales[b0 + j] = s.scale;
+      *reinterpret_cast<uint32_t*>(p.data + offset) = q.bytes;
+      if (lane == 0) p.scales[b0 + j] = q.scale;
     }
   }
 }

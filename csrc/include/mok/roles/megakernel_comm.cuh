@@ -10,6 +10,7 @@
 
 #include "mok/common/fp8_blockwise.cuh"
 #include "mok/common/macros.cuh"
+#include "mok/roles/fp8_blockwise_quantize.cuh"
 #include "mok/common/ptx.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
 
@@ -81,6 +82,40 @@ MOK_DEVICE void pull_row_fp8(const MegaParams& p, int64_t src, int ring_row, int
 
 // The pulling warps (warp index `warp` of kPullWarps): ring rows [row_begin, row_end) of round
 // `round`, one warp per row.
+// At one rank, the FP8 forward's pull quantises the token rows itself (MegaParams::
+// quantize_tokens): bf16 x read in place, each (1, 128) block quantised by the warp as the
+// quantiser's row kernel does (quantize_block_lane: the same bits), into x8_ring[ring_row] and the
+// row's column of the M-major scale region; src < 0: the zero row's quantisation (zeros, scale
+// 1). No quantiser launch, no packed copy of the tokens.
+constexpr int kQuantizeUnroll = 8;  // blocks whose loads are in flight at once per lane
+MOK_DEVICE void pull_row_quantize(const MegaParams& p, int64_t src, int ring_row, int lane) {
+  constexpr int kElems = fp8_blockwise::kElemsPerLane;
+  const int blocks = p.hidden / fp8_blockwise::kBlock;
+  const uint8_t* row = token_row(p, src, p.hidden * 2);
+  uint8_t* dst = p.x8_ring + static_cast<int64_t>(ring_row) * p.hidden;
+  for (int b0 = 0; b0 < blocks; b0 += kQuantizeUnroll) {
+    uint2 in[kQuantizeUnroll];
+#pragma unroll
+    for (int u = 0; u < kQuantizeUnroll; ++u) {
+      const int col = (b0 + u) * fp8_blockwise::kBlock + lane * kElems;
+      in[u] = make_uint2(0, 0);
+      if (row != nullptr && b0 + u < blocks) {
+        in[u] = __ldg(reinterpret_cast<const uint2*>(row) + col / kElems);  // read-only, as x
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kQuantizeUnroll; ++u) {
+      const int b = b0 + u;
+      if (b >= blocks) break;  // warp-uniform
+      const float x[kElems] = {__uint_as_float(in[u].x << 16), __uint_as_float(in[u].x & 0xffff0000u),
+                               __uint_as_float(in[u].y << 16), __uint_as_float(in[u].y & 0xffff0000u)};
+      const fp8_blockwise::QuantizedLane q = fp8_blockwise::quantize_block_lane(x, false);
+      *reinterpret_cast<uint32_t*>(dst + b * fp8_blockwise::kBlock + lane * kElems) = q.bytes;
+      if (lane == 0) p.x_scales[static_cast<int64_t>(b) * p.scale_stride + ring_row] = q.scale;
+    }
+  }
+}
+
 template <bool kFp8>
 MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end,
                                int warp) {
@@ -88,7 +123,11 @@ MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, in
   const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
   for (int row = row_begin + warp; row < row_end; row += kPullWarps) {
     if constexpr (kFp8) {
-      pull_row_fp8(p, row_src[row], row, lane);
+      if (p.quantize_tokens) {
+        pull_row_quantize(p, row_src[row], row, lane);
+      } else {
+        pull_row_fp8(p, row_src[row], row, lane);
+      }
     } else {
       pull_row(p, row_src[row], row, lane);
     }

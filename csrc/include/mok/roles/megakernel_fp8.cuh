@@ -232,6 +232,16 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
     const bool live = row < rows;
     const int64_t ring_row = row_begin + row;
     __nv_bfloat16* act = p.act_ring + ring_row * p.inter;
+    // The second half's epilogue quantises the first half's columns too: this lane's, as it
+    // stored them, read back first (their latency under the act math below).
+    uint4 first[kGroups];
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kGroups; ++g) {
+      first[g] = make_uint4(0, 0, 0, 0);
+      if (half == 1 && live) {
+        first[g] = *reinterpret_cast<const uint4*>(act + block_col0 + (4 * g + q) * kFragBlockCols);
+      }
+    }
     uint32_t words[kActBlocks];
     uint32_t m = 0;
     CUTLASS_PRAGMA_UNROLL
@@ -266,11 +276,9 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
     uint8_t* act8 = p.act8_ring + ring_row * p.inter;
     CUTLASS_PRAGMA_UNROLL
     for (int g = 0; g < kGroups; ++g) {
-      const int first = block_col0 + (4 * g + q) * kFragBlockCols;  // the first half's, as stored
-      const uint4 stored = *reinterpret_cast<const uint4*>(act + first);
-      *reinterpret_cast<uint2*>(act8 + first) = encode8(stored, s);
-      const int second = act_col0 + (4 * g + q) * kFragBlockCols;
-      *reinterpret_cast<uint2*>(act8 + second) = encode8(mine[g], s);
+      const int col = (4 * g + q) * kFragBlockCols;
+      *reinterpret_cast<uint2*>(act8 + block_col0 + col) = encode8(first[g], s);
+      *reinterpret_cast<uint2*>(act8 + act_col0 + col) = encode8(mine[g], s);
     }
     if (q == 0) p.act_scales[static_cast<int64_t>(n_tile) * p.scale_stride + ring_row] = s.scale;
   }

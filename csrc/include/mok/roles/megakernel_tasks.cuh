@@ -85,6 +85,8 @@ struct MegaParams {
   int scale_stride;            // ring_rows rounded up to 4 (16-byte TMA strides)
   int token_row_bytes;         // bytes from one token row to the next (packed FP8 rows: in
                                // place, their own size; staged, the tokens region's 2 H)
+  bool quantize_tokens;        // the token rows are bf16 x in place (one rank): the pull
+                               // quantises them (roles/megakernel_comm.cuh)
 
   // ---- diagnostics: the timeline (layout/mega.cuh, MegaTraceCta / MegaTraceTask), or null
   int64_t* trace_ctas;         // [num_ctas, kTraceCtaWords]
