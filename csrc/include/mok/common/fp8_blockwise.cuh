@@ -32,20 +32,31 @@ constexpr float kMinScale = 1.1754943508222875e-38f;  // 2^-126: s stays a norma
 // division's range check (FCHK) lets it. The one case outside that check: x * 2^-e below the
 // normal range, where |x / s| < 2^-125: any rounding of it quantises to the same e4m3 (+-0) and
 // clamps to the same scale. +-0 keeps its sign.
+#if defined(__CUDACC__)
+// div_rn's divisor part, once for the many x of one s (a block's elements).
+struct Divider {
+  float f;   // 2^-e for s = 1.m * 2^e
+  float ss;  // s * f, in [1, 2)
+  float r;   // 1 / ss, refined once
+  MOK_DEVICE explicit Divider(float s) {
+    const int e = static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127;
+    f = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
+    ss = __fmul_rn(s, f);
+    const float r0 = __fdividef(1.0f, ss);  // the approximate reciprocal (MUFU.RCP)
+    r = __fmaf_rn(__fmaf_rn(-ss, r0, 1.0f), r0, r0);
+  }
+  MOK_DEVICE float operator()(float x) const {
+    const float xs = __fmul_rn(x, f);
+    const float q = __fmul_rn(xs, r);
+    const float d = __fmaf_rn(__fmaf_rn(-ss, q, xs), r, q);
+    return xs == 0.0f ? xs : d;
+  }
+};
+#endif
+
 MOK_HOST_DEVICE float div_rn(float x, float s) {
 #if defined(__CUDA_ARCH__)
-  // NOTE: no branch before the reciprocal: its part, a function of s alone, is computed once
-  // for the many x of one s where this is inlined (a block's elements).
-  const int e = static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127;  // s = 1.m * 2^e
-  const float f = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);      // 2^-e
-  const float ss = __fmul_rn(s, f);                                           // in [1, 2)
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(ss));
-  r = __fmaf_rn(__fmaf_rn(-ss, r, 1.0f), r, r);
-  const float xs = __fmul_rn(x, f);
-  const float q = __fmul_rn(xs, r);
-  const float d = __fmaf_rn(__fmaf_rn(-ss, q, xs), r, q);
-  return xs == 0.0f ? xs : d;
+  return Divider(s)(x);
 #else
   return x / s;
 #endif

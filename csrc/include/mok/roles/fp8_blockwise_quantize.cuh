@@ -44,11 +44,15 @@ MOK_DEVICE uint32_t max_of(const uint32_t* words) {
   return m;
 }
 
-MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2) {
+// `d`: Divider(s.factor), made once per block (div_rn's arithmetic).
+MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2, const Divider& d) {
   if (s.nonfinite) return kDataNaN;
-  const float q = pow2 ? x * s.factor : div_rn(x, s.factor);
+  const float q = pow2 ? x * s.factor : d(x);
   const float c = fminf(fmaxf(q, -kDataMax), kDataMax);
   return static_cast<uint8_t>(ptx::cvt_e4m3x2(c, 0.0f) & 0xFF);
+}
+MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2) {
+  return encode(x, s, pow2, Divider(s.factor));
 }
 
 template <typename Input, int kBlockRows, int kBlockCols>
@@ -153,9 +157,10 @@ MOK_DEVICE QuantizedLane quantize_block_lane(const float (&x)[kElemsPerLane], bo
   #pragma unroll
   for (int i = 0; i < kElemsPerLane; ++i) m = max(m, __float_as_uint(x[i]) & mxfp8::kFloatAbsMask);
   const BlockScale s = block_scale(__reduce_max_sync(0xffffffffu, m), pow2);
+  const Divider d(s.factor);
   uint32_t bytes = 0;
   #pragma unroll
-  for (int i = 0; i < kElemsPerLane; ++i) bytes |= uint32_t{encode(x[i], s, pow2)} << (8 * i);
+  for (int i = 0; i < kElemsPerLane; ++i) bytes |= uint32_t{encode(x[i], s, pow2, d)} << (8 * i);
   return {bytes, s.scale};
 }
 

@@ -196,13 +196,14 @@ MOK_DEVICE uint32_t abs_bits_max(uint32_t pair) {
 }
 
 // 8 bf16 values (16 bytes) -> their 8 e4m3 bytes under block scale s (the quantiser's encode).
-MOK_DEVICE uint2 encode8(uint4 v, const fp8_blockwise::BlockScale& s) {
+MOK_DEVICE uint2 encode8(uint4 v, const fp8_blockwise::BlockScale& s,
+                         const fp8_blockwise::Divider& d) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   uint32_t out[2] = {0, 0};
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < 8; ++i) {
     const uint32_t bits = (i % 2 == 0 ? w[i / 2] << 16 : w[i / 2] & 0xffff0000u);
-    const uint32_t byte = fp8_blockwise::encode(__uint_as_float(bits), s, false);
+    const uint32_t byte = fp8_blockwise::encode(__uint_as_float(bits), s, false, d);
     out[i / 4] |= byte << (8 * (i % 4));
   }
   return make_uint2(out[0], out[1]);
@@ -273,12 +274,13 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
     }
     const fp8_blockwise::BlockScale s = fp8_blockwise::block_scale(max(amax[rh], m), false);
     if (!live) continue;
+    const fp8_blockwise::Divider d(s.factor);
     uint8_t* act8 = p.act8_ring + ring_row * p.inter;
     CUTLASS_PRAGMA_UNROLL
     for (int g = 0; g < kGroups; ++g) {
       const int col = (4 * g + q) * kFragBlockCols;
-      *reinterpret_cast<uint2*>(act8 + block_col0 + col) = encode8(first[g], s);
-      *reinterpret_cast<uint2*>(act8 + act_col0 + col) = encode8(mine[g], s);
+      *reinterpret_cast<uint2*>(act8 + block_col0 + col) = encode8(first[g], s, d);
+      *reinterpret_cast<uint2*>(act8 + act_col0 + col) = encode8(mine[g], s, d);
     }
     if (q == 0) p.act_scales[static_cast<int64_t>(n_tile) * p.scale_stride + ring_row] = s.scale;
   }
