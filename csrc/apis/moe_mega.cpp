@@ -336,15 +336,17 @@ std::vector<at::Tensor> moe_mega_forward(
   std::tie(out[kForward_trace_ctas], out[kForward_trace_tasks]) =
       trace_buffers(x, trace, grid, shape);
   const int num_tokens = static_cast<int>(x.size(0));
-  // The token rows the megakernel pulls: x, or with FP8 weights x quantised in (1, 128) blocks
-  // as stage 1's packed FP8 rows (its FP8 dispatch's; moe_fp8_pack_rows); at one rank with x
-  // read in place, the megakernel's pull quantises x itself (MegaArgs::quantize_tokens).
-  const bool quantize_in_pull = fp8 && !keep_tokens && tokens_in_place(comm, x) != nullptr;
-  at::Tensor tokens = x;
-  if (fp8 && !quantize_in_pull) {
-    const auto [data, scales] = fp8_blockwise_quantize(x.contiguous(), 1, fp8_blockwise::kBlock,
-                                                       false);
-    tokens = moe_fp8_pack_rows(data, scales);
+  // The token rows the megakernel pulls: x, or with FP8 weights x quantised in (1, 128) blocks:
+  // at one rank read in place as the quantiser wrote them (data rows, scales apart), else
+  // staged as stage 1's packed FP8 rows (its FP8 dispatch's; moe_fp8_pack_rows).
+  at::Tensor tokens = x, token_scales;
+  if (fp8) {
+    std::tie(tokens, token_scales) = fp8_blockwise_quantize(x.contiguous(), 1,
+                                                            fp8_blockwise::kBlock, false);
+    if (keep_tokens || tokens_in_place(comm, tokens) == nullptr) {
+      tokens = moe_fp8_pack_rows(tokens, token_scales);
+      token_scales = at::Tensor();
+    }
   }
   const void* in_place = keep_tokens ? nullptr : tokens_in_place(comm, tokens);
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
@@ -379,7 +381,7 @@ std::vector<at::Tensor> moe_mega_forward(
     arena.add({inter / kb, stride}, at::kFloat);
     rings = arena.make();
     a.fp8 = true;
-    a.quantize_tokens = quantize_in_pull;
+    a.local_token_scales = in_place != nullptr ? token_scales.data_ptr<float>() : nullptr;
     a.w_gate_up_scales = w_gate_up_scales->data_ptr<float>();
     a.w_down_scales = w_down_scales->data_ptr<float>();
     a.x8_ring = rings[0].data_ptr();

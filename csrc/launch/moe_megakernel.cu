@@ -71,8 +71,8 @@ void check_fp8_args(const MegaArgs& a) {
                      a.x8_ring != nullptr && a.x_scales != nullptr && a.act8_ring != nullptr &&
                      a.act_scales != nullptr,
                  "FP8 megakernel: null weight scales, x8_ring, x_scales, act8_ring or act_scales");
-  MOK_HOST_CHECK(!a.quantize_tokens || a.local_tokens != nullptr,
-                 "FP8 megakernel: quantize_tokens needs the bf16 token rows in place "
+  MOK_HOST_CHECK(a.local_token_scales == nullptr || a.local_tokens != nullptr,
+                 "FP8 megakernel: local_token_scales go with the quantised rows in place "
                  "(local_tokens, one rank)");
   MOK_HOST_CHECK(aligned16(a.x8_ring) && aligned16(a.x_scales) && aligned16(a.act8_ring) &&
                      aligned16(a.act_scales),
@@ -83,7 +83,8 @@ void check_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
   const layout::WorkspaceLayout& lay = a.lay;
   if (a.fp8) check_fp8_args(a);
-  MOK_HOST_CHECK(a.fp8 || !a.quantize_tokens, "megakernel: quantize_tokens is the FP8 forward's");
+  MOK_HOST_CHECK(a.fp8 || a.local_token_scales == nullptr,
+                 "megakernel: local_token_scales are the FP8 forward's");
   MOK_HOST_CHECK(a.cluster_ctas == 1 || a.cluster_ctas == layout::kMaxClusterCtas,
                  "megakernel: cluster_ctas=%d must be 1 or %d", a.cluster_ctas,
                  layout::kMaxClusterCtas);
@@ -222,13 +223,15 @@ roles::MegaParams device_params(const MegaArgs& a) {
     p.act8_ring = static_cast<uint8_t*>(a.act8_ring);
     p.act_scales = a.act_scales;
     p.scale_stride = to_int32(s.fp8_scale_stride(), "fp8_scale_stride");
-    p.quantize_tokens = a.quantize_tokens;
-    // The packed rows in place (one rank), or staged into the tokens region's rows of hidden
-    // bf16 (moe_stage_tokens' pitch).
+    p.local_token_scales = a.local_token_scales;
+    // The quantised rows in place (one rank: H bytes, their scales apart), the packed rows in
+    // place, or packed rows staged into the tokens region's rows of hidden bf16
+    // (moe_stage_tokens' pitch).
+    const int64_t in_place_row = a.local_token_scales != nullptr
+                                     ? s.hidden
+                                     : fp8_blockwise::packed_row_bytes(s.hidden);
     p.token_row_bytes =
-        to_int32(a.local_tokens != nullptr ? fp8_blockwise::packed_row_bytes(s.hidden)
-                                           : s.hidden * 2,
-                 "token_row_bytes");
+        to_int32(a.local_tokens != nullptr ? in_place_row : s.hidden * 2, "token_row_bytes");
   }
   return p;
 }

@@ -59,9 +59,12 @@ struct MegaArgs {
   // ---- the FP8 forward's (fp8: MoKConfig.expert_precision="fp8_blockwise", roles/
   // megakernel_fp8.cuh): w_gate_up / w_down are then the weights' e4m3 (128, 128)-block copies,
   // local_tokens (one rank) the packed FP8 token rows (fp8_blockwise::packed_row_bytes), and the
-  // tokens regions hold them at several ranks; x_ring is not used
+  // tokens regions hold them at several ranks (at one rank local_tokens may be the quantised
+  // rows and local_token_scales their scales); x_ring is not used
   bool fp8 = false;
-  bool quantize_tokens = false;             // local_tokens is bf16 x, quantised by the pull
+  const float* local_token_scales = nullptr;  // one rank: local_tokens are x quantised in
+                                              // (1, 128) blocks [T, H] e4m3 and these its
+                                              // scales [T, H / 128]; null: packed FP8 rows
   const float* w_gate_up_scales = nullptr;  // [E_l, 2I / 128, H / 128]
   const float* w_down_scales = nullptr;     // [E_l, H / 128, I / 128]
   void* x8_ring = nullptr;                  // [ring_rows, H] e4m3: the pulled rows

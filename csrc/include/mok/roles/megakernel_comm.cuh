@@ -10,7 +10,6 @@
 
 #include "mok/common/fp8_blockwise.cuh"
 #include "mok/common/macros.cuh"
-#include "mok/roles/fp8_blockwise_quantize.cuh"
 #include "mok/common/ptx.cuh"
 #include "mok/roles/megakernel_tasks.cuh"
 
@@ -63,17 +62,24 @@ MOK_DEVICE void pull_row(const MegaParams& p, int64_t src, int ring_row, int lan
   copy_row(dst, reinterpret_cast<const uint4*>(token_row(p, src, p.hidden * 2)), vecs, lane);
 }
 
-// The FP8 forward's (roles/megakernel_fp8.cuh): the token's packed FP8 row (stage 1's: hidden
-// e4m3 bytes, then hidden / 128 float32 scales) split into x8_ring[ring_row] and the row's
-// column of the M-major scale region; src < 0: zeros and scale 1 (an all-zero row's
-// quantisation, as stage 1's row gather gives). NOTE: hidden % 128 == 0 (the host checks).
+// The FP8 forward's (roles/megakernel_fp8.cuh): the token's (1, 128)-quantised row into
+// x8_ring[ring_row] and its hidden / 128 scales into the row's column of the M-major scale
+// region; src < 0: zeros and scale 1 (an all-zero row's quantisation, as stage 1's row gather
+// gives). The row: stage 1's packed FP8 row (hidden e4m3 bytes, then the scales) in a tokens
+// region, or at one rank the quantised x in place (its data rows, and its scales rows in
+// local_token_scales). NOTE: hidden % 128 == 0 (the host checks).
 MOK_DEVICE void pull_row_fp8(const MegaParams& p, int64_t src, int ring_row, int lane) {
   const int vecs = p.hidden / 16;
+  const int blocks = p.hidden / fp8_blockwise::kBlock;
   const uint8_t* row = token_row(p, src, p.token_row_bytes);
   copy_row(reinterpret_cast<uint4*>(p.x8_ring + static_cast<int64_t>(ring_row) * p.hidden),
            reinterpret_cast<const uint4*>(row), vecs, lane);
   const float* scales = reinterpret_cast<const float*>(row + p.hidden);
-  for (int kb = lane; kb < p.hidden / fp8_blockwise::kBlock; kb += 32) {
+  if (row != nullptr && p.local_token_scales != nullptr) {
+    const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
+    scales = p.local_token_scales + static_cast<int64_t>(t) * blocks;
+  }
+  for (int kb = lane; kb < blocks; kb += 32) {
     // NOTE: read-only during the launch, as the data (copy_row)
     p.x_scales[static_cast<int64_t>(kb) * p.scale_stride + ring_row] =
         row != nullptr ? __ldg(scales + kb) : 1.0f;
@@ -82,40 +88,6 @@ MOK_DEVICE void pull_row_fp8(const MegaParams& p, int64_t src, int ring_row, int
 
 // The pulling warps (warp index `warp` of kPullWarps): ring rows [row_begin, row_end) of round
 // `round`, one warp per row.
-// At one rank, the FP8 forward's pull quantises the token rows itself (MegaParams::
-// quantize_tokens): bf16 x read in place, each (1, 128) block quantised by the warp as the
-// quantiser's row kernel does (quantize_block_lane: the same bits), into x8_ring[ring_row] and the
-// row's column of the M-major scale region; src < 0: the zero row's quantisation (zeros, scale
-// 1). No quantiser launch, no packed copy of the tokens.
-constexpr int kQuantizeUnroll = 8;  // blocks whose loads are in flight at once per lane
-MOK_DEVICE void pull_row_quantize(const MegaParams& p, int64_t src, int ring_row, int lane) {
-  constexpr int kElems = fp8_blockwise::kElemsPerLane;
-  const int blocks = p.hidden / fp8_blockwise::kBlock;
-  const uint8_t* row = token_row(p, src, p.hidden * 2);
-  uint8_t* dst = p.x8_ring + static_cast<int64_t>(ring_row) * p.hidden;
-  for (int b0 = 0; b0 < blocks; b0 += kQuantizeUnroll) {
-    uint2 in[kQuantizeUnroll];
-#pragma unroll
-    for (int u = 0; u < kQuantizeUnroll; ++u) {
-      const int col = (b0 + u) * fp8_blockwise::kBlock + lane * kElems;
-      in[u] = make_uint2(0, 0);
-      if (row != nullptr && b0 + u < blocks) {
-        in[u] = __ldg(reinterpret_cast<const uint2*>(row) + col / kElems);  // read-only, as x
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kQuantizeUnroll; ++u) {
-      const int b = b0 + u;
-      if (b >= blocks) break;  // warp-uniform
-      const float x[kElems] = {__uint_as_float(in[u].x << 16), __uint_as_float(in[u].x & 0xffff0000u),
-                               __uint_as_float(in[u].y << 16), __uint_as_float(in[u].y & 0xffff0000u)};
-      const fp8_blockwise::QuantizedLane q = fp8_blockwise::quantize_block_lane(x, false);
-      *reinterpret_cast<uint32_t*>(dst + b * fp8_blockwise::kBlock + lane * kElems) = q.bytes;
-      if (lane == 0) p.x_scales[static_cast<int64_t>(b) * p.scale_stride + ring_row] = q.scale;
-    }
-  }
-}
-
 template <bool kFp8>
 MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, int row_end,
                                int warp) {
@@ -123,11 +95,7 @@ MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, in
   const int64_t* row_src = p.row_src + static_cast<int64_t>(round) * p.ring_rows;
   for (int row = row_begin + warp; row < row_end; row += kPullWarps) {
     if constexpr (kFp8) {
-      if (p.quantize_tokens) {
-        pull_row_quantize(p, row_src[row], row, lane);
-      } else {
-        pull_row_fp8(p, row_src[row], row, lane);
-      }
+      pull_row_fp8(p, row_src[row], row, lane);
     } else {
       pull_row(p, row_src[row], row, lane);
     }

@@ -83,10 +83,10 @@ struct MegaParams {
   uint8_t* act8_ring;          // [ring_rows, I] e4m3: act quantised in (1, 128) blocks (L2's A)
   float* act_scales;           // [I / 128, scale_stride]
   int scale_stride;            // ring_rows rounded up to 4 (16-byte TMA strides)
-  int token_row_bytes;         // bytes from one token row to the next (packed FP8 rows: in
-                               // place, their own size; staged, the tokens region's 2 H)
-  bool quantize_tokens;        // the token rows are bf16 x in place (one rank): the pull
-                               // quantises them (roles/megakernel_comm.cuh)
+  int token_row_bytes;         // bytes from one token row to the next (in place: H e4m3
+                               // bytes; staged packed FP8 rows: the tokens region's 2 H)
+  const float* local_token_scales;  // one rank: x's (1, 128) scales [T, H / 128] beside its
+                                    // quantised rows in place (local_tokens), or null
 
   // ---- diagnostics: the timeline (layout/mega.cuh, MegaTraceCta / MegaTraceTask), or null
   int64_t* trace_ctas;         // [num_ctas, kTraceCtaWords]
