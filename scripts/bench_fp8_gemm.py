@@ -143,7 +143,8 @@ def table_markers(name: str) -> tuple[str, str]:
 
 TABLE_NAME = "bench_fp8_gemm table"  # --table's default: the GEMM table of docs/FP8.md
 TABLE_BEGIN, TABLE_END = table_markers(TABLE_NAME)
-LAYER_BEGIN, LAYER_END = table_markers("fp8_layer table")
+LAYER_NAME = "fp8_layer table"
+LAYER_BEGIN, LAYER_END = table_markers(LAYER_NAME)
 #: Layer targets of issue 15 (deepseek-v3, EP 1, 8192 tokens per rank): FP8 over MoK's BF16.
 LAYER_TARGETS = {"fwd": 1.5, "fwd_bwd": 1.3}
 
@@ -184,9 +185,13 @@ def render_layer(record: dict) -> str:
     backward also FP8 with FP8 data gradients (``mok_fp8_dgrad``), and the FP8 megakernel's
     forward (``mok_fp8_mega``, ``bench_moe.py --mok-fp8-mega``), where the record has them."""
     env = record["environment"]
+    has_mega = any(
+        "mok_fp8_mega" in c.get(p, {}) for c in record["cases"] for p in ("fwd", "fwd_bwd")
+    )
+    mega_flag = " --mok-fp8-mega" if has_mega else ""
     lines = [
         f"Record: {env['gpu']}, torch {env['torch']}, commit `{env['commit'][:7]}`, EP "
-        f"{env['world_size']} (`scripts/bench_moe.py --mok-fp8`): median ms "
+        f"{env['world_size']} (`scripts/bench_moe.py --mok-fp8{mega_flag}`): median ms "
         "of the Megatron MoE layer, the alltoall + grouped-GEMM baseline and MoK in the same "
         "process.",
         "",
@@ -194,6 +199,10 @@ def render_layer(record: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for case in record["cases"]:
+        routing = case.get("routing", "uniform")
+        tokens = case["tokens_per_rank"] if routing == "uniform" else (
+            f"{case['tokens_per_rank']} ({routing})"
+        )  # fmt: skip
         for label in ("fwd", "fwd_bwd"):
             if label not in case:
                 continue
@@ -202,20 +211,20 @@ def render_layer(record: dict) -> str:
             target = LAYER_TARGETS[label] if case["shape"] == "deepseek-v3" else None
             target = f"{target:.1f}x" if target else "-"
             lines.append(
-                f"| {case['shape']} | {case['tokens_per_rank']} | {label} | {ms['baseline']:.2f} | "
+                f"| {case['shape']} | {tokens} | {label} | {ms['baseline']:.2f} | "
                 f"{ms['mok']:.2f} | {ms['mok_fp8']:.2f} | {r['fp8_speedup']:.2f}x | {target} |"
             )
             if "mok_fp8_mega" in r:
                 mega = r["mok_fp8_mega"]["median_ms_all_ranks_max"]
                 lines.append(
-                    f"| {case['shape']} | {case['tokens_per_rank']} | {label} (FP8 megakernel) | "
+                    f"| {case['shape']} | {tokens} | {label} (FP8 megakernel) | "
                     f"{ms['baseline']:.2f} | {ms['mok']:.2f} | {mega:.2f} | "
                     f"{r['fp8_mega_speedup']:.2f}x | {target} |"
                 )
             if "mok_fp8_dgrad" in r:
                 dgrad = r["mok_fp8_dgrad"]["median_ms_all_ranks_max"]
                 lines.append(
-                    f"| {case['shape']} | {case['tokens_per_rank']} | {label} (FP8 dgrads) | "
+                    f"| {case['shape']} | {tokens} | {label} (FP8 dgrads) | "
                     f"{ms['baseline']:.2f} | {ms['mok']:.2f} | {dgrad:.2f} | "
                     f"{r['fp8_dgrad_speedup']:.2f}x | {target} |"
                 )
@@ -242,9 +251,9 @@ def main() -> None:
     ap.add_argument("--md", help="with --render: the markdown file whose table to replace")
     ap.add_argument(
         "--table",
-        default=TABLE_NAME,
-        help="with --render and --md: the table's markers' name ('<!-- NAME begin -->'), for a "
-        "page with more than one GEMM table",
+        default=None,
+        help="with --render / --render-layer and --md: the table's markers' name ('<!-- NAME "
+        f"begin -->'; default '{TABLE_NAME}' / '{LAYER_NAME}'), for a page with more than one",
     )
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--ep", type=int, default=1)
@@ -266,7 +275,7 @@ def main() -> None:
         with open(args.render or args.render_layer) as f:
             record = json.load(f)
         table = render(record) if args.render else render_layer(record)
-        markers = table_markers(args.table) if args.render else (LAYER_BEGIN, LAYER_END)
+        markers = table_markers(args.table or (TABLE_NAME if args.render else LAYER_NAME))
         if args.md:
             write_table(args.md, table, *markers)
         else:
