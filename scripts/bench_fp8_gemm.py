@@ -207,26 +207,20 @@ def render_layer(record: dict) -> str:
             if label not in case:
                 continue
             r = case[label]
-            ms = {who: r[who]["median_ms_all_ranks_max"] for who in ("baseline", "mok", "mok_fp8")}
+            ms = {who: r[who]["median_ms_all_ranks_max"] for who in ("baseline", "mok")}
             target = LAYER_TARGETS[label] if case["shape"] == "deepseek-v3" else None
             target = f"{target:.1f}x" if target else "-"
-            lines.append(
-                f"| {case['shape']} | {tokens} | {label} | {ms['baseline']:.2f} | "
-                f"{ms['mok']:.2f} | {ms['mok_fp8']:.2f} | {r['fp8_speedup']:.2f}x | {target} |"
-            )
-            if "mok_fp8_mega" in r:
-                mega = r["mok_fp8_mega"]["median_ms_all_ranks_max"]
+            # (row label, FP8 contender, its speedup key): stage 1's FP8 first, then the others
+            # the record has
+            for suffix, who, speedup in (("", "mok_fp8", "fp8_speedup"),
+                                         (" (FP8 megakernel)", "mok_fp8_mega", "fp8_mega_speedup"),
+                                         (" (FP8 dgrads)", "mok_fp8_dgrad", "fp8_dgrad_speedup")):  # fmt: skip
+                if who not in r:
+                    continue
                 lines.append(
-                    f"| {case['shape']} | {tokens} | {label} (FP8 megakernel) | "
-                    f"{ms['baseline']:.2f} | {ms['mok']:.2f} | {mega:.2f} | "
-                    f"{r['fp8_mega_speedup']:.2f}x | {target} |"
-                )
-            if "mok_fp8_dgrad" in r:
-                dgrad = r["mok_fp8_dgrad"]["median_ms_all_ranks_max"]
-                lines.append(
-                    f"| {case['shape']} | {tokens} | {label} (FP8 dgrads) | "
-                    f"{ms['baseline']:.2f} | {ms['mok']:.2f} | {dgrad:.2f} | "
-                    f"{r['fp8_dgrad_speedup']:.2f}x | {target} |"
+                    f"| {case['shape']} | {tokens} | {label}{suffix} | {ms['baseline']:.2f} | "
+                    f"{ms['mok']:.2f} | {r[who]['median_ms_all_ranks_max']:.2f} | "
+                    f"{r[speedup]:.2f}x | {target} |"
                 )
     return "\n".join(lines)
 
