@@ -107,7 +107,7 @@ def parse_args(argv=None):
         action="store_true",
         help="also time MoK's FP8 megakernel forward (expert_precision='fp8_blockwise', "
         "cuda_forward='megakernel'; its backward is stage 1's) as 'mok_fp8_mega', in the same "
-        "process; with --mok-cluster2 also in clusters of two as 'mok_fp8_mega_cluster2'",
+        "process",
     )
     p.add_argument(
         "--mok-graph",
@@ -481,9 +481,6 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 )
         if args.mok_fp8_mega:
             contenders.append(("mok_fp8_mega", layer, MOK_FP8_MEGA_KNOBS))
-            if args.mok_cluster2:
-                contenders.append(("mok_fp8_mega_cluster2", layer,
-                                   {**MOK_FP8_MEGA_KNOBS, "megakernel_cluster": 2}))  # fmt: skip
         for who, module, knobs in contenders:
             with _mok_knobs(module, **knobs):
                 t = measure(module, sets, args, backward)
@@ -520,11 +517,6 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_fp8_mega:  # > 1: the FP8 megakernel beats MoK's default (BF16) layer
             result["fp8_mega_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
                                           / result["mok_fp8_mega"]["median_ms_all_ranks_max"])  # fmt: skip
-            if args.mok_cluster2:  # > 1: the FP8 megakernel in clusters of two beats it without
-                result["fp8_mega_cluster2_speedup"] = (
-                    result["mok_fp8_mega"]["median_ms_all_ranks_max"]
-                    / result["mok_fp8_mega_cluster2"]["median_ms_all_ranks_max"]
-                )
             if args.mok_fp8:  # > 1: the FP8 megakernel beats the FP8 stage 1
                 result["fp8_mega_over_stage1"] = (
                     result["mok_fp8"]["median_ms_all_ranks_max"]

@@ -125,7 +125,7 @@ std::vector<at::Tensor> build_plan(const at::Tensor& topk, const at::Tensor& rou
 // rounded down to whole clusters of `cluster` CTAs, checked against the device and the comm CTAs
 // (`knob` names the MoKConfig field in the error).
 int mega_grid(const at::Tensor& x, int64_t num_sms, int64_t num_comm_sms, int64_t cluster,
-              bool backward, const char* knob, bool fp8 = false) {
+              bool backward, const char* knob) {
   int device_sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
                                         x.device().index()));
@@ -134,8 +134,7 @@ int mega_grid(const at::Tensor& x, int64_t num_sms, int64_t num_comm_sms, int64_
               layout::kMaxClusterCtas);
   int given = num_sms > 0 ? static_cast<int>(num_sms) : device_sms;
   if (num_sms <= 0 && cluster > 1) {
-    const int resident =
-        launch::megakernel_resident_ctas(backward, static_cast<int>(cluster), fp8);
+    const int resident = launch::megakernel_resident_ctas(backward, static_cast<int>(cluster));
     if (resident > 0 && resident < given) given = resident;
   }
   const int grid = given / static_cast<int>(cluster) * static_cast<int>(cluster);
@@ -282,6 +281,9 @@ std::vector<at::Tensor> moe_mega_forward(
                 " / w_down_scales ", w_down_scales->sizes(), " must be the (128, 128) blocks' [",
                 e_l, ", ", 2 * inter / kBlock, ", ", lay.hidden / kBlock, "] / [", e_l, ", ",
                 lay.hidden / kBlock, ", ", inter / kBlock, "]");
+    TORCH_CHECK(cluster == 1, "mok::moe_mega_forward: the FP8 megakernel runs without clusters "
+                "(megakernel_cluster=", cluster, "); use MoKConfig.megakernel_cluster=1 with "
+                "expert_precision='fp8_blockwise'");
   }
   TORCH_CHECK(x.size(0) <= lay.max_tokens && x.size(1) == lay.hidden, "mok::moe_mega_forward: x ",
               x.sizes(), " does not fit the workspace [<=", lay.max_tokens, ", ", lay.hidden, "]");
@@ -309,7 +311,7 @@ std::vector<at::Tensor> moe_mega_forward(
     plan = build_plan(topk, router_weights, comm_ints, comm, num_experts, row_capacity,
                       token_capacity, shape);
   }
-  const int grid = mega_grid(x, num_sms, num_comm_sms, cluster, false, "fwd_num_comm_sms", fp8);
+  const int grid = mega_grid(x, num_sms, num_comm_sms, cluster, false, "fwd_num_comm_sms");
   TORCH_CHECK(stall_l2_cta >= -1 && stall_l2_cta < grid, "mok::moe_mega_forward: stall_l2_cta=",
               stall_l2_cta, " must be -1 or a CTA of the grid's ", grid);
 

@@ -56,7 +56,10 @@ typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, 
 void check_fp8_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
   constexpr int kBlock = gemm::kFp8ScaleBlock;
-  MOK_HOST_CHECK(!a.backward, "FP8 megakernel: the forward only (the backward is BF16)");
+  MOK_HOST_CHECK(!a.backward && a.cluster_ctas == 1,
+                 "FP8 megakernel: the forward only, without clusters (cluster_ctas=%d; use "
+                 "MoKConfig.megakernel_cluster=1 with FP8 experts)",
+                 a.cluster_ctas);
   MOK_HOST_CHECK(s.hidden % kBlock == 0 && s.inter % kBlock == 0 &&
                      s.hidden / kBlock <= gemm::kMegaFp8MaxKBlocks &&
                      s.inter / kBlock <= gemm::kMegaFp8MaxKBlocks,
@@ -236,12 +239,10 @@ roles::MegaParams device_params(const MegaArgs& a) {
 // One FP8 GEMM's operands: A = a [a_rows, k] e4m3 with M-major scales a_scales [k / 128,
 // scale_stride]; B = b [num_experts, n, k] e4m3 with scales b_scales [num_experts, n / 128,
 // k / 128]. As gemm_params, A's descriptor from a problem with L = 1, B's with L = num_experts.
-template <int kCluster>
-gemm::MegaFp8GemmOf<kCluster> fp8_gemm_params(const void* a, const float* a_scales, int a_rows,
-                                              int scale_stride, const void* b,
-                                              const float* b_scales, int n, int k,
-                                              int num_experts) {
-  using Mainloop = gemm::MegaFp8MainloopOf<kCluster>;
+gemm::MegaFp8Gemm fp8_gemm_params(const void* a, const float* a_scales, int a_rows,
+                                  int scale_stride, const void* b, const float* b_scales, int n,
+                                  int k, int num_experts) {
+  using Mainloop = gemm::MegaFp8Mainloop;
   using Element = gemm::Fp8Element;
   constexpr int kBlock = gemm::kFp8ScaleBlock;
   const auto stride_a = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{a_rows} * k);
@@ -253,7 +254,7 @@ gemm::MegaFp8GemmOf<kCluster> fp8_gemm_params(const void* a, const float* a_scal
                                         a_scales, gemm::Fp8ScaleConfig::tile_atom_to_shape_SFA(shape),
                                         b_scales, gemm::Fp8ScaleConfig::tile_atom_to_shape_SFB(shape)};
   };
-  gemm::MegaFp8GemmOf<kCluster> g{};
+  gemm::MegaFp8Gemm g{};
   g.ml = Mainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, 1), args(1), nullptr);
   g.ml.tma_load_b = Mainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, num_experts),
                                                       args(num_experts), nullptr)
@@ -265,16 +266,15 @@ gemm::MegaFp8GemmOf<kCluster> fp8_gemm_params(const void* a, const float* a_scal
   return g;
 }
 
-template <int kCluster>
-kernels::MegaKernelParams<false, kCluster, true> fp8_kernel_params(const MegaArgs& a) {
-  kernels::MegaKernelParams<false, kCluster, true> kp;
+kernels::MegaKernelParams<false, 1, true> fp8_kernel_params(const MegaArgs& a) {
+  kernels::MegaKernelParams<false, 1, true> kp;
   kp.p = device_params(a);
   const int ring = kp.p.ring_rows, h = kp.p.hidden, i = kp.p.inter, e = kp.p.num_local_experts;
   const int stride = kp.p.scale_stride;
-  kp.gemm.l1 = fp8_gemm_params<kCluster>(a.x8_ring, a.x_scales, ring, stride, a.w_gate_up,
-                                         a.w_gate_up_scales, 2 * i, h, e);
-  kp.gemm.l2 = fp8_gemm_params<kCluster>(a.act8_ring, a.act_scales, ring, stride, a.w_down,
-                                         a.w_down_scales, h, i, e);
+  kp.gemm.l1 = fp8_gemm_params(a.x8_ring, a.x_scales, ring, stride, a.w_gate_up,
+                               a.w_gate_up_scales, 2 * i, h, e);
+  kp.gemm.l2 = fp8_gemm_params(a.act8_ring, a.act_scales, ring, stride, a.w_down,
+                               a.w_down_scales, h, i, e);
   return kp;
 }
 
@@ -307,11 +307,9 @@ size_t megakernel_smem_bytes(bool fp8) {
 
 namespace {
 
-template <bool kBackward, int kCluster, bool kFp8 = false>
+template <bool kBackward, int kCluster>
 auto kernel_of() {
-  if constexpr (kFp8) {
-    return &kernels::moe_forward_megakernel_fp8<kCluster>;
-  } else if constexpr (kBackward) {
+  if constexpr (kBackward) {
     return &kernels::moe_backward_megakernel<kCluster>;
   } else {
     return &kernels::moe_forward_megakernel<kCluster>;
@@ -322,7 +320,7 @@ auto kernel_of() {
 // forward's.
 const void* kernel_ptr(bool backward, int cluster, bool fp8) {
   const auto of = [](auto kernel) { return reinterpret_cast<const void*>(kernel); };
-  if (fp8) return cluster == 1 ? of(kernel_of<false, 1, true>()) : of(kernel_of<false, 2, true>());
+  if (fp8) return of(&kernels::moe_forward_megakernel_fp8);
   if (backward) return cluster == 1 ? of(kernel_of<true, 1>()) : of(kernel_of<true, 2>());
   return cluster == 1 ? of(kernel_of<false, 1>()) : of(kernel_of<false, 2>());
 }
@@ -370,7 +368,7 @@ int query_resident_ctas(int device, bool backward, int cluster, bool fp8) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, megakernel_threads(), smem));
     return sms * ctas;
   }
-  const ClusterLaunch one(cluster, cluster, nullptr, fp8);
+  const ClusterLaunch one(cluster, cluster, nullptr);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &one.config) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -398,20 +396,14 @@ int resident_ctas(bool backward, int cluster, bool fp8) {
   return k - 1;
 }
 
-template <bool kBackward, int kCluster, bool kFp8 = false>
+template <bool kBackward, int kCluster>
 void launch(const MegaArgs& args, cudaStream_t stream) {
-  const auto params = [&] {
-    if constexpr (kFp8) {
-      return fp8_kernel_params<kCluster>(args);
-    } else {
-      return kernel_params<kBackward, kCluster>(args);
-    }
-  }();
-  const auto kernel = kernel_of<kBackward, kCluster, kFp8>();
+  const auto params = kernel_params<kBackward, kCluster>(args);
+  const auto kernel = kernel_of<kBackward, kCluster>();
   if constexpr (kCluster == 1) {
-    kernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(kFp8), stream>>>(params);
+    kernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(), stream>>>(params);
   } else {
-    const ClusterLaunch grid(args.num_ctas, kCluster, stream, kFp8);
+    const ClusterLaunch grid(args.num_ctas, kCluster, stream);
     MOK_CUDA_CHECK(cudaLaunchKernelEx(&grid.config, kernel, params));
   }
 }
@@ -421,7 +413,8 @@ void launch(const MegaArgs& args, cudaStream_t stream) {
 int megakernel_resident_ctas(bool backward, int cluster, bool fp8) {
   MOK_HOST_CHECK(cluster == 1 || cluster == layout::kMaxClusterCtas,
                  "megakernel: cluster=%d must be 1 or %d", cluster, layout::kMaxClusterCtas);
-  MOK_HOST_CHECK(!fp8 || !backward, "megakernel: the FP8 megakernel is a forward");
+  MOK_HOST_CHECK(!fp8 || (!backward && cluster == 1),
+                 "megakernel: the FP8 megakernel is a forward without clusters");
   return resident_ctas(backward, cluster, fp8);
 }
 
@@ -439,8 +432,9 @@ void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {
                  "CTA",
                  args.num_ctas, resident, args.cluster_ctas);
   if (args.fp8) {
-    args.cluster_ctas == 1 ? launch<false, 1, true>(args, stream)
-                           : launch<false, 2, true>(args, stream);
+    const auto params = fp8_kernel_params(args);
+    kernels::moe_forward_megakernel_fp8<<<args.num_ctas, megakernel_threads(),
+                                          megakernel_smem_bytes(true), stream>>>(params);
   } else if (args.backward) {
     args.cluster_ctas == 1 ? launch<true, 1>(args, stream) : launch<true, 2>(args, stream);
   } else {

@@ -265,6 +265,16 @@ class MoKConfig:
                 f"{self.expert_precision!r}: FP8 experts' backward is stage 1's (its router-weight "
                 "gradient reads the FP8 forward's output rows); set cuda_backward='auto' or 'stage1'"
             )
+        if (
+            self.expert_precision != "bf16"
+            and self.cuda_forward != "stage1"
+            and self.megakernel_cluster != 1
+        ):
+            raise ValueError(
+                f"MoKConfig.expert_precision={self.expert_precision!r} with "
+                f"megakernel_cluster={self.megakernel_cluster}: the FP8 megakernel runs without "
+                "clusters; set megakernel_cluster=1 (or cuda_forward='stage1')"
+            )
         if not 1 <= self.wait_timeout_ms < 2**31:
             raise ValueError(
                 f"MoKConfig.wait_timeout_ms={self.wait_timeout_ms} must be a positive number of "

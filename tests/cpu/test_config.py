@@ -54,6 +54,14 @@ def test_every_knob_is_documented_and_defaults_validate():
             },  # fmt: skip
             ["cuda_backward='megakernel'", "stage 1", "cuda_backward='auto'"],
         ),
+        (
+            {
+                "expert_precision": "fp8_blockwise",
+                "cuda_forward": "megakernel",
+                "megakernel_cluster": 2,
+            },  # fmt: skip
+            ["megakernel_cluster=2", "FP8 megakernel", "megakernel_cluster=1"],
+        ),
         ({"expert_gemm": ""}, ["expert_gemm=''"]),
         ({"expert_gemm": 2}, ["expert_gemm=2"]),
         ({"wait_timeout_ms": 0}, ["wait_timeout_ms=0", "positive", "try 10000"]),

@@ -1,6 +1,6 @@
 """MoKConfig for the FP8 forward megakernel (expert_precision="fp8_blockwise" with
-cuda_forward="megakernel"): accepted with either fp8_backward and in clusters of one or two
-CTAs; and the backward after it is stage 1's (mega.runs_backward on stand-in
+cuda_forward="megakernel"): accepted with either fp8_backward, refused in clusters of two CTAs
+naming the rule; and the backward after it is stage 1's (mega.runs_backward on stand-in
 contexts, as test_mega_backward_choice.py): the backward megakernel's router-weight gradient is
 <d_rows @ W_down, a>, not <d_rows, y> of the FP8 GEMM's y. No kernel runs."""
 
@@ -26,11 +26,12 @@ def test_fp8_megakernel_is_accepted(fp8_backward):
     assert config.megakernel_cluster == 1
 
 
-def test_fp8_megakernel_in_clusters_of_two_is_accepted():
-    config = _fp8_megakernel(megakernel_cluster=2, fwd_num_comm_sms=8, bwd_num_comm_sms=8)
-    assert config.megakernel_cluster == 2
-    with pytest.raises(ValueError, match="megakernel_cluster=2"):  # its comm SMs: whole clusters
-        _fp8_megakernel(megakernel_cluster=2, fwd_num_comm_sms=7)
+def test_fp8_megakernel_in_clusters_is_refused_naming_the_rule():
+    with pytest.raises(ValueError) as info:
+        _fp8_megakernel(megakernel_cluster=2, fwd_num_comm_sms=8, bwd_num_comm_sms=8)
+    message = str(info.value)
+    assert "megakernel_cluster" in message and "fp8" in message, message
+    MoKConfig(cuda_forward="megakernel", megakernel_cluster=2)  # BF16: clusters stay allowed
 
 
 def test_backward_after_the_fp8_megakernel_is_stage1s():

@@ -31,9 +31,6 @@ static_assert(one_smem_size<1>() && one_smem_size<layout::kMaxClusterCtas>(),
               "cluster size");
 // The FP8 forward's: its own stages (roles/megakernel_fp8.cuh).
 constexpr size_t kMegaFp8SmemBytes = sizeof(roles::MegaComputeStorage<false, 1, true>) + kMegaSmemAlign;
-static_assert(sizeof(roles::MegaComputeStorage<false, layout::kMaxClusterCtas, true>) ==
-                  sizeof(roles::MegaComputeStorage<false, 1, true>),
-              "the FP8 forward's shared memory in every cluster size");
 
 // Passed by value (__grid_constant__): the TMA descriptors stay in parameter space.
 template <bool kBackward, int kCluster, bool kFp8 = false>
@@ -43,7 +40,6 @@ struct MegaKernelParams {
 };
 static_assert(sizeof(MegaKernelParams<false, 1>) <= 4096 &&
                   sizeof(MegaKernelParams<false, 1, true>) <= 4096 &&
-                  sizeof(MegaKernelParams<false, layout::kMaxClusterCtas, true>) <= 4096 &&
                   sizeof(MegaKernelParams<true, 1>) <= 4096 &&
                   sizeof(MegaKernelParams<false, layout::kMaxClusterCtas>) <= 4096 &&
                   sizeof(MegaKernelParams<true, layout::kMaxClusterCtas>) <= 4096,
@@ -71,14 +67,12 @@ __global__ void __launch_bounds__(kMegaThreads, 1)
 }
 
 // The FP8 forward (MoKConfig.expert_precision="fp8_blockwise"): the same roles over FP8 rows and
-// weights (roles/megakernel_fp8.cuh), in clusters of kCluster CTAs.
-template <int kCluster>
+// weights, no clusters (roles/megakernel_fp8.cuh).
 __global__ void __launch_bounds__(kMegaThreads, 1)
-    moe_forward_megakernel_fp8(const __grid_constant__ MegaKernelParams<false, kCluster, true> params) {
+    moe_forward_megakernel_fp8(const __grid_constant__ MegaKernelParams<false, 1, true> params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem[];
-  roles::cta_role<false, kCluster, true>(params.p, params.gemm,
-                                         compute_storage<false, kCluster, true>(smem));
+  roles::cta_role<false, 1, true>(params.p, params.gemm, compute_storage<false, 1, true>(smem));
 #endif
 }
 

@@ -13,7 +13,7 @@
 // kCluster: CTAs per cluster (1 or 2). In a cluster of 2, a ticket is a cluster task: the two
 // CTAs run n-tiles 2 n and 2 n + 1 of one m-tile and share its A tile (TMA multicast); the first
 // takes the tickets, the second receives them (roles/megakernel_cluster.cuh).
-// kFp8: the FP8 forward (clusters of 1 or 2 too): the same roles over blockwise-FP8 operands, each
+// kFp8: the FP8 forward (one CTA per cluster): the same roles over blockwise-FP8 operands, each
 // task's n-tile as two FP8 tiles (roles/megakernel_fp8.cuh).
 #pragma once
 
@@ -41,10 +41,10 @@ struct MegaGemmKind {
   using Params = MegaGemmParamsOf<Mainloop>;
   struct Scratch {};
 };
-template <int kCluster>
-struct MegaGemmKind<false, kCluster, true> {
-  using Mainloop = gemm::MegaFp8MainloopOf<kCluster>;
-  using Params = gemm::MegaFp8GemmParamsOf<kCluster>;
+template <>
+struct MegaGemmKind<false, 1, true> {
+  using Mainloop = gemm::MegaFp8Mainloop;
+  using Params = gemm::MegaFp8GemmParams;
   using Scratch = gemm::MegaFp8Scratch;
 };
 template <bool kBackward, int kCluster, bool kFp8>

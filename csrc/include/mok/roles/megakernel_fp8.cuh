@@ -31,7 +31,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "mok/common/fp8_blockwise.cuh"
 #include "mok/roles/fp8_blockwise_quantize.cuh"
@@ -58,24 +57,18 @@ struct MegaFp8Scratch {
 };
 constexpr int kMegaFp8Carveout = kMegaSmemCarveout + static_cast<int>(sizeof(MegaFp8Scratch));
 
-// The engine's FP8 collective (its shared memory, pipeline and TiledMma), non-array, in clusters
-// of kCluster CTAs along N (as the BF16 megakernel's: the C CTAs of a cluster run C n-tiles of
-// one m-tile and share its A tile by TMA multicast, as the engine's FP8 GEMMs do in pairs); its
-// consumer loop is fp8_mainloop.cuh's, its producer ours (load_task_fp8).
+// The engine's FP8 collective (its shared memory, pipeline and TiledMma), non-array, one CTA;
+// its consumer loop is fp8_mainloop.cuh's, its producer ours (load_task_fp8).
 // NOTE: built with the engine's K-major scale layouts, so CUTLASS makes no scale TMA (A's is
 // ours, over the ring's M-major region; B's is staged): the shared-memory layout of the scales
 // is the same for either major (checked below).
-template <int kCluster>
-using MegaFp8BaseOf = typename cutlass::gemm::collective::CollectiveBuilder<
+using MegaFp8Base = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8Element,
     cute::tuple<RowMajor, Fp8LayoutSFA>, kFp8Alignment, Fp8Element,
     cute::tuple<ColumnMajor, Fp8LayoutSFB>, kFp8Alignment, Accumulator, MegaFp8TileShape,
-    MegaClusterShape<kCluster>, cutlass::gemm::collective::StageCountAutoCarveout<kMegaFp8Carveout>,
+    ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kMegaFp8Carveout>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-template <int kCluster>
-using MegaFp8MainloopOf = OverlappedPromotionMma<MegaFp8BaseOf<kCluster>>;
-using MegaFp8Base = MegaFp8BaseOf<1>;
-using MegaFp8Mainloop = MegaFp8MainloopOf<1>;
+using MegaFp8Mainloop = OverlappedPromotionMma<MegaFp8Base>;
 using MegaFp8Pipeline = typename MegaFp8Mainloop::MainloopPipeline;
 using MegaFp8PipelineState = typename MegaFp8Mainloop::PipelineState;
 using MegaFp8TiledMma = typename MegaFp8Mainloop::TiledMma;
@@ -86,12 +79,6 @@ static_assert(cute::cosize_v<typename MegaFp8Mainloop::SmemLayoutSFA> ==
               "a stage's scales: 128 row scales (row r at r), then one weight scale");
 static_assert(!MegaFp8Base::IsTmaLoadSFA && !MegaFp8Base::IsTmaLoadSFB,
               "the collective makes no scale TMA: the megakernel loads the scales itself");
-using MegaFp8Cluster = MegaFp8MainloopOf<layout::kMaxClusterCtas>;
-static_assert(std::is_same_v<typename MegaFp8Cluster::MainloopPipeline, MegaFp8Pipeline> &&
-                  std::is_same_v<typename MegaFp8Cluster::TiledMma, MegaFp8TiledMma> &&
-                  sizeof(typename MegaFp8Cluster::TensorStorage) ==
-                      sizeof(typename MegaFp8Mainloop::TensorStorage),
-              "one pipeline, TiledMma and shared memory in every cluster size");
 
 using MegaFp8Accumulators =
     decltype(cute::partition_fragment_C(MegaFp8TiledMma{}, cute::take<0, 2>(MegaFp8TileShape{})));
@@ -114,27 +101,22 @@ inline auto make_sfa_tma(const float* scales, int rows, int k_blocks, int stride
 }
 using MegaFp8SfaTma = decltype(make_sfa_tma(nullptr, 1, 1, 4));
 
-// One FP8 GEMM's operands (forward L1: the x ring, w_gate_up; L2: the act ring, w_down), for
-// clusters of kCluster CTAs (A's descriptor multicasts in a cluster).
-template <int kCluster>
-struct MegaFp8GemmOf {
-  typename MegaFp8MainloopOf<kCluster>::Params ml;  // A: the ring's e4m3 rows; B: the weights'
-                                                    // FP8 [E, N, K]
+// One FP8 GEMM's operands (forward L1: the x ring, w_gate_up; L2: the act ring, w_down).
+struct MegaFp8Gemm {
+  typename MegaFp8Mainloop::Params ml;  // A: the ring's e4m3 rows; B: the weights' FP8 [E, N, K]
   MegaFp8SfaTma sfa;                    // A's scales (the ring's M-major region)
   const float* sfb;                     // B's [E_l, N / 128, K / 128]
   int n_blocks;                         // N / 128
   int k_blocks;                         // K / 128: one half's k-tiles
 };
-template <int kCluster>
-struct MegaFp8GemmParamsOf {
-  MegaFp8GemmOf<kCluster> l1;
-  MegaFp8GemmOf<kCluster> l2;
+struct MegaFp8GemmParams {
+  MegaFp8Gemm l1;
+  MegaFp8Gemm l2;
 };
 
-template <int kCluster>
-CUTLASS_DEVICE void prefetch_tma_descriptors(const MegaFp8GemmParamsOf<kCluster>& gp) {
-  MegaFp8MainloopOf<kCluster>::prefetch_tma_descriptors(gp.l1.ml);
-  MegaFp8MainloopOf<kCluster>::prefetch_tma_descriptors(gp.l2.ml);
+CUTLASS_DEVICE void prefetch_tma_descriptors(const MegaFp8GemmParams& gp) {
+  MegaFp8Mainloop::prefetch_tma_descriptors(gp.l1.ml);
+  MegaFp8Mainloop::prefetch_tma_descriptors(gp.l2.ml);
   cute::prefetch_tma_descriptor(gp.l1.sfa.get_tma_descriptor());
   cute::prefetch_tma_descriptor(gp.l2.sfa.get_tma_descriptor());
 }
@@ -142,8 +124,7 @@ CUTLASS_DEVICE void prefetch_tma_descriptors(const MegaFp8GemmParamsOf<kCluster>
 // The producer warp (all 32 lanes): task (expert, n_tile)'s weight scales of both halves into
 // `stage` (half h's K block k at h * k_blocks + k; 0 for a half past N, whose B rows TMA
 // zero-fills).
-template <int kCluster>
-MOK_DEVICE void stage_weight_scales(const MegaFp8GemmOf<kCluster>& g, int expert, int n_tile,
+MOK_DEVICE void stage_weight_scales(const MegaFp8Gemm& g, int expert, int n_tile,
                                     MegaFp8Scratch& stage) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   for (int j = lane; j < kMegaFp8Halves * g.k_blocks; j += 32) {
@@ -159,13 +140,10 @@ MOK_DEVICE void stage_weight_scales(const MegaFp8GemmOf<kCluster>& g, int expert
 
 // Producer (one thread): the task's two halves, K / 128 k-tiles each, from `state` on (the
 // caller advances its state by load.k_tiles = 2 K / 128). As load_task: A is the 128-row window
-// at row_begin (rows past the ring zero-filled), its scales the same window of the scale region;
-// in a cluster this CTA loads its slice of A into every CTA of the cluster, and its own A
-// scales, B and B's scales.
-template <int kCluster>
-CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8GemmOf<kCluster>& g,
+// at row_begin (rows past the ring zero-filled), its scales the same window of the scale region.
+CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8Gemm& g,
                                   MegaFp8Pipeline& pipeline, MegaFp8PipelineState state,
-                                  typename MegaFp8MainloopOf<kCluster>::TensorStorage& smem,
+                                  typename MegaFp8Mainloop::TensorStorage& smem,
                                   const MegaLoad& load, const MegaFp8Scratch& scratch) {
   using namespace cute;
   using Tile = MegaFp8TileShape;
@@ -178,13 +156,13 @@ CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8GemmO
   Tensor gS = local_tile(domain_offset(window, mS), MegaFp8SfaSmemStage{}.shape(),
                          make_coord(0, _));  // (BLK_M, 1, k)
   Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()),
-                          typename MegaFp8MainloopOf<kCluster>::SmemLayoutA{});
+                          typename MegaFp8Mainloop::SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()),
-                          typename MegaFp8MainloopOf<kCluster>::SmemLayoutB{});
+                          typename MegaFp8Mainloop::SmemLayoutB{});
   Tensor sS = make_tensor(make_smem_ptr(smem.smem_SFA.data()),
                           make_layout(make_shape(get<0>(Tile{}), _1{}, Int<kMegaFp8Stages>{}),
                                       make_stride(_1{}, get<0>(Tile{}), get<0>(Tile{}))));  // (BLK_M, 1, PIPE)
-  auto tma_a = g.ml.tma_load_a.get_slice(kCluster > 1 ? cute::block_rank_in_cluster() : 0);
+  auto tma_a = g.ml.tma_load_a.get_slice(0);
   auto tma_b = g.ml.tma_load_b.get_slice(0);
   auto tma_s = g.sfa.get_slice(0);
   Tensor tAgA = tma_a.partition_S(gA);
@@ -204,12 +182,7 @@ CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8GemmO
                    [&](int stage) { smem.smem_SFB[stage] = sb; });
       auto* full = pipeline.producer_get_barrier(state);
       const int stage = state.index();
-      if constexpr (kCluster > 1) {
-        constexpr auto kEveryCta = static_cast<uint16_t>((1u << kCluster) - 1);
-        copy(g.ml.tma_load_a.with(*full, kEveryCta), tAgA(_, _, _, k), tAsA(_, _, _, stage));
-      } else {
-        copy(g.ml.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
-      }
+      copy(g.ml.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
       copy(g.ml.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
       copy(g.sfa.with(*full, 0), tSgS(_, _, _, k), tSsS(_, _, _, stage));
       ++state;
@@ -315,10 +288,10 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
 
 // Consumers (both warpgroups): one FP8 task, its two halves (mainloop, then that half's
 // epilogue); `mma_done()` after the last half's mainloop (the timeline's mark).
-template <int kCluster, class MmaDone>
-CUTLASS_DEVICE void fp8_task(const roles::MegaParams& p, const MegaFp8GemmParamsOf<kCluster>& gp,
+template <class MmaDone>
+CUTLASS_DEVICE void fp8_task(const roles::MegaParams& p, const MegaFp8GemmParams& gp,
                              MegaFp8Pipeline& pipeline, MegaFp8PipelineState& state,
-                             typename MegaFp8MainloopOf<kCluster>::TensorStorage& smem, bool l2, int round,
+                             typename MegaFp8Mainloop::TensorStorage& smem, bool l2, int round,
                              int row_begin, int rows, int n_tile, int k_tiles,
                              int mma_thread_idx, MmaDone mma_done) {
   // An L2 task's row destinations, loaded before the mainloop (as the BF16 task's).
@@ -332,8 +305,7 @@ CUTLASS_DEVICE void fp8_task(const roles::MegaParams& p, const MegaFp8GemmParams
   for (int half = 0; half < kMegaFp8Halves; ++half) {
     MegaFp8Accumulators acc;
     // NOTE: the collective's mma() reads no Params field: one call serves both GEMMs.
-    mma_task<MegaFp8MainloopOf<kCluster>>(gp.l1.ml, pipeline, state, smem, acc, half_tiles,
-                                          mma_thread_idx);
+    mma_task<MegaFp8Mainloop>(gp.l1.ml, pipeline, state, smem, acc, half_tiles, mma_thread_idx);
     if (half + 1 == kMegaFp8Halves) mma_done();
     if (!l2) {
       l1_epilogue_fp8(p, acc, mma_thread_idx, row_begin, rows, n_tile, half, amax);
