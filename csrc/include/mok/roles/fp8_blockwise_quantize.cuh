@@ -44,15 +44,21 @@ MOK_DEVICE uint32_t max_of(const uint32_t* words) {
   return m;
 }
 
+// x scaled by its block's scale and clamped to e4m3's range (encode's value before rounding);
 // `d`: Divider(s.factor), made once per block (div_rn's arithmetic).
-MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2, const Divider& d) {
-  if (s.nonfinite) return kDataNaN;
+MOK_DEVICE float scaled(float x, const BlockScale& s, bool pow2, const Divider& d) {
   const float q = pow2 ? x * s.factor : d(x);
-  const float c = fminf(fmaxf(q, -kDataMax), kDataMax);
-  return static_cast<uint8_t>(ptx::cvt_e4m3x2(c, 0.0f) & 0xFF);
+  return fminf(fmaxf(q, -kDataMax), kDataMax);
 }
 MOK_DEVICE uint8_t encode(float x, const BlockScale& s, bool pow2) {
-  return encode(x, s, pow2, Divider(s.factor));
+  if (s.nonfinite) return kDataNaN;
+  return static_cast<uint8_t>(ptx::cvt_e4m3x2(scaled(x, s, pow2, Divider(s.factor)), 0.0f) & 0xFF);
+}
+// Two elements' e4m3 bytes, x0's the low one: encode's for each, one conversion for both.
+MOK_DEVICE uint16_t encode_pair(float x0, float x1, const BlockScale& s, bool pow2,
+                                const Divider& d) {
+  if (s.nonfinite) return static_cast<uint16_t>(kDataNaN * 0x0101u);
+  return ptx::cvt_e4m3x2(scaled(x0, s, pow2, d), scaled(x1, s, pow2, d));
 }
 
 template <typename Input, int kBlockRows, int kBlockCols>
@@ -160,7 +166,9 @@ MOK_DEVICE QuantizedLane quantize_block_lane(const float (&x)[kElemsPerLane], bo
   const Divider d(s.factor);
   uint32_t bytes = 0;
   #pragma unroll
-  for (int i = 0; i < kElemsPerLane; ++i) bytes |= uint32_t{encode(x[i], s, pow2, d)} << (8 * i);
+  for (int i = 0; i < kElemsPerLane; i += 2) {
+    bytes |= uint32_t{encode_pair(x[i], x[i + 1], s, pow2, d)} << (8 * i);
+  }
   return {bytes, s.scale};
 }
 

@@ -198,13 +198,14 @@ MOK_DEVICE uint32_t abs_bits_max(uint32_t pair) {
 // 8 bf16 values (16 bytes) -> their 8 e4m3 bytes under block scale s (the quantiser's encode).
 MOK_DEVICE uint2 encode8(uint4 v, const fp8_blockwise::BlockScale& s,
                          const fp8_blockwise::Divider& d) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};  // a bf16 pair each, the first in the low half
   uint32_t out[2] = {0, 0};
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t bits = (i % 2 == 0 ? w[i / 2] << 16 : w[i / 2] & 0xffff0000u);
-    const uint32_t byte = fp8_blockwise::encode(__uint_as_float(bits), s, false, d);
-    out[i / 4] |= byte << (8 * (i % 4));
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t pair = fp8_blockwise::encode_pair(__uint_as_float(w[i] << 16),
+                                                     __uint_as_float(w[i] & 0xffff0000u), s,
+                                                     false, d);
+    out[i / 2] |= uint32_t{pair} << (16 * (i % 2));
   }
   return make_uint2(out[0], out[1]);
 }
@@ -247,10 +248,7 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
     uint32_t m = 0;
     CUTLASS_PRAGMA_UNROLL
     for (int a = 0; a < kActBlocks; ++a) {
-      const int gi = 2 * rh + kFragPartner * 2 * a;  // gate block 2 a
-      const int ui = gi + kFragPartner;                 // its up partner
-      words[a] = pack_bf16x2(SwigluMath::act(acc(gi), acc(ui)),
-                             SwigluMath::act(acc(gi + 1), acc(ui + 1)));
+      words[a] = swiglu_pair(acc, rh, a);
       m = max(m, abs_bits_max(words[a]));
     }
     // The row's maximum over this half's 64 act columns: the quad's 4 lanes.

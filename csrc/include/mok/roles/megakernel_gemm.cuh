@@ -325,6 +325,15 @@ MOK_DEVICE void for_each_raw_group(const Accumulators& acc, int half, Fn fn) {
       fn);
 }
 
+// The packed bf16 act pair (silu(g) * u, SwigluMath) of act block a of row half `half`: gate
+// fragment block 2 a and its up partner.
+template <class Accumulators>
+MOK_DEVICE uint32_t swiglu_pair(const Accumulators& acc, int half, int a) {
+  const int gi = 2 * half + kFragPartner * 2 * a;  // gate block 2 a
+  const int ui = gi + kFragPartner;                 // its up partner
+  return pack_bf16x2(SwigluMath::act(acc(gi), acc(ui)), SwigluMath::act(acc(gi + 1), acc(ui + 1)));
+}
+
 // L1 epilogue (consumers): rows [0, rows) of the tile at ring row row_begin, n-tile n_tile of the
 // interleaved 2I columns: act_ring = silu(g) * u (SwigluMath, as stage 1), h_ring = g, u if set.
 // NOTE: gate blocks are the even fragment blocks (col % 16 < 8), their up partners the odd ones;
@@ -343,12 +352,7 @@ CUTLASS_DEVICE void l1_epilogue(const roles::MegaParams& p, const MegaAccumulato
     const int64_t ring_row = row_begin + row;
     __nv_bfloat16* act = p.act_ring + ring_row * p.inter;
     for_each_group<kFragBlocks / 2>(
-        [&](int a) {
-          const int gi = 2 * half + kFragPartner * 2 * a;  // gate block 2 a
-          const int ui = gi + kFragPartner;                 // its up partner
-          return pack_bf16x2(SwigluMath::act(acc(gi), acc(ui)),
-                             SwigluMath::act(acc(gi + 1), acc(ui + 1)));
-        },
+        [&](int a) { return swiglu_pair(acc, half, a); },
         [&](int g, uint4 v) {
           const int col = act_col0 + (4 * g + q) * kFragBlockCols;
           if (live && col < p.inter) store16(act + col, v);
