@@ -270,10 +270,16 @@ def test_fp8_sizes_must_be_multiples_of_128(hidden, inter, fused):
 def test_expert_precision_values_are_checked():
     with pytest.raises(ValueError, match="expert_precision='fp8' must be one of"):
         F.MoKConfig(expert_precision="fp8")
-    with pytest.raises(ValueError, match="megakernel"):
-        F.MoKConfig(expert_precision="fp8_blockwise", cuda_forward="megakernel")
-    cfg = F.MoKConfig(expert_precision="fp8_blockwise", cuda_forward="stage1")
-    assert cfg.expert_precision == "fp8_blockwise"
+    # the FP8 megakernel forward: without clusters, its backward stage 1's
+    with pytest.raises(ValueError, match="megakernel_cluster=2"):
+        F.MoKConfig(expert_precision="fp8_blockwise", cuda_forward="megakernel",
+                    megakernel_cluster=2)  # fmt: skip
+    with pytest.raises(ValueError, match="cuda_backward='megakernel'"):
+        F.MoKConfig(expert_precision="fp8_blockwise", cuda_forward="megakernel",
+                    cuda_backward="megakernel")  # fmt: skip
+    for forward in ("stage1", "megakernel"):
+        cfg = F.MoKConfig(expert_precision="fp8_blockwise", cuda_forward=forward)
+        assert (cfg.expert_precision, cfg.cuda_forward) == ("fp8_blockwise", forward)
 
 
 def test_prequantised_weights_are_used_as_given():
