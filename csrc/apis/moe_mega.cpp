@@ -343,12 +343,12 @@ std::vector<at::Tensor> moe_mega_forward(
   if (fp8) {
     std::tie(tokens, token_scales) = fp8_blockwise_quantize(x.contiguous(), 1,
                                                             fp8_blockwise::kBlock, false);
-    if (keep_tokens || tokens_in_place(comm, tokens) == nullptr) {
-      tokens = moe_fp8_pack_rows(tokens, token_scales);
-      token_scales = at::Tensor();
-    }
   }
   const void* in_place = keep_tokens ? nullptr : tokens_in_place(comm, tokens);
+  if (fp8 && in_place == nullptr) {
+    tokens = moe_fp8_pack_rows(tokens, token_scales);
+    token_scales = at::Tensor();
+  }
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens, comm.lay.hidden,
                          plan[kPlan_recv_token_src].data_ptr<int64_t>(),
@@ -381,7 +381,7 @@ std::vector<at::Tensor> moe_mega_forward(
     arena.add({inter / kb, stride}, at::kFloat);
     rings = arena.make();
     a.fp8 = true;
-    a.local_token_scales = in_place != nullptr ? token_scales.data_ptr<float>() : nullptr;
+    a.local_token_scales = token_scales.defined() ? token_scales.data_ptr<float>() : nullptr;
     a.w_gate_up_scales = w_gate_up_scales->data_ptr<float>();
     a.w_down_scales = w_down_scales->data_ptr<float>();
     a.x8_ring = rings[0].data_ptr();

@@ -131,15 +131,13 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
     c = ws.config
     fp8 = c.expert_precision == "fp8_blockwise"
     # y: only for stage 1's backward where it reads y (FP8's always: backward_unavailable); the
-    # backward megakernel never does
+    # backward megakernel never does. NOTE: Experts checks FP8 weights (check_fp8_experts).
     keep_y = Experts(routed, c.expert_gemm, x.device, precision=c.expert_precision).backward_reads_y
     keep_y = keep_y and (fp8 or c.cuda_backward == "stage1" or ws.buffers.mega.num_rounds > 1)
     w_gate_up, w_down, scales = routed.gate_up, routed.down, {}
     if fp8:  # the FP8 megakernel, on the weights' FP8 copies
         from ..fp8_weights import fp8_weight
-        from .fp8 import check_fp8_experts
 
-        check_fp8_experts(routed, x.device)
         gu, dn = fp8_weight(routed.gate_up), fp8_weight(routed.down)
         w_gate_up, w_down = gu.data, dn.data
         scales = {"w_gate_up_scales": gu.scales, "w_down_scales": dn.scales}

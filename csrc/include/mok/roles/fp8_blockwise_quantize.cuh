@@ -153,7 +153,7 @@ constexpr int kRowBlocksPerWarp = 4;
 
 // One (1, 128) block held by a warp, kElemsPerLane consecutive elements per lane: this lane's
 // e4m3 bytes (little-endian in a word) and the block's scale (in every lane). Every lane of the
-// warp takes part. The FP8 megakernel's pull quantises token rows with it too.
+// warp takes part.
 struct QuantizedLane {
   uint32_t bytes;
   float scale;
