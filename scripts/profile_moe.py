@@ -41,6 +41,12 @@ def parse_args(argv=None):
         help="also profile MoK with expert_precision='fp8_blockwise' (stage 1) as mok_fp8_fwd "
         "and mok_fp8 (forward + backward)",
     )
+    p.add_argument(
+        "--mok-fp8-mega",
+        action="store_true",
+        help="also profile the FP8 megakernel forward (expert_precision='fp8_blockwise', "
+        "cuda_forward='megakernel') as mok_fp8_mega_fwd (with --host, its host side too)",
+    )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -159,6 +165,29 @@ def host_timeline(layer, inputs, top: int) -> dict:
     }
 
 
+def print_host(title: str, h: dict) -> None:
+    """host_profile's record, printed."""
+    print(
+        f"{title} forward: host {h['host_ms_median']:.3f} ms until the call returns, "
+        f"{h['call_ms_median']:.3f} ms event-timed; top own time:"
+    )
+    for r in h["by_own_time"][:12]:
+        print(f"    {r['own_us_per_iter']:8.1f} us {r['cum_us_per_iter']:8.1f} us "
+              f"x{r['calls_per_iter']:.0f} {r['function']}")  # fmt: skip
+    print(
+        f"  one call under torch.profiler: host {h['call_host_us']:.0f} us; "
+        "GPU events (start-end us from the call's start):"
+    )
+    for e in h["gpu_events"]:
+        print(f"    {e['start_us']:8.1f} {e['end_us']:8.1f} {e['name'][:70]}")
+    print("  host self time:")
+    for e in h["cpu_self"][:30]:
+        print(f"    {e['self_us']:8.1f} us x{e['calls']} {e['name'][:70]}")
+    print("  top cumulative:")
+    for r in h["by_cumulative_time"][:25]:
+        print(f"    {r['cum_us_per_iter']:8.1f} us x{r['calls_per_iter']:.0f} {r['function']}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     bench_args = bench_moe.parse_args([])
@@ -176,29 +205,7 @@ def main(argv=None) -> None:
             case["baseline_fwd_host"] = host_profile(base, sets, max(args.iters, 10), args.top)
             if rank == 0:
                 for who in ("mok", "baseline"):
-                    h = case[f"{who}_fwd_host"]
-                    print(
-                        f"{name}: {who} forward: host {h['host_ms_median']:.3f} ms until the "
-                        f"call returns, {h['call_ms_median']:.3f} ms event-timed; top own time:"
-                    )
-                    for r in h["by_own_time"][:12]:
-                        print(f"    {r['own_us_per_iter']:8.1f} us {r['cum_us_per_iter']:8.1f} us "
-                              f"x{r['calls_per_iter']:.0f} {r['function']}")  # fmt: skip
-                    print(
-                        f"  one call under torch.profiler: host {h['call_host_us']:.0f} us; "
-                        "GPU events (start-end us from the call's start):"
-                    )
-                    for e in h["gpu_events"]:
-                        print(f"    {e['start_us']:8.1f} {e['end_us']:8.1f} {e['name'][:70]}")
-                    print("  host self time:")
-                    for e in h["cpu_self"][:30]:
-                        print(f"    {e['self_us']:8.1f} us x{e['calls']} {e['name'][:70]}")
-                    print("  top cumulative:")
-                    for r in h["by_cumulative_time"][:25]:
-                        print(
-                            f"    {r['cum_us_per_iter']:8.1f} us x{r['calls_per_iter']:.0f} "
-                            f"{r['function']}"
-                        )
+                    print_host(f"{name}: {who}", case[f"{who}_fwd_host"])
         case["mok_fwd"] = profile(layer, sets, args.iters, args.top, backward=False)
         case["baseline_fwd"] = profile(base, sets, args.iters, args.top, backward=False)
         case["mok"] = profile(layer, sets, args.iters, args.top)
@@ -207,6 +214,15 @@ def main(argv=None) -> None:
                 case["mok_fp8_fwd"] = profile(layer, sets, args.iters, args.top, backward=False)
                 case["mok_fp8"] = profile(layer, sets, args.iters, args.top)
             layer.zero_grad(set_to_none=True)
+        if args.mok_fp8_mega:
+            with bench_moe._mok_knobs(layer, **bench_moe.MOK_FP8_MEGA_KNOBS):
+                case["mok_fp8_mega_fwd"] = profile(layer, sets, args.iters, args.top,
+                                                   backward=False)  # fmt: skip
+                if args.host:
+                    case["mok_fp8_mega_fwd_host"] = host_profile(layer, sets, max(args.iters, 10),
+                                                                 args.top)  # fmt: skip
+                    if rank == 0:
+                        print_host(f"{name}: mok_fp8_mega", case["mok_fp8_mega_fwd_host"])
         case["mok_backend"] = bench_moe._backend_name(layer)
         case["baseline"] = profile(base, sets, args.iters, args.top)
         record["cases"].append(case)
@@ -220,8 +236,10 @@ def main(argv=None) -> None:
                   f"{base_fwd['launches_per_iter']:.0f}; forward + backward: mok "
                   f"{case['mok']['gpu_time_us_per_iter'] / 1e3:.2f} ms, baseline "
                   f"{case['baseline']['gpu_time_us_per_iter'] / 1e3:.2f} ms")  # fmt: skip
-            if args.mok_fp8:
-                for label in ("mok_fp8_fwd", "mok_fp8"):
+            labels = ("mok_fp8_fwd", "mok_fp8") if args.mok_fp8 else ()
+            labels += ("mok_fp8_mega_fwd",) if args.mok_fp8_mega else ()
+            if labels:
+                for label in labels:
                     print(
                         f"  {label}: {case[label]['gpu_time_us_per_iter'] / 1e3:.2f} ms GPU "
                         f"time in {case[label]['launches_per_iter']:.0f} launches; top:"
