@@ -59,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
     p.add_argument("--backward", action="store_true", help="profile the backward megakernel")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="profile the FP8 forward megakernel (expert_precision='fp8_blockwise')",
+    )
     p.add_argument("--top", type=int, default=60, help="hot instructions kept")
     p.add_argument("--out", help="the record (JSON) to write")
     p.add_argument("--resummarise", metavar="RECORD", help="rebuild RECORD's summary (no run)")
@@ -78,7 +83,8 @@ def child(args) -> None:
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
                                  config.params_dtype, 1234, rank)  # fmt: skip
     grad = contextlib.nullcontext() if args.backward else torch.no_grad()
-    with grad:
+    knobs = bench_moe.MOK_FP8_MEGA_KNOBS if args.fp8 else {}
+    with grad, bench_moe._mok_knobs(layer, **knobs):
         for _ in range(WARMUP_LAUNCHES + 1):
             bench_moe.run_layer(layer, sets[0], backward=args.backward)
             layer.zero_grad(set_to_none=True)
@@ -204,13 +210,17 @@ def main(argv=None) -> None:
     ncu = ncu_binary()
     out_dir = os.path.dirname(os.path.abspath(args.out))
     rep = os.path.splitext(os.path.abspath(args.out))[0]
-    kernel = "moe_backward_megakernel" if args.backward else "moe_forward_megakernel"
+    if args.fp8 and args.backward:
+        raise SystemExit("--fp8: the FP8 megakernel is forward only (its backward is stage 1's)")
+    kernel = ("moe_backward_megakernel" if args.backward
+              else "moe_forward_megakernel_fp8" if args.fp8 else "moe_forward_megakernel")  # fmt: skip
     cmd = [ncu, "--clock-control", "none", "--target-processes", "all",
            "-k", f"regex:{kernel}", "--launch-skip", str(WARMUP_LAUNCHES), "--launch-count", "1",
            *[a for s in SECTIONS for a in ("--section", s)], "-f", "-o", rep,
            sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape,
            "--tokens", str(args.tokens), "--routing", args.routing,
-           *(["--backward"] if args.backward else [])]  # fmt: skip
+           *(["--backward"] if args.backward else []),
+           *(["--fp8"] if args.fp8 else [])]  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
     page, source = profile_pages(ncu, cmd, rep)
     metrics = details(read_csv(page))
