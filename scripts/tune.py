@@ -12,8 +12,15 @@ per shape (with its dimensions), its own best knobs and times: a layer of one of
 resolves its "auto" knobs from its own entry, any other from ``mok:``. The full sweep goes to the
 JSON record (``--out``).
 
+With ``--fp8`` it sweeps the FP8 megakernel's forward instead (``expert_precision='fp8_blockwise'``,
+``cuda_forward='megakernel'``; no backward sweep: FP8's backward is stage 1's) and adds to the
+table's BF16 entries, which it keeps: an ``fp8_blockwise:`` section (the forward pair best on the
+geometric mean) and an ``fp8_blockwise:`` entry in each swept shape's. A layer with FP8 experts
+reads its forward knobs from those (MoKConfig.resolve), its other knobs as a BF16 layer does.
+
   python3 scripts/tune.py --out docs/results/tune_h200_ep1.json          # one GPU: EP 1
   torchrun --standalone --nproc-per-node 2 scripts/tune.py --out ...     # EP 2
+  python3 scripts/tune.py --fp8 --out docs/results/tune_fp8_h200_ep1.json    # then FP8's
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--out", required=True, help="JSON record of the sweep")
     p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="sweep the FP8 megakernel's forward and add its knobs to the table (see above)",
+    )
+    p.add_argument(
         "--table", default=None, help="YAML table (default mok_megatron/tuned/<gpu>_ep<N>.yaml)"
     )
     return p.parse_args(argv)
@@ -62,10 +74,11 @@ def sweep_shape(name, args, points, rank) -> dict:
                                  1234, rank)  # fmt: skip
     runtime = layer.experts._layer_runtime
     default = runtime.mok_config
+    knobs = bench_moe.MOK_FP8_MEGA_KNOBS if args.fp8 else {"cuda_forward": "megakernel"}
     times = {}
     for comm, mini in points:
-        runtime.mok_config = dataclasses.replace(default, cuda_forward="megakernel",
-                                                 fwd_num_comm_sms=comm, minibatch_size=mini)  # fmt: skip
+        runtime.mok_config = dataclasses.replace(default, **knobs, fwd_num_comm_sms=comm,
+                                                 minibatch_size=mini)  # fmt: skip
         with torch.no_grad():
             t = time_fn(lambda i: bench_moe.run_layer(layer, sets[i % 2], backward=False),
                         warmup=args.warmup, iters=args.iters, device="cuda")  # fmt: skip
@@ -73,6 +86,10 @@ def sweep_shape(name, args, points, rank) -> dict:
         bench_moe._release_memory()
     best = min(times, key=times.get)
     comm, mini = map(int, best.split(","))
+    if args.fp8:  # FP8's backward is stage 1's: no backward knob to sweep
+        runtime.mok_config = default
+        return {"shape": name, "tokens_per_rank": args.tokens, "precision": "fp8_blockwise",
+                "forward_ms": times, "best": best}  # fmt: skip
     # The backward's comm SMs, each timed by forward + backward at the forward's best pair: the
     # forward is the same in every point, so the differences are the backward megakernel's.
     bwd_times = {}
@@ -102,6 +119,43 @@ def _geomean_best(cases, field: str, keys) -> str:
     return min(geo, key=geo.get)
 
 
+def write_fp8_entries(path, record, points) -> None:
+    """Add the FP8 sweep's knobs to the table at ``path`` (written by a BF16 sweep first): an
+    ``fp8_blockwise:`` section and one in each swept shape's entry (added if the table lacks the
+    shape); every other entry is kept as it is."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no tuned table to add FP8 knobs to; run the BF16 sweep first")
+    with open(path) as f:
+        head = "".join(line for line in f if line.startswith("#"))
+    with open(path) as f:
+        table = yaml.safe_load(f) or {}
+    cases = record["cases"]
+    pair = _geomean_best(cases, "forward_ms", [f"{c},{m}" for c, m in points])
+    comm, mini = map(int, pair.split(","))
+    env = record["environment"]
+    table["fp8_blockwise"] = {
+        "fwd_num_comm_sms": comm, "minibatch_size": mini,
+        "tuned_on": {"commit": env["commit"], "utc": env["utc"],
+                     "record": os.path.basename(record["path"])},
+    }  # fmt: skip
+    shapes = table.setdefault("shapes", {})
+    for c in cases:
+        entry = shapes.setdefault(c["shape"], {
+            **dict(zip(LayerDims._fields, bench_moe.SHAPES[c["shape"]])),
+            "tokens_per_rank": c["tokens_per_rank"],
+        })  # fmt: skip
+        entry["fp8_blockwise"] = {
+            "fwd_num_comm_sms": int(c["best"].split(",")[0]),
+            "minibatch_size": int(c["best"].split(",")[1]),
+            "forward_ms": round(c["forward_ms"][c["best"]], 4),
+        }  # fmt: skip
+    with open(path, "w") as f:
+        f.write(head)
+        yaml.safe_dump(table, f, sort_keys=False)
+
+
 def write_table(path, record, points) -> None:
     import yaml
 
@@ -128,6 +182,16 @@ def write_table(path, record, points) -> None:
             for c in cases
         },
     }  # fmt: skip
+    old = {}
+    if os.path.isfile(path):  # an FP8 sweep's entries (write_fp8_entries) stay
+        with open(path) as f:
+            old = yaml.safe_load(f) or {}
+    if "fp8_blockwise" in old:
+        table["fp8_blockwise"] = old["fp8_blockwise"]
+    for name, entry in (old.get("shapes") or {}).items():
+        if "fp8_blockwise" in entry:
+            table["shapes"].setdefault(name, {k: v for k, v in entry.items()})
+            table["shapes"][name]["fp8_blockwise"] = entry["fp8_blockwise"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("# Written by scripts/tune.py: the megakernels' knobs on this GPU and EP size.\n"
@@ -149,6 +213,11 @@ def main(argv=None) -> None:
         record["cases"].append(sweep_shape(name, args, points, rank))
         if rank == 0:
             case = record["cases"][-1]
+            if args.fp8:
+                print(f"{name}: FP8 forward: best (fwd_num_comm_sms, minibatch_size) = "
+                      f"({case['best']}): {case['forward_ms'][case['best']]:.3f} ms; all: "
+                      f"{case['forward_ms']}", flush=True)  # fmt: skip
+                continue
             print(f"{name}: best (fwd_num_comm_sms, minibatch_size) = ({case['best']}): "
                   f"{case['forward_ms'][case['best']]:.3f} ms; fallback (16,256): "
                   f"{case['forward_ms'].get('16,256', float('nan')):.3f} ms; best "
@@ -158,7 +227,7 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         table = args.table or str(tuned_table_path(torch.device("cuda"), world))
-        write_table(table, record, points)
+        (write_fp8_entries if args.fp8 else write_table)(table, record, points)
         print(f"wrote {args.out} and {table}")
     dist.destroy_process_group()
 
