@@ -309,7 +309,7 @@ class MoKConfig:
         if not auto:
             return self
         path = tuned_table_path(device, num_ranks)
-        table = _tuned_knobs(path, layer)
+        table = _tuned_knobs(path, layer, self.expert_precision)
         values = {name: table.get(name, AUTO_FALLBACKS[name]) for name in auto}
         try:
             return dataclasses.replace(self, **values)
@@ -406,21 +406,37 @@ class LayerDims(NamedTuple):
     topk: int
 
 
-def _tuned_knobs(path: Path | None, layer: LayerDims | None = None) -> dict[str, int]:
+#: The knobs a tuned table's ``fp8_blockwise:`` entries hold (scripts/tune.py --fp8): the FP8
+#: megakernel's forward pair. Its backward is stage 1's, so bwd_num_comm_sms stays the BF16 one.
+FP8_TUNED_KNOBS = ("fwd_num_comm_sms", "minibatch_size")
+
+
+def _tuned_knobs(
+    path: Path | None, layer: LayerDims | None = None, precision: str = "bf16"
+) -> dict[str, int]:
     """The "auto"-able knobs of a tuned table ({} without a table): those of its ``shapes:``
     entry for ``layer`` (all four dimensions equal) where it has one with every knob, else its
-    ``mok:`` section's."""
+    ``mok:`` section's. With FP8 experts (``precision`` 'fp8_blockwise') the forward pair comes
+    from that shape entry's ``fp8_blockwise:`` where it has one, else (no FP8 sweep of the shape)
+    from the shape entry itself, else from the table's ``fp8_blockwise:`` section."""
     if path is None or not path.is_file():
         return {}
     import yaml
 
     with open(path) as f:
         doc = yaml.safe_load(f) or {}
-    section = doc.get("mok", {})
+    fp8 = precision == "fp8_blockwise"
+    section = dict(doc.get("mok", {}))
+    if fp8:
+        section.update({n: v for n, v in (doc.get("fp8_blockwise") or {}).items()
+                        if n in FP8_TUNED_KNOBS})  # fmt: skip
     for entry in (doc.get("shapes") or {}).values():
         dims = [entry.get(name) for name in LayerDims._fields]
         if layer is not None and dims == list(layer) and all(n in entry for n in AUTO_FALLBACKS):
-            section = entry
+            section = dict(entry)
+            if fp8:
+                section.update({n: v for n, v in (entry.get("fp8_blockwise") or {}).items()
+                                if n in FP8_TUNED_KNOBS})  # fmt: skip
             break
     knobs = {name: section[name] for name in AUTO_FALLBACKS if name in section}
     for name, value in knobs.items():

@@ -132,6 +132,13 @@ def test_the_shipped_tuned_tables_hold_valid_knobs():
         for name, entry in yaml.safe_load(path.read_text())["shapes"].items():
             layer = LayerDims(*(entry[d] for d in LayerDims._fields))
             assert _tuned_knobs(path, layer) == {k: entry[k] for k in AUTO_FALLBACKS}, name
+            # FP8 experts: the shape's FP8 forward pair where the table has one (tune.py --fp8)
+            fp8 = {
+                **{k: entry[k] for k in AUTO_FALLBACKS},
+                **{k: v for k, v in entry.get("fp8_blockwise", {}).items() if k != "forward_ms"},
+            }
+            assert _tuned_knobs(path, layer, "fp8_blockwise") == fp8, name
+            MoKConfig(**fp8)  # validates
 
 
 def test_a_workspace_holds_its_resolved_config():

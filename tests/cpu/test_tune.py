@@ -76,3 +76,60 @@ def test_a_layer_of_a_tuned_shape_resolves_its_own_knobs(tmp_path, monkeypatch):
 def test_sweep_arguments_cover_the_backward_knob():
     args = tune.parse_args(["--out", "x.json"])
     assert [int(v) for v in args.bwd_comm_sms.split(",")] == [8, 16, 20, 32]
+
+
+def _fp8_case(shape, forward_ms):
+    return {"shape": shape, "tokens_per_rank": 8192, "precision": "fp8_blockwise",
+            "forward_ms": forward_ms, "best": min(forward_ms, key=forward_ms.get)}  # fmt: skip
+
+
+def test_an_fp8_sweep_adds_its_forward_knobs_and_keeps_the_bf16_ones(tmp_path, monkeypatch):
+    """tune.py --fp8 on the BF16 table: FP8 layers of a swept shape read its FP8 forward pair
+    (the backward's comm SMs stay BF16's: FP8's backward is stage 1's), other shapes the FP8
+    section's; BF16 layers read what they read before, and a later BF16 sweep keeps the FP8
+    entries."""
+    from mok_megatron.functional import config as config_module
+    from mok_megatron.functional.config import LayerDims
+
+    path = _sweep_table(tmp_path)
+    bf16_before = path.read_text()
+    qwen3, deepseek = LayerDims(2048, 768, 128, 8), LayerDims(7168, 2048, 256, 8)
+    other = LayerDims(1024, 512, 64, 4)
+    record = {"cases": [_fp8_case("qwen3-30b-a3b", {"8,128": 1.0, "32,256": 0.5})],
+              "path": str(tmp_path / "tune_fp8_x.json"),
+              "environment": {"gpu": "NVIDIA H200", "world_size": 1, "commit": "def",
+                              "utc": "later"}}  # fmt: skip
+    tune.write_fp8_entries(str(path), record, [(8, 128), (32, 256)])
+    fp8 = "fp8_blockwise"
+    assert _tuned_knobs(path, qwen3, fp8) == {"fwd_num_comm_sms": 32, "minibatch_size": 256,
+                                              "bwd_num_comm_sms": 8}  # fmt: skip
+    # deepseek-v3 was not swept in FP8: its own (BF16) entry
+    assert _tuned_knobs(path, deepseek, fp8) == _tuned_knobs(path, deepseek)
+    # an untuned shape: the FP8 section's pair over mok:
+    assert _tuned_knobs(path, other, fp8) == {"fwd_num_comm_sms": 32, "minibatch_size": 256,
+                                              "bwd_num_comm_sms": 8}  # fmt: skip
+    # BF16 layers: unchanged
+    assert _tuned_knobs(path, qwen3) == {"fwd_num_comm_sms": 8, "minibatch_size": 128,
+                                         "bwd_num_comm_sms": 8}  # fmt: skip
+    assert path.read_text().startswith(bf16_before.split("mok:")[0])  # the header comment kept
+    # MoKConfig resolves by its own precision
+    monkeypatch.setattr(config_module, "tuned_table_path", lambda device, num_ranks: path)
+    resolved = MoKConfig(expert_precision=fp8).resolve("cuda", 1, qwen3)
+    assert (resolved.fwd_num_comm_sms, resolved.minibatch_size) == (32, 256)
+    assert MoKConfig().resolve("cuda", 1, qwen3).fwd_num_comm_sms == 8
+    # A BF16 sweep rewrites its own entries and keeps the FP8 ones
+    cases = [_case("qwen3-30b-a3b", {"8,128": 2.0, "16,256": 1.0}, {"8": 3.0, "32": 2.0})]
+    tune.write_table(str(path), {**record, "cases": cases}, [(8, 128), (16, 256)])
+    assert _tuned_knobs(path, qwen3) == {"fwd_num_comm_sms": 16, "minibatch_size": 256,
+                                         "bwd_num_comm_sms": 32}  # fmt: skip
+    assert _tuned_knobs(path, qwen3, fp8)["fwd_num_comm_sms"] == 32
+    assert _tuned_knobs(path, other, fp8)["minibatch_size"] == 256
+
+
+def test_an_fp8_sweep_needs_the_bf16_table_first(tmp_path):
+    import pytest
+
+    record = {"cases": [_fp8_case("qwen3-30b-a3b", {"8,128": 1.0})], "path": "x.json",
+              "environment": {"commit": "c", "utc": "u"}}  # fmt: skip
+    with pytest.raises(SystemExit, match="run the BF16 sweep first"):
+        tune.write_fp8_entries(str(tmp_path / "missing.yaml"), record, [(8, 128)])
