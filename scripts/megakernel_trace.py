@@ -61,8 +61,8 @@ def parse_args(argv=None):
         "--fp8",
         action="store_true",
         help="FP8 experts (expert_precision='fp8_blockwise'): the FP8 megakernel's timeline; its "
-        "k-tiles are 128 deep, two halves of a task's n-tile each, and the per-k-tile times below "
-        "stay per 64 of K of a 128 x 256 task, comparable with BF16's",
+        "k-tiles are 128 deep and hold both halves of a task's n-tile, and the per-k-tile times "
+        "below stay per 64 of K of a 128 x 256 task, comparable with BF16's",
     )
     p.add_argument(
         "--keep",

@@ -599,6 +599,13 @@ NCU_COLUMNS = (
 )
 
 
+def ncu_pass(args: dict) -> str:
+    """The pass an ncu_megakernel.py record profiled."""
+    if args.get("backward"):
+        return "backward"
+    return "forward (FP8)" if args.get("fp8") else "forward"
+
+
 def ncu_table(paths):
     """scripts/ncu_megakernel.py records: each launch's speed-of-light rows as ncu read them."""
     heads = " | ".join(head for _, head in NCU_COLUMNS)
@@ -620,7 +627,7 @@ def ncu_table(paths):
         yield (
             f"| `{os.path.basename(path)}` | `{env.get('commit')}` | {env.get('gpu')} "
             f"| {args['shape']} | {args['tokens']} | {args['routing']} "
-            f"| {'backward' if args.get('backward') else 'forward'} | {cells} |"
+            f"| {ncu_pass(args)} | {cells} |"
         )
 
 

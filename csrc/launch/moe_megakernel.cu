@@ -189,12 +189,11 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.l2_k = a.backward ? 2 * p.inter : p.inter;
   p.l1_ntiles = to_int32(a.backward ? s.dgrad_ntiles() : s.l1_ntiles(), "l1_ntiles");
   p.l2_ntiles = to_int32(s.l2_ntiles(), "l2_ntiles");
-  // A task's k-tiles (mainloop stages); FP8: two halves of K / 128 each.
+  // A task's k-tiles (mainloop stages); FP8: K / 128, each stage both halves' (megakernel_fp8.cuh).
   const int block_k = a.fp8 ? cute::size<2>(gemm::MegaFp8TileShape{})
                             : cute::size<2>(gemm::MegaTileShape{});
-  const int halves = a.fp8 ? gemm::kMegaFp8Halves : 1;
-  p.l1_ktiles = to_int32(halves * layout::MegaShape::ceil_div(s.hidden, block_k), "l1_ktiles");
-  p.l2_ktiles = to_int32(halves * layout::MegaShape::ceil_div(p.l2_k, block_k), "l2_ktiles");
+  p.l1_ktiles = to_int32(layout::MegaShape::ceil_div(s.hidden, block_k), "l1_ktiles");
+  p.l2_ktiles = to_int32(layout::MegaShape::ceil_div(p.l2_k, block_k), "l2_ktiles");
   p.arrive_word = to_int32(s.arrive_word(), "arrive_word");
   p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
   p.num_ctas = a.num_ctas;
@@ -242,7 +241,7 @@ roles::MegaParams device_params(const MegaArgs& a) {
 gemm::MegaFp8Gemm fp8_gemm_params(const void* a, const float* a_scales, int a_rows,
                                   int scale_stride, const void* b, const float* b_scales, int n,
                                   int k, int num_experts) {
-  using Mainloop = gemm::MegaFp8Mainloop;
+  using Mainloop = gemm::MegaFp8Base;  // its TMA descriptors (MegaFp8Mainloop::Params)
   using Element = gemm::Fp8Element;
   constexpr int kBlock = gemm::kFp8ScaleBlock;
   const auto stride_a = cute::make_stride(int64_t{k}, cute::Int<1>{}, int64_t{a_rows} * k);

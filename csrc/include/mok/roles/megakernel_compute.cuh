@@ -225,7 +225,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
     return;
   }
   if constexpr (kFp8) {
-    gemm::fp8_task(p, gp, pipeline, state, smem, task.l2, rd.round, tile.row_begin, rows, task.n,
+    gemm::fp8_task(p, pipeline, state, smem, task.l2, rd.round, tile.row_begin, rows, task.n,
                    k_tiles, mma_thread_idx, [&] {
                      if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
                    });
@@ -384,10 +384,10 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   pipe.num_consumers = kMegaConsumerThreads;
   pipe.num_producers = 1;
   // NOTE: both GEMMs move full 128x64 + 256x64 bf16 boxes per stage (TMA counts zero-filled
-  // bytes too), so one transaction size serves L1 and L2; FP8: 128x128 + 128x128 e4m3 boxes and
-  // A's 128 scales.
+  // bytes too), so one transaction size serves L1 and L2; FP8: 128x128 e4m3 boxes of A and of
+  // both halves' B, and A's 128 scales.
   if constexpr (kFp8) {
-    pipe.transaction_bytes = gp.l1.ml.tma_transaction_bytes + gemm::kMegaFp8SfaBytes;
+    pipe.transaction_bytes = gemm::kMegaFp8StageBytes;
   } else {
     pipe.transaction_bytes = gp.l1.tma_transaction_bytes;
   }

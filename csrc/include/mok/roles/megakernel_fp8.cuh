@@ -7,11 +7,19 @@
 // B: the weights' (128, 128)-block FP8 copy [E_l, N, K] and its scales [E_l, N / 128, K / 128]
 // (functional.fp8_weights', K-major).
 //
-// Tiles. The plan's tasks are 128 x 256 (layout::kBlockN); the FP8 mainloop's tile is 128 x 128
-// (its two-level accumulation holds 64 x 128 per consumer warpgroup: roles/fp8_mainloop.cuh). So
-// an FP8 task runs its n-tile as two halves, one after the other, each the engine's FP8 tile: a
-// mainloop of K / 128 k-tiles, then that half's epilogue. The plan, the counters and the task
-// order stay the BF16 forward's. An L1 task's 256 h columns are 128 act columns: exactly one
+// Tiles. The plan's tasks are 128 x 256 (layout::kBlockN); the FP8 wgmma tile is 128 x 128
+// (its two-level accumulation holds 64 x 128 per consumer warpgroup and block of K:
+// roles/fp8_mainloop.cuh). A task runs both 128-wide halves of its n-tile in one pass over K: each
+// stage holds one 128-K block of the A tile and of both halves' B tiles, and each consumer
+// warpgroup keeps both halves' float32 totals (64 x 256) and one partial (the block's wgmma sum of
+// one half), promoted into its half's total before the other half's wgmmas reuse it. The A tile
+// is read from L2 once per task (the megakernel's FP8 mainloop is bound by L2 bandwidth: the
+// ncu record ncu_megakernel_h200_3bf75fe_fp8.json, docs/FP8.md), where running the halves one
+// after the other read it twice: 4 tile loads per 128-K block of a task become 3. The price: a
+// warpgroup waits for its partial before it promotes (no second partial to overlap with: three
+// 64-register fragments fill the consumers' budget), and its tensor-core share goes to the other
+// warpgroup meanwhile. Then the two halves' epilogues, in order. The plan, the counters and the
+// task order stay the BF16 forward's. An L1 task's 256 h columns are 128 act columns: exactly one
 // (1, 128) act block, so the act quantisation needs no other task: the first half's row maxima
 // wait in two registers, the second half's complete them, and each lane quantises the act
 // columns it stored (the first half's read back from the bf16 act ring it just wrote).
@@ -21,16 +29,17 @@
 // scale and encoding (common/fp8_blockwise.cuh, roles/fp8_blockwise_quantize.cuh) applied to the
 // bf16 act values stage 1's quantiser reads.
 //
-// Producer. One thread issues each k-tile's TMA loads (A, B, A's 128 scales). B's one scale per
-// k-tile is not a TMA box (4 bytes): the producer warp stages the task's K / 128 weight scales of
-// both halves in shared memory first (one coalesced load), and the loading thread stores each
-// k-tile's into the stage's scale slot before it arms the stage's full barrier, whose arrival
-// releases that store to the consumers.
+// Producer. One thread issues each k-tile's TMA loads (A, both halves' B, A's 128 scales). B's
+// one scale per half and k-tile is not a TMA box (4 bytes): the producer warp stages the task's
+// K / 128 weight scales of both halves in shared memory first (one coalesced load), and the
+// loading thread stores each k-tile's two into the stage's scale slots before it arms the stage's
+// full barrier, whose arrival releases those stores to the consumers.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mok/common/fp8_blockwise.cuh"
 #include "mok/roles/fp8_blockwise_quantize.cuh"
@@ -57,28 +66,75 @@ struct MegaFp8Scratch {
 };
 constexpr int kMegaFp8Carveout = kMegaSmemCarveout + static_cast<int>(sizeof(MegaFp8Scratch));
 
-// The engine's FP8 collective (its shared memory, pipeline and TiledMma), non-array, one CTA;
-// its consumer loop is fp8_mainloop.cuh's, its producer ours (load_task_fp8).
+// The engine's FP8 collective, non-array, one CTA, 128 x 128 x 128: its TMA descriptors (Params,
+// made on the host by to_underlying_arguments), TiledMma and shared-memory atoms. Its stages,
+// pipeline and loops are not used: the megakernel's stage (MegaFp8Mainloop) holds both halves.
 // NOTE: built with the engine's K-major scale layouts, so CUTLASS makes no scale TMA (A's is
-// ours, over the ring's M-major region; B's is staged): the shared-memory layout of the scales
-// is the same for either major (checked below).
+// ours, over the ring's M-major region; B's is staged).
 using MegaFp8Base = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Fp8Element,
     cute::tuple<RowMajor, Fp8LayoutSFA>, kFp8Alignment, Fp8Element,
     cute::tuple<ColumnMajor, Fp8LayoutSFB>, kFp8Alignment, Accumulator, MegaFp8TileShape,
     ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kMegaFp8Carveout>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-using MegaFp8Mainloop = OverlappedPromotionMma<MegaFp8Base>;
-using MegaFp8Pipeline = typename MegaFp8Mainloop::MainloopPipeline;
-using MegaFp8PipelineState = typename MegaFp8Mainloop::PipelineState;
-using MegaFp8TiledMma = typename MegaFp8Mainloop::TiledMma;
-constexpr int kMegaFp8Stages = MegaFp8Mainloop::DispatchPolicy::Stages;
-static_assert(cute::cosize_v<typename MegaFp8Mainloop::SmemLayoutSFA> ==
-                      layout::kBlockM * kMegaFp8Stages &&
-                  cute::cosize_v<typename MegaFp8Mainloop::SmemLayoutSFB> == kMegaFp8Stages,
-              "a stage's scales: 128 row scales (row r at r), then one weight scale");
 static_assert(!MegaFp8Base::IsTmaLoadSFA && !MegaFp8Base::IsTmaLoadSFB,
               "the collective makes no scale TMA: the megakernel loads the scales itself");
+
+// Stages of the task mainloop: 16 KB of A, 2 x 16 KB of B and 129 scales each (194 KB in all).
+constexpr int kMegaFp8Stages = 4;
+
+// The FP8 task mainloop's types: a stage is one 128-K block of a task's A tile (SmemLayoutA's
+// stage s) and of both halves' B tiles (SmemLayoutB's 2 s and 2 s + 1), A's 128 row scales
+// (smem_SFA[128 s + r]) and the halves' weight scales (smem_SFB[2 s + h]).
+// NOTE: each stage of a layout is the collective's (the same atom tiled the same way: only the
+// stage count differs), so the collective's TMA descriptors fill them and its TiledMma reads them.
+struct MegaFp8Mainloop {
+  using Base = MegaFp8Base;
+  using TiledMma = typename Base::TiledMma;
+  using Params = typename Base::Params;
+  using MainloopPipeline = cutlass::PipelineTmaAsync<kMegaFp8Stages>;
+  using PipelineState = cutlass::PipelineState<kMegaFp8Stages>;
+  using PipelineStorage = typename MainloopPipeline::SharedStorage;
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      typename Base::SmemLayoutAtomA{},
+      cute::make_shape(cute::Int<layout::kBlockM>{}, cute::Int<kFp8ScaleBlock>{},
+                       cute::Int<kMegaFp8Stages>{}),
+      cute::Step<cute::_1, cute::_2, cute::_3>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      typename Base::SmemLayoutAtomB{},
+      cute::make_shape(cute::Int<kMegaFp8BlockN>{}, cute::Int<kFp8ScaleBlock>{},
+                       cute::Int<kMegaFp8Halves * kMegaFp8Stages>{}),
+      cute::Step<cute::_1, cute::_2, cute::_3>{}));
+  struct TensorStorage : cute::aligned_struct<128> {
+    cute::array_aligned<Fp8Element, cute::cosize_v<SmemLayoutA>> smem_A;
+    cute::array_aligned<Fp8Element, cute::cosize_v<SmemLayoutB>> smem_B;
+    CUTE_ALIGNAS(128) cute::array<float, layout::kBlockM * kMegaFp8Stages> smem_SFA;
+    CUTE_ALIGNAS(16) cute::array<float, kMegaFp8Halves * kMegaFp8Stages> smem_SFB;
+  };
+  static CUTLASS_DEVICE void prefetch_tma_descriptors(Params const& params) {
+    Base::prefetch_tma_descriptors(params);
+  }
+};
+using MegaFp8Pipeline = MegaFp8Mainloop::MainloopPipeline;
+using MegaFp8PipelineState = MegaFp8Mainloop::PipelineState;
+using MegaFp8TiledMma = MegaFp8Mainloop::TiledMma;
+static_assert(cute::cosize_v<MegaFp8Mainloop::SmemLayoutA> ==
+                      layout::kBlockM * kFp8ScaleBlock * kMegaFp8Stages &&
+                  cute::cosize_v<MegaFp8Mainloop::SmemLayoutB> ==
+                      kMegaFp8Halves * kMegaFp8BlockN * kFp8ScaleBlock * kMegaFp8Stages &&
+                  std::is_same_v<decltype(cute::tile_to_shape(
+                                     typename MegaFp8Base::SmemLayoutAtomA{},
+                                     cute::make_shape(cute::Int<layout::kBlockM>{},
+                                                      cute::Int<kFp8ScaleBlock>{},
+                                                      cute::Int<MegaFp8Base::DispatchPolicy::Stages>{}),
+                                     cute::Step<cute::_1, cute::_2, cute::_3>{})),
+                                 typename MegaFp8Base::SmemLayoutA>,
+              "a stage: one e4m3 byte per element, tiled as the collective's stages (whose TMA "
+              "descriptors fill it)");
+// The bytes TMA delivers into one stage: A, both halves' B (zero-filled rows count) and A's
+// scales; the stage's full barrier is armed with them.
+constexpr int kMegaFp8StageBytes =
+    (layout::kBlockM + kMegaFp8Halves * kMegaFp8BlockN) * kFp8ScaleBlock + kMegaFp8SfaBytes;
 
 using MegaFp8Accumulators =
     decltype(cute::partition_fragment_C(MegaFp8TiledMma{}, cute::take<0, 2>(MegaFp8TileShape{})));
@@ -107,7 +163,7 @@ struct MegaFp8Gemm {
   MegaFp8SfaTma sfa;                    // A's scales (the ring's M-major region)
   const float* sfb;                     // B's [E_l, N / 128, K / 128]
   int n_blocks;                         // N / 128
-  int k_blocks;                         // K / 128: one half's k-tiles
+  int k_blocks;                         // K / 128: a task's k-tiles
 };
 struct MegaFp8GemmParams {
   MegaFp8Gemm l1;
@@ -138,9 +194,10 @@ MOK_DEVICE void stage_weight_scales(const MegaFp8Gemm& g, int expert, int n_tile
   __syncwarp();
 }
 
-// Producer (one thread): the task's two halves, K / 128 k-tiles each, from `state` on (the
-// caller advances its state by load.k_tiles = 2 K / 128). As load_task: A is the 128-row window
-// at row_begin (rows past the ring zero-filled), its scales the same window of the scale region.
+// Producer (one thread): the task's K / 128 k-tiles from `state` on, each one stage: A's 128 x 128
+// block, both halves' B blocks, A's scales (the caller advances its state by load.k_tiles). As
+// load_task: A is the 128-row window at row_begin (rows past the ring zero-filled), its scales the
+// same window of the scale region; a half past N (L2 with H % 256 == 128) is zero-filled B.
 CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8Gemm& g,
                                   MegaFp8Pipeline& pipeline, MegaFp8PipelineState state,
                                   typename MegaFp8Mainloop::TensorStorage& smem,
@@ -155,10 +212,13 @@ CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8Gemm&
                          make_coord(0, _));  // (BLK_M, BLK_K, k)
   Tensor gS = local_tile(domain_offset(window, mS), MegaFp8SfaSmemStage{}.shape(),
                          make_coord(0, _));  // (BLK_M, 1, k)
+  const int nb = load.n_tile * kMegaFp8Halves;
+  Tensor gB0 = local_tile(mB(_, _, load.expert), select<1, 2>(Tile{}), make_coord(nb, _));
+  Tensor gB1 = local_tile(mB(_, _, load.expert), select<1, 2>(Tile{}), make_coord(nb + 1, _));
   Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()),
-                          typename MegaFp8Mainloop::SmemLayoutA{});
+                          typename MegaFp8Mainloop::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
   Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()),
-                          typename MegaFp8Mainloop::SmemLayoutB{});
+                          typename MegaFp8Mainloop::SmemLayoutB{});  // (BLK_N, BLK_K, 2 PIPE)
   Tensor sS = make_tensor(make_smem_ptr(smem.smem_SFA.data()),
                           make_layout(make_shape(get<0>(Tile{}), _1{}, Int<kMegaFp8Stages>{}),
                                       make_stride(_1{}, get<0>(Tile{}), get<0>(Tile{}))));  // (BLK_M, 1, PIPE)
@@ -169,25 +229,96 @@ CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8Gemm&
   Tensor tAsA = tma_a.partition_D(sA);
   Tensor tSgS = tma_s.partition_S(gS);
   Tensor tSsS = tma_s.partition_D(sS);
+  Tensor tBgB0 = tma_b.partition_S(gB0);
+  Tensor tBgB1 = tma_b.partition_S(gB1);
   Tensor tBsB = tma_b.partition_D(sB);
   CUTLASS_PRAGMA_NO_UNROLL
-  for (int half = 0; half < kMegaFp8Halves; ++half) {
-    Tensor gB = local_tile(mB(_, _, load.expert), select<1, 2>(Tile{}),
-                           make_coord(load.n_tile * kMegaFp8Halves + half, _));  // (BLK_N, BLK_K, k)
-    Tensor tBgB = tma_b.partition_S(gB);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int k = 0; k < g.k_blocks; ++k) {
-      const float sb = scratch.sfb[half * g.k_blocks + k];
-      acquire_slot(p, pipeline, state, load.round,
-                   [&](int stage) { smem.smem_SFB[stage] = sb; });
-      auto* full = pipeline.producer_get_barrier(state);
-      const int stage = state.index();
-      copy(g.ml.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
-      copy(g.ml.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
-      copy(g.sfa.with(*full, 0), tSgS(_, _, _, k), tSsS(_, _, _, stage));
-      ++state;
-    }
+  for (int k = 0; k < g.k_blocks; ++k) {
+    const float sb0 = scratch.sfb[k], sb1 = scratch.sfb[g.k_blocks + k];
+    acquire_slot(p, pipeline, state, load.round, [&](int stage) {
+      smem.smem_SFB[kMegaFp8Halves * stage] = sb0;
+      smem.smem_SFB[kMegaFp8Halves * stage + 1] = sb1;
+    });
+    auto* full = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    copy(g.ml.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+    copy(g.ml.tma_load_b.with(*full, 0), tBgB0(_, _, _, k), tBsB(_, _, _, kMegaFp8Halves * stage));
+    copy(g.ml.tma_load_b.with(*full, 0), tBgB1(_, _, _, k),
+         tBsB(_, _, _, kMegaFp8Halves * stage + 1));
+    copy(g.sfa.with(*full, 0), tSgS(_, _, _, k), tSsS(_, _, _, stage));
+    ++state;
   }
+}
+
+// Consumers (both warpgroups): one task's K / 128 k-tiles from `state` on (advanced past them),
+// both halves of each: total_h += partial_h(k) * (sa(k) * sb_h(k)), k ascending, the engine's
+// FP8 promotion (roles/fp8_mainloop.cuh) of half h's 128 x 128 tile, term for term, so each
+// half's totals are bitwise the engine's tile's. Each stage is released once both halves have
+// read it.
+CUTLASS_DEVICE void mma_task_fp8(MegaFp8Pipeline& pipeline, MegaFp8PipelineState& state,
+                                 typename MegaFp8Mainloop::TensorStorage& smem,
+                                 MegaFp8Accumulators& total0, MegaFp8Accumulators& total1,
+                                 int k_tiles, int thread_idx) {
+  using namespace cute;
+  using Mainloop = MegaFp8Mainloop;
+  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
+  // A's row scales, broadcast along the tile's N: (BLK_M, BLK_N, PIPE).
+  Tensor sSFA = make_tensor(
+      make_smem_ptr(smem.smem_SFA.data()),
+      make_layout(make_shape(Int<layout::kBlockM>{}, Int<kMegaFp8BlockN>{}, Int<kMegaFp8Stages>{}),
+                  make_stride(_1{}, _0{}, Int<layout::kBlockM>{})));
+  typename Mainloop::TiledMma tiled_mma;
+  constexpr int kWarpGroups = size(typename Mainloop::TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+  const Layout warp_group_layout =
+      make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+  const int warp_group = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+  auto thread_mma = tiled_mma.get_slice(warp_group_layout(warp_group));
+  Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);     // (MMA, M, N, PIPE)
+  Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
+  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, N, K, 2 PIPE)
+  Tensor partial = make_fragment_like(total0);
+  Tensor scale = make_tensor_like<float>(tCsSFA(_, _, _, _0{}));
+  clear(total0);
+  clear(total1);
+  clear(partial);
+  warpgroup_fence_operand(total0);
+  warpgroup_fence_operand(total1);
+  warpgroup_fence_operand(partial);
+  // Half b % 2 of stage b / 2 into `total`: its wgmmas into the partial, the scales while they
+  // run, then the promotion.
+  auto half = [&](MegaFp8Accumulators& total, int stage, int b) {
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(partial);
+    warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+      cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, b), partial);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    copy(tCsSFA(_, _, _, stage), scale);
+    const float sb = smem.smem_SFB[b];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(filter_zeros(scale)); ++i) {
+      filter_zeros(scale)(i) = filter_zeros(scale)(i) * sb;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(partial);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(total); ++i) total(i) += partial(i) * scale(i);
+  };
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < k_tiles; ++k) {
+    pipeline.consumer_wait(state, pipeline.consumer_try_wait(state));
+    const int stage = state.index();
+    half(total0, stage, kMegaFp8Halves * stage);
+    half(total1, stage, kMegaFp8Halves * stage + 1);
+    pipeline.consumer_release(state);
+    ++state;
+  }
+  warpgroup_fence_operand(total0);
+  warpgroup_fence_operand(total1);
 }
 
 // The largest |x| of a packed bf16 pair, as float32 bits (the quantiser's integer maximum).
@@ -284,11 +415,11 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
   }
 }
 
-// Consumers (both warpgroups): one FP8 task, its two halves (mainloop, then that half's
-// epilogue); `mma_done()` after the last half's mainloop (the timeline's mark).
+// Consumers (both warpgroups): one FP8 task: the mainloop over both halves, then each half's
+// epilogue in order; `mma_done()` after the mainloop (the timeline's mark).
 template <class MmaDone>
-CUTLASS_DEVICE void fp8_task(const roles::MegaParams& p, const MegaFp8GemmParams& gp,
-                             MegaFp8Pipeline& pipeline, MegaFp8PipelineState& state,
+CUTLASS_DEVICE void fp8_task(const roles::MegaParams& p, MegaFp8Pipeline& pipeline,
+                             MegaFp8PipelineState& state,
                              typename MegaFp8Mainloop::TensorStorage& smem, bool l2, int round,
                              int row_begin, int rows, int n_tile, int k_tiles,
                              int mma_thread_idx, MmaDone mma_done) {
@@ -297,19 +428,17 @@ CUTLASS_DEVICE void fp8_task(const roles::MegaParams& p, const MegaFp8GemmParams
       l2 ? l2_row_dsts<MegaFp8TiledMma, MegaFp8TileShape>(p, mma_thread_idx, round, row_begin,
                                                           rows)
          : L2RowDsts{};
-  uint32_t amax[2] = {0, 0};
-  const int half_tiles = k_tiles / kMegaFp8Halves;
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int half = 0; half < kMegaFp8Halves; ++half) {
-    MegaFp8Accumulators acc;
-    // NOTE: the collective's mma() reads no Params field: one call serves both GEMMs.
-    mma_task<MegaFp8Mainloop>(gp.l1.ml, pipeline, state, smem, acc, half_tiles, mma_thread_idx);
-    if (half + 1 == kMegaFp8Halves) mma_done();
-    if (!l2) {
-      l1_epilogue_fp8(p, acc, mma_thread_idx, row_begin, rows, n_tile, half, amax);
-    } else {
-      l2_epilogue(p, acc, dsts, (n_tile * kMegaFp8Halves + half) * kMegaFp8BlockN);
-    }
+  MegaFp8Accumulators total0, total1;
+  mma_task_fp8(pipeline, state, smem, total0, total1, k_tiles, mma_thread_idx);
+  mma_done();
+  if (!l2) {
+    uint32_t amax[2] = {0, 0};
+    l1_epilogue_fp8(p, total0, mma_thread_idx, row_begin, rows, n_tile, 0, amax);
+    l1_epilogue_fp8(p, total1, mma_thread_idx, row_begin, rows, n_tile, 1, amax);
+  } else {
+    const int col0 = n_tile * kMegaFp8Halves * kMegaFp8BlockN;
+    l2_epilogue(p, total0, dsts, col0);
+    l2_epilogue(p, total1, dsts, col0 + kMegaFp8BlockN);
   }
 }
 
