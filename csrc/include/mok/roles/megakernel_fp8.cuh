@@ -20,9 +20,9 @@
 // 64-register fragments fill the consumers' budget), and its tensor-core share goes to the other
 // warpgroup meanwhile. Then the two halves' epilogues, in order. The plan, the counters and the
 // task order stay the BF16 forward's. An L1 task's 256 h columns are 128 act columns: exactly one
-// (1, 128) act block, so the act quantisation needs no other task: the first half's row maxima
-// wait in two registers, the second half's complete them, and each lane quantises the act
-// columns it stored (the first half's read back from the bf16 act ring it just wrote).
+// (1, 128) act block, so the act quantisation needs no other task: with both halves' totals in
+// registers, each lane quantises the act columns it stored under the row's maximum over the
+// quad's lanes.
 //
 // Arithmetic: stage 1's FP8 forward, bit for bit (the tests compare them): the engine's FP8
 // TiledMma and promotion order (OverlappedPromotionMma), SwigluMath, and the quantiser's block
@@ -341,75 +341,68 @@ MOK_DEVICE uint2 encode8(uint4 v, const fp8_blockwise::BlockScale& s,
   return make_uint2(out[0], out[1]);
 }
 
-// FP8 L1 epilogue (consumers), half `half` of the L1 task (m-tile at ring row row_begin, rows
-// [0, rows); n-tile n_tile of the 2I interleaved columns): act = silu(g) * u into the bf16 act
-// ring (act columns n_tile * 128 + half * 64 + [0, 64)), h into h_ring if set, as l1_epilogue;
-// then the act block n_tile (128 columns, both halves) quantised into act8_ring / act_scales.
-// amax[rh]: the first half's row maxima (|act| float32 bits over the quad's 64 columns) of this
-// thread's two rows, kept for the second.
+// FP8 L1 epilogue (consumers): the L1 task (m-tile at ring row row_begin, rows [0, rows); n-tile
+// n_tile of the 2I interleaved columns) from both halves' totals: act = silu(g) * u into the
+// bf16 act ring (act columns n_tile * 128 + [0, 128), half h's at + 64 h), h into h_ring if set,
+// as l1_epilogue; then the act block n_tile (those 128 columns) quantised into act8_ring /
+// act_scales, each lane encoding the columns it stored (its bf16 act, still in registers) under
+// the row's block scale (the quad's maximum over both halves).
 // NOTE: 2I % 256 == 0 (the host checks), so every column of an L1 task is below 2I.
-CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Accumulators& acc,
-                                    int mma_thread_idx, int row_begin, int rows, int n_tile,
-                                    int half, uint32_t (&amax)[2]) {
+CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Accumulators& total0,
+                                    const MegaFp8Accumulators& total1, int mma_thread_idx,
+                                    int row_begin, int rows, int n_tile) {
   auto coords = thread_coords<MegaFp8TiledMma, MegaFp8TileShape>(mma_thread_idx);
   const int q = static_cast<int>(threadIdx.x % 4);
   const int h_cols = 2 * p.inter;
-  const int h_col0 = n_tile * layout::kBlockN + half * kMegaFp8BlockN;
-  const int block_col0 = n_tile * (layout::kBlockN / 2);  // the act block's first column
-  const int act_col0 = block_col0 + half * (kMegaFp8BlockN / 2);
-  constexpr int kActBlocks = kMegaFp8FragBlocks / 2;  // act fragment blocks of one row half
-  constexpr int kGroups = kActBlocks / 4;              // this lane's 16-byte stores per row
+  const int h_col0 = n_tile * layout::kBlockN;
+  const int act_col0 = n_tile * (layout::kBlockN / 2);  // the act block's first column
+  constexpr int kActBlocks = kMegaFp8FragBlocks / 2;    // act fragment blocks of one row half
+  constexpr int kGroups = kActBlocks / 4;               // this lane's 16-byte stores per row
+  constexpr int kHalfActCols = kMegaFp8BlockN / 2;
   CUTLASS_PRAGMA_UNROLL
   for (int rh = 0; rh < 2; ++rh) {
     const int row = cute::get<0>(coords(2 * rh));
     const bool live = row < rows;
     const int64_t ring_row = row_begin + row;
     __nv_bfloat16* act = p.act_ring + ring_row * p.inter;
-    // The second half's epilogue quantises the first half's columns too: this lane's, as it
-    // stored them, read back first (their latency under the act math below).
-    uint4 first[kGroups];
+    uint4 mine[kMegaFp8Halves][kGroups];  // this lane's stored act columns, 8 per group
+    uint32_t m = 0;  // |act| maximum (float32 bits) over this lane's columns of both halves
     CUTLASS_PRAGMA_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      first[g] = make_uint4(0, 0, 0, 0);
-      if (half == 1 && live) {
-        first[g] = *reinterpret_cast<const uint4*>(act + block_col0 + (4 * g + q) * kFragBlockCols);
+    for (int half = 0; half < kMegaFp8Halves; ++half) {
+      const MegaFp8Accumulators& total = half == 0 ? total0 : total1;
+      uint32_t words[kActBlocks];
+      CUTLASS_PRAGMA_UNROLL
+      for (int a = 0; a < kActBlocks; ++a) {
+        words[a] = swiglu_pair(total, rh, a);
+        m = max(m, abs_bits_max(words[a]));
+      }
+      const int col0 = act_col0 + half * kHalfActCols;
+      for_each_group<kActBlocks>([&](int a) { return words[a]; },
+                                 [&](int g, uint4 v) {
+                                   mine[half][g] = v;
+                                   if (live) store16(act + col0 + (4 * g + q) * kFragBlockCols, v);
+                                 });
+      if (p.h_ring != nullptr) {
+        __nv_bfloat16* h = p.h_ring + ring_row * h_cols + h_col0 + half * kMegaFp8BlockN;
+        for_each_raw_group(total, rh, [&](int g, uint4 v) {
+          if (live) store16(h + (4 * g + q) * kFragBlockCols, v);
+        });
       }
     }
-    uint32_t words[kActBlocks];
-    uint32_t m = 0;
-    CUTLASS_PRAGMA_UNROLL
-    for (int a = 0; a < kActBlocks; ++a) {
-      words[a] = swiglu_pair(acc, rh, a);
-      m = max(m, abs_bits_max(words[a]));
-    }
-    // The row's maximum over this half's 64 act columns: the quad's 4 lanes.
+    // The row's maximum over the block's 128 act columns: the quad's 4 lanes.
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    uint4 mine[kGroups];  // this lane's stored columns, 8 per group
-    for_each_group<kActBlocks>([&](int a) { return words[a]; },
-                               [&](int g, uint4 v) {
-                                 mine[g] = v;
-                                 if (live) store16(act + act_col0 + (4 * g + q) * kFragBlockCols, v);
-                               });
-    if (p.h_ring != nullptr) {
-      __nv_bfloat16* h = p.h_ring + ring_row * h_cols;
-      for_each_raw_group(acc, rh, [&](int g, uint4 v) {
-        if (live) store16(h + h_col0 + (4 * g + q) * kFragBlockCols, v);
-      });
-    }
-    if (half == 0) {
-      amax[rh] = m;
-      continue;
-    }
-    const fp8_blockwise::BlockScale s = fp8_blockwise::block_scale(max(amax[rh], m), false);
+    const fp8_blockwise::BlockScale s = fp8_blockwise::block_scale(m, false);
     if (!live) continue;
     const fp8_blockwise::Divider d(s.factor);
     uint8_t* act8 = p.act8_ring + ring_row * p.inter;
     CUTLASS_PRAGMA_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      const int col = (4 * g + q) * kFragBlockCols;
-      *reinterpret_cast<uint2*>(act8 + block_col0 + col) = encode8(first[g], s, d);
-      *reinterpret_cast<uint2*>(act8 + act_col0 + col) = encode8(mine[g], s, d);
+    for (int half = 0; half < kMegaFp8Halves; ++half) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kGroups; ++g) {
+        const int col = act_col0 + half * kHalfActCols + (4 * g + q) * kFragBlockCols;
+        *reinterpret_cast<uint2*>(act8 + col) = encode8(mine[half][g], s, d);
+      }
     }
     if (q == 0) p.act_scales[static_cast<int64_t>(n_tile) * p.scale_stride + ring_row] = s.scale;
   }
@@ -432,9 +425,7 @@ CUTLASS_DEVICE void fp8_task(const roles::MegaParams& p, MegaFp8Pipeline& pipeli
   mma_task_fp8(pipeline, state, smem, total0, total1, k_tiles, mma_thread_idx);
   mma_done();
   if (!l2) {
-    uint32_t amax[2] = {0, 0};
-    l1_epilogue_fp8(p, total0, mma_thread_idx, row_begin, rows, n_tile, 0, amax);
-    l1_epilogue_fp8(p, total1, mma_thread_idx, row_begin, rows, n_tile, 1, amax);
+    l1_epilogue_fp8(p, total0, total1, mma_thread_idx, row_begin, rows, n_tile);
   } else {
     const int col0 = n_tile * kMegaFp8Halves * kMegaFp8BlockN;
     l2_epilogue(p, total0, dsts, col0);
