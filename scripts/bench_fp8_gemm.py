@@ -181,7 +181,8 @@ def render(record: dict) -> str:
 
 def render_layer(record: dict) -> str:
     """The layer table of a ``bench_moe.py --mok-fp8`` record: per case and pass, the baseline,
-    MoK (BF16 experts) and MoK with FP8 experts, and the FP8 speedup over MoK; in forward +
+    MoK (BF16 experts, its forward path: stage 1 or the BF16 megakernel, as the record's
+    ``--mok-cuda-forward`` made it) and MoK with FP8 experts, and the FP8 speedup over MoK; in forward +
     backward also FP8 with FP8 data gradients (``mok_fp8_dgrad``), and the FP8 megakernel's
     forward (``mok_fp8_mega``, ``bench_moe.py --mok-fp8-mega``), where the record has them."""
     env = record["environment"]
@@ -195,8 +196,9 @@ def render_layer(record: dict) -> str:
         "of the Megatron MoE layer, the alltoall + grouped-GEMM baseline and MoK in the same "
         "process.",
         "",
-        "| model | tokens | pass | baseline | MoK BF16 | MoK FP8 | FP8 over BF16 | target |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | tokens | pass | baseline | MoK BF16 | its forward | MoK FP8 | FP8 over BF16 | "
+        "target |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for case in record["cases"]:
         routing = case.get("routing", "uniform")
@@ -210,6 +212,8 @@ def render_layer(record: dict) -> str:
             ms = {who: r[who]["median_ms_all_ranks_max"] for who in ("baseline", "mok")}
             target = LAYER_TARGETS[label] if case["shape"] == "deepseek-v3" else None
             target = f"{target:.1f}x" if target else "-"
+            # The BF16 layer's forward path: the record's cuda_forward for MoK ("auto": stage 1)
+            bf16_path = case.get("mok_backend", "?").removeprefix("cuda/")
             # (row label, FP8 contender, its speedup key): stage 1's FP8 first, then the others
             # the record has
             for suffix, who, speedup in (("", "mok_fp8", "fp8_speedup"),
@@ -219,7 +223,7 @@ def render_layer(record: dict) -> str:
                     continue
                 lines.append(
                     f"| {case['shape']} | {tokens} | {label}{suffix} | {ms['baseline']:.2f} | "
-                    f"{ms['mok']:.2f} | {r[who]['median_ms_all_ranks_max']:.2f} | "
+                    f"{ms['mok']:.2f} | {bf16_path} | {r[who]['median_ms_all_ranks_max']:.2f} | "
                     f"{r[speedup]:.2f}x | {target} |"
                 )
     return "\n".join(lines)

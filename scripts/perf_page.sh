@@ -63,7 +63,8 @@ for t in "${traces[@]}"; do args+=("$R/$t"); done
 args+=(--ncu)
 for n in ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.json \
   ncu_megakernel_h200_7098afa_deepseek.json ncu_megakernel_h200_7098afa_deepseek_bwd.json \
-  ncu_megakernel_h200_7098afa_mixtral.json ncu_megakernel_h200_3bf75fe_fp8.json; do
+  ncu_megakernel_h200_7098afa_mixtral.json ncu_megakernel_h200_3bf75fe_fp8.json \
+  ncu_megakernel_h200_07a7f29_fp8.json; do
   args+=("$R/$n")
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")

@@ -203,14 +203,17 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
     fwd = {**fwd, "mok_fp8_mega": ms(0.8), "fp8_mega_speedup": 2.5}
     record = {"environment": {"gpu": "G", "torch": "t", "commit": "abcdef0123", "world_size": 1},
               "cases": [{"shape": "deepseek-v3", "tokens_per_rank": 64, "fwd": fwd,
-                         "fwd_bwd": bwd}]}  # fmt: skip
+                         "fwd_bwd": bwd, "mok_backend": "cuda/megakernel"}]}  # fmt: skip
     rows = bench_fp8_gemm.render_layer(record).splitlines()[4:]
     assert rows == [
-        "| deepseek-v3 | 64 | fwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.5x |",
-        "| deepseek-v3 | 64 | fwd (FP8 megakernel) | 4.00 | 2.00 | 0.80 | 2.50x | 1.5x |",
-        "| deepseek-v3 | 64 | fwd_bwd | 4.00 | 2.00 | 1.00 | 2.00x | 1.3x |",
-        "| deepseek-v3 | 64 | fwd_bwd (FP8 dgrads) | 4.00 | 2.00 | 0.50 | 4.00x | 1.3x |",
+        "| deepseek-v3 | 64 | fwd | 4.00 | 2.00 | megakernel | 1.00 | 2.00x | 1.5x |",
+        "| deepseek-v3 | 64 | fwd (FP8 megakernel) | 4.00 | 2.00 | megakernel | 0.80 | 2.50x | 1.5x |",
+        "| deepseek-v3 | 64 | fwd_bwd | 4.00 | 2.00 | megakernel | 1.00 | 2.00x | 1.3x |",
+        "| deepseek-v3 | 64 | fwd_bwd (FP8 dgrads) | 4.00 | 2.00 | megakernel | 0.50 | 4.00x | 1.3x |",
     ]
+    # The BF16 layer's path as the record names it (stage 1 where cuda_forward was "auto")
+    record["cases"][0]["mok_backend"] = "cuda/stage1"
+    assert "| 2.00 | stage1 | 1.00 |" in bench_fp8_gemm.render_layer(record)
 
 
 def test_fp8_gemm_table_gives_each_rows_clock_and_the_dense_ceilings():
