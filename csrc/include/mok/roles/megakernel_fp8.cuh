@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "mok/common/fp8_blockwise.cuh"
+#include "mok/common/ptx.cuh"
 #include "mok/roles/fp8_blockwise_quantize.cuh"
 #include "mok/roles/grouped_gemm_fp8_config.cuh"
 #include "mok/roles/megakernel_gemm.cuh"
@@ -250,6 +251,56 @@ CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8Gemm&
   }
 }
 
+// The consumer warpgroups' wgmma issue order: warpgroup 0's batch (one half of one k-tile), then
+// warpgroup 1's, then warpgroup 0's next, and so on for the whole launch. Each warpgroup waits
+// for its batch before it promotes it (mma_task_fp8), and both wait on the same stage: left to
+// themselves they issue together, their batches finish together and both promote while the
+// tensor cores idle. In turn, warpgroup 0's batch finishes first and its promotion runs under
+// warpgroup 1's batch, and so on. Two named barriers pass the turn: kFp8TurnOf1 (warpgroup 0
+// issued: 1 may) and kFp8TurnOf0 (1 issued: 0 may). A warpgroup with no rows in a task
+// (consumer_rows_idle) still takes its turns (idle_task_fp8). No arithmetic changes: each
+// warpgroup's wgmmas and promotions are the same, only their timing.
+// NOTE: ids 1 and 2 are roles::MegaBarrier's.
+constexpr int kFp8TurnOf1 = 3;
+constexpr int kFp8TurnOf0 = 4;
+constexpr int kFp8TurnThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+
+// Before warpgroup `wg`'s batch: its turn.
+MOK_DEVICE void fp8_wait_turn(int wg) {
+  ptx::named_barrier_sync(wg == 0 ? kFp8TurnOf0 : kFp8TurnOf1, kFp8TurnThreads);
+}
+// After its batch is issued: the other's turn.
+MOK_DEVICE void fp8_pass_turn(int wg) {
+  ptx::named_barrier_arrive(wg == 0 ? kFp8TurnOf1 : kFp8TurnOf0, kFp8TurnThreads);
+}
+// Once per launch, before the consumers' first task: warpgroup 0 has the first turn. And after
+// their last: warpgroup 0 takes the turn warpgroup 1 passed last, so no arrival is left over.
+MOK_DEVICE void fp8_turns_begin(int mma_thread_idx) {
+  if (mma_thread_idx / cutlass::NumThreadsPerWarpGroup == 1) fp8_pass_turn(1);
+}
+MOK_DEVICE void fp8_turns_end(int mma_thread_idx) {
+  if (mma_thread_idx / cutlass::NumThreadsPerWarpGroup == 0) fp8_wait_turn(0);
+}
+
+// A warpgroup with no rows in an FP8 task (consumer_rows_idle): as idle_task, and it takes its
+// turns (both halves of each k-tile) without issuing.
+template <class Pipeline, class State>
+CUTLASS_DEVICE void idle_task_fp8(Pipeline& pipeline, State& state, int k_tiles,
+                                  int mma_thread_idx) {
+  const int wg = mma_thread_idx / cutlass::NumThreadsPerWarpGroup;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < k_tiles; ++k) {
+    pipeline.consumer_wait(state, pipeline.consumer_try_wait(state));
+    CUTLASS_PRAGMA_UNROLL
+    for (int half = 0; half < kMegaFp8Halves; ++half) {
+      fp8_wait_turn(wg);
+      fp8_pass_turn(wg);
+    }
+    pipeline.consumer_release(state);
+    ++state;
+  }
+}
+
 // Consumers (both warpgroups): one task's K / 128 k-tiles from `state` on (advanced past them),
 // both halves of each: total_h += partial_h(k) * (sa(k) * sb_h(k)), k ascending, the engine's
 // FP8 promotion (roles/fp8_mainloop.cuh) of half h's 128 x 128 tile, term for term, so each
@@ -290,6 +341,7 @@ CUTLASS_DEVICE void mma_task_fp8(MegaFp8Pipeline& pipeline, MegaFp8PipelineState
   auto half = [&](MegaFp8Accumulators& total, int stage, int b) {
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(partial);
+    fp8_wait_turn(warp_group);
     warpgroup_arrive();
     CUTLASS_PRAGMA_UNROLL
     for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
@@ -297,6 +349,7 @@ CUTLASS_DEVICE void mma_task_fp8(MegaFp8Pipeline& pipeline, MegaFp8PipelineState
       tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
+    fp8_pass_turn(warp_group);
     copy(tCsSFA(_, _, _, stage), scale);
     const float sb = smem.smem_SFB[b];
     CUTLASS_PRAGMA_UNROLL
