@@ -85,7 +85,7 @@ void check_args(const MegaArgs& a) {
   if (a.fp8) check_fp8_args(a);
   MOK_HOST_CHECK(a.fp8 || a.local_token_scales == nullptr,
                  "megakernel: local_token_scales are the FP8 forward's");
-  MOK_HOST_CHECK(a.cluster_ctas == 1 || a.cluster_ctas == layout::kMaxClusterCtas,
+  MOK_HOST_CHECK(layout::valid_cluster_ctas(a.cluster_ctas),
                  "megakernel: cluster_ctas=%d must be 1 or %d", a.cluster_ctas,
                  layout::kMaxClusterCtas);
   MOK_HOST_CHECK(a.num_ctas % a.cluster_ctas == 0 && a.num_comm_ctas % a.cluster_ctas == 0,
@@ -410,8 +410,8 @@ void launch(const MegaArgs& args, cudaStream_t stream) {
 }  // namespace
 
 int megakernel_resident_ctas(bool backward, int cluster, bool fp8) {
-  MOK_HOST_CHECK(cluster == 1 || cluster == layout::kMaxClusterCtas,
-                 "megakernel: cluster=%d must be 1 or %d", cluster, layout::kMaxClusterCtas);
+  MOK_HOST_CHECK(layout::valid_cluster_ctas(cluster), "megakernel: cluster=%d must be 1 or %d",
+                 cluster, layout::kMaxClusterCtas);
   MOK_HOST_CHECK(!fp8 || (!backward && cluster == 1),
                  "megakernel: the FP8 megakernel is a forward without clusters");
   return resident_ctas(backward, cluster, fp8);

@@ -39,6 +39,11 @@ constexpr int kBlockM = 128;     // rows of one GEMM tile (the minibatch granula
 constexpr int kBlockN = 256;     // columns of one GEMM tile
 constexpr int kOrderBlockTiles = 16;  // m-tiles per block of a round's task order
 constexpr int kMaxClusterCtas = 2;    // CTAs per cluster of the megakernels: 1 or 2
+// Whether `ctas` is a cluster size the megakernels are built for (1 or kMaxClusterCtas): the one
+// rule the op, the launcher and the occupancy query check.
+MOK_HOST_DEVICE constexpr bool valid_cluster_ctas(int64_t ctas) {
+  return ctas == 1 || ctas == kMaxClusterCtas;
+}
 
 // Counter words before the flag arrays.
 constexpr int kEpoch = 0;

@@ -74,10 +74,14 @@ MOK_DEVICE void pull_row_fp8(const MegaParams& p, int64_t src, int ring_row, int
   const uint8_t* row = token_row(p, src, p.token_row_bytes);
   copy_row(reinterpret_cast<uint4*>(p.x8_ring + static_cast<int64_t>(ring_row) * p.hidden),
            reinterpret_cast<const uint4*>(row), vecs, lane);
-  const float* scales = reinterpret_cast<const float*>(row + p.hidden);
-  if (row != nullptr && p.local_token_scales != nullptr) {
+  // The row's scales: beside its quantised row in place (one rank), else after the packed row's
+  // data; none for an empty row (row == nullptr: scale 1 below).
+  const float* scales = nullptr;
+  if (row != nullptr) {
     const uint32_t t = static_cast<uint32_t>(src) % static_cast<uint32_t>(p.max_tokens);
-    scales = p.local_token_scales + static_cast<int64_t>(t) * blocks;
+    scales = p.local_token_scales != nullptr
+                 ? p.local_token_scales + static_cast<int64_t>(t) * blocks
+                 : reinterpret_cast<const float*>(row + p.hidden);
   }
   for (int kb = lane; kb < blocks; kb += 32) {
     // NOTE: read-only during the launch, as the data (copy_row)
