@@ -226,6 +226,13 @@ def render_layer(record: dict) -> str:
                     f"{ms['mok']:.2f} | {bf16_path} | {r[who]['median_ms_all_ranks_max']:.2f} | "
                     f"{r[speedup]:.2f}x | {target} |"
                 )
+            if "mok_fp8_mega_graph" in r:  # both replayed from CUDA graphs: no host time
+                lines.append(
+                    f"| {case['shape']} | {tokens} | {label} replayed (FP8 megakernel) | - | "
+                    f"{r['mok_graph']['median_ms_all_ranks_max']:.2f} | {bf16_path}, replayed | "
+                    f"{r['mok_fp8_mega_graph']['median_ms_all_ranks_max']:.2f} | "
+                    f"{r['fp8_mega_graph_speedup']:.2f}x | {target} |"
+                )
     return "\n".join(lines)
 
 

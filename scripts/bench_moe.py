@@ -114,7 +114,8 @@ def parse_args(argv=None):
         action="store_true",
         help="also time MoK's forward replayed from CUDA graphs (one captured per input set, "
         "autograd recording as in the fwd row), as 'mok_graph', in the same process: the GPU's "
-        "time for the layer with no host work before its launches (the baseline is not captured)",
+        "time for the layer with no host work before its launches (the baseline is not captured); "
+        "with --mok-fp8-mega the FP8 megakernel's forward too, as 'mok_fp8_mega_graph'",
     )
     p.add_argument(
         "--back-to-back",
@@ -498,6 +499,15 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_graph and not backward:
             result["mok_graph"] = _rates(measure_graphed(layer, sets, args), cost)
             layer.zero_grad(set_to_none=True)
+            if args.mok_fp8_mega:
+                with _mok_knobs(layer, **MOK_FP8_MEGA_KNOBS):
+                    graphed = measure_graphed(layer, sets, args)
+                result["mok_fp8_mega_graph"] = _rates(graphed, cost)
+                layer.zero_grad(set_to_none=True)
+                result["fp8_mega_graph_speedup"] = (
+                    result["mok_graph"]["median_ms_all_ranks_max"]
+                    / result["mok_fp8_mega_graph"]["median_ms_all_ranks_max"]
+                )
         if args.live_ceiling:  # after every contender of the pass
             dense = measure_dense_ceiling(cost["flops"], args)
             result["dense_ceiling"] = dense

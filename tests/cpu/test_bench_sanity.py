@@ -211,6 +211,12 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
         "| deepseek-v3 | 64 | fwd_bwd | 4.00 | 2.00 | megakernel | 1.00 | 2.00x | 1.3x |",
         "| deepseek-v3 | 64 | fwd_bwd (FP8 dgrads) | 4.00 | 2.00 | megakernel | 0.50 | 4.00x | 1.3x |",
     ]
+    # Both forwards replayed from CUDA graphs (--mok-graph with --mok-fp8-mega): a row of their own
+    fwd.update(mok_graph=ms(1.5), mok_fp8_mega_graph=ms(0.5), fp8_mega_graph_speedup=3.0)
+    assert bench_fp8_gemm.render_layer(record).splitlines()[6] == (
+        "| deepseek-v3 | 64 | fwd replayed (FP8 megakernel) | - | 1.50 | megakernel, replayed | "
+        "0.50 | 3.00x | 1.5x |"
+    )
     # The BF16 layer's path as the record names it (stage 1 where cuda_forward was "auto")
     record["cases"][0]["mok_backend"] = "cuda/stage1"
     assert "| 2.00 | stage1 | 1.00 |" in bench_fp8_gemm.render_layer(record)
