@@ -417,8 +417,9 @@ def _tuned_knobs(
     """The "auto"-able knobs of a tuned table ({} without a table): those of its ``shapes:``
     entry for ``layer`` (all four dimensions equal) where it has one with every knob, else its
     ``mok:`` section's. With FP8 experts (``precision`` 'fp8_blockwise') the forward pair comes
-    from that shape entry's ``fp8_blockwise:`` where it has one, else (no FP8 sweep of the shape)
-    from the shape entry itself, else from the table's ``fp8_blockwise:`` section."""
+    from that shape entry's ``fp8_blockwise:`` where it has one (even in an entry without BF16
+    knobs), else (no FP8 sweep of the shape) from the shape entry itself, else from the table's
+    ``fp8_blockwise:`` section."""
     if path is None or not path.is_file():
         return {}
     import yaml
@@ -432,12 +433,14 @@ def _tuned_knobs(
                         if n in FP8_TUNED_KNOBS})  # fmt: skip
     for entry in (doc.get("shapes") or {}).values():
         dims = [entry.get(name) for name in LayerDims._fields]
-        if layer is not None and dims == list(layer) and all(n in entry for n in AUTO_FALLBACKS):
+        if layer is None or dims != list(layer):
+            continue
+        if all(n in entry for n in AUTO_FALLBACKS):  # the shape's BF16 sweep
             section = dict(entry)
-            if fp8:
-                section.update({n: v for n, v in (entry.get("fp8_blockwise") or {}).items()
-                                if n in FP8_TUNED_KNOBS})  # fmt: skip
-            break
+        if fp8:  # its FP8 sweep (an entry may hold only that: tune.py --fp8 of a new shape)
+            section.update({n: v for n, v in (entry.get("fp8_blockwise") or {}).items()
+                            if n in FP8_TUNED_KNOBS})  # fmt: skip
+        break
     knobs = {name: section[name] for name in AUTO_FALLBACKS if name in section}
     for name, value in knobs.items():
         if isinstance(value, bool) or not isinstance(value, int):

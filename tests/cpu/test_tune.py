@@ -126,6 +126,23 @@ def test_an_fp8_sweep_adds_its_forward_knobs_and_keeps_the_bf16_ones(tmp_path, m
     assert _tuned_knobs(path, other, fp8)["minibatch_size"] == 256
 
 
+def test_an_fp8_sweep_of_a_shape_the_bf16_table_lacks(tmp_path):
+    """tune.py --fp8 of a shape the BF16 sweep did not cover: the shape's entry holds only its
+    dimensions and FP8 pair; an FP8 layer of it reads that pair, a BF16 one the mean's knobs."""
+    from mok_megatron.functional.config import LayerDims
+
+    path = _sweep_table(tmp_path)  # qwen3-30b-a3b and deepseek-v3
+    record = {"cases": [_fp8_case("mixtral-8x7b", {"8,128": 2.0, "4,256": 1.0})],
+              "path": str(tmp_path / "tune_fp8_y.json"),
+              "environment": {"commit": "c", "utc": "u"}}  # fmt: skip
+    tune.write_fp8_entries(str(path), record, [(8, 128), (4, 256)])
+    mixtral = LayerDims(4096, 14336, 8, 2)  # scripts/bench_moe.py's mixtral-8x7b
+    mean = {"fwd_num_comm_sms": 16, "minibatch_size": 256, "bwd_num_comm_sms": 8}
+    assert _tuned_knobs(path, mixtral) == mean
+    assert _tuned_knobs(path, mixtral, "fp8_blockwise") == {**mean, "fwd_num_comm_sms": 4,
+                                                            "minibatch_size": 256}  # fmt: skip
+
+
 def test_an_fp8_sweep_needs_the_bf16_table_first(tmp_path):
     import pytest
 
