@@ -218,7 +218,9 @@ def render_layer(record: dict) -> str:
             # the record has
             for suffix, who, speedup in (("", "mok_fp8", "fp8_speedup"),
                                          (" (FP8 megakernel)", "mok_fp8_mega", "fp8_mega_speedup"),
-                                         (" (FP8 dgrads)", "mok_fp8_dgrad", "fp8_dgrad_speedup")):  # fmt: skip
+                                         (" (FP8 dgrads)", "mok_fp8_dgrad", "fp8_dgrad_speedup"),
+                                         (" (FP8 megakernel, FP8 dgrads)", "mok_fp8_mega_dgrad",
+                                          "fp8_mega_dgrad_speedup")):  # fmt: skip
                 if who not in r:
                     continue
                 lines.append(

@@ -107,7 +107,8 @@ def parse_args(argv=None):
         action="store_true",
         help="also time MoK's FP8 megakernel forward (expert_precision='fp8_blockwise', "
         "cuda_forward='megakernel'; its backward is stage 1's) as 'mok_fp8_mega', in the same "
-        "process",
+        "process; in forward + backward with --mok-fp8 also with FP8 data gradients "
+        "(fp8_backward='dgrad') as 'mok_fp8_mega_dgrad'",
     )
     p.add_argument(
         "--mok-graph",
@@ -482,6 +483,10 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 )
         if args.mok_fp8_mega:
             contenders.append(("mok_fp8_mega", layer, MOK_FP8_MEGA_KNOBS))
+            if backward and args.mok_fp8:  # the FP8 megakernel's forward, FP8 data gradients
+                contenders.append(
+                    ("mok_fp8_mega_dgrad", layer, {**MOK_FP8_MEGA_KNOBS, "fp8_backward": "dgrad"})
+                )
         for who, module, knobs in contenders:
             with _mok_knobs(module, **knobs):
                 t = measure(module, sets, args, backward)
@@ -527,6 +532,11 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_fp8_mega:  # > 1: the FP8 megakernel beats MoK's default (BF16) layer
             result["fp8_mega_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
                                           / result["mok_fp8_mega"]["median_ms_all_ranks_max"])  # fmt: skip
+            if "mok_fp8_mega_dgrad" in result:
+                result["fp8_mega_dgrad_speedup"] = (
+                    result["mok"]["median_ms_all_ranks_max"]
+                    / result["mok_fp8_mega_dgrad"]["median_ms_all_ranks_max"]
+                )
             if args.mok_fp8:  # > 1: the FP8 megakernel beats the FP8 stage 1
                 result["fp8_mega_over_stage1"] = (
                     result["mok_fp8"]["median_ms_all_ranks_max"]

@@ -199,7 +199,8 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
         return {"median_ms_all_ranks_max": value}
 
     fwd = {"baseline": ms(4.0), "mok": ms(2.0), "mok_fp8": ms(1.0), "fp8_speedup": 2.0}
-    bwd = {**fwd, "mok_fp8_dgrad": ms(0.5), "fp8_dgrad_speedup": 4.0}
+    bwd = {**fwd, "mok_fp8_dgrad": ms(0.5), "fp8_dgrad_speedup": 4.0,
+           "mok_fp8_mega_dgrad": ms(0.4), "fp8_mega_dgrad_speedup": 5.0}  # fmt: skip
     fwd = {**fwd, "mok_fp8_mega": ms(0.8), "fp8_mega_speedup": 2.5}
     record = {"environment": {"gpu": "G", "torch": "t", "commit": "abcdef0123", "world_size": 1},
               "cases": [{"shape": "deepseek-v3", "tokens_per_rank": 64, "fwd": fwd,
@@ -210,6 +211,8 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
         "| deepseek-v3 | 64 | fwd (FP8 megakernel) | 4.00 | 2.00 | megakernel | 0.80 | 2.50x | 1.5x |",
         "| deepseek-v3 | 64 | fwd_bwd | 4.00 | 2.00 | megakernel | 1.00 | 2.00x | 1.3x |",
         "| deepseek-v3 | 64 | fwd_bwd (FP8 dgrads) | 4.00 | 2.00 | megakernel | 0.50 | 4.00x | 1.3x |",
+        "| deepseek-v3 | 64 | fwd_bwd (FP8 megakernel, FP8 dgrads) | 4.00 | 2.00 | megakernel | "
+        "0.40 | 5.00x | 1.3x |",
     ]
     # Both forwards replayed from CUDA graphs (--mok-graph with --mok-fp8-mega): a row of their own
     fwd.update(mok_graph=ms(1.5), mok_fp8_mega_graph=ms(0.5), fp8_mega_graph_speedup=3.0)
