@@ -182,17 +182,24 @@ def render(record: dict) -> str:
 def render_layer(record: dict) -> str:
     """The layer table of a ``bench_moe.py --mok-fp8`` record: per case and pass, the baseline,
     MoK (BF16 experts, its forward path: stage 1 or the BF16 megakernel, as the record's
-    ``--mok-cuda-forward`` made it) and MoK with FP8 experts, and the FP8 speedup over MoK; in forward +
-    backward also FP8 with FP8 data gradients (``mok_fp8_dgrad``), and the FP8 megakernel's
-    forward (``mok_fp8_mega``, ``bench_moe.py --mok-fp8-mega``), where the record has them."""
+    ``--mok-cuda-forward`` made it) and MoK with FP8 experts, and the FP8 speedup over MoK; in
+    forward + backward also FP8 with FP8 data gradients (``mok_fp8_dgrad``), and the FP8
+    megakernel's forward (``mok_fp8_mega``, ``bench_moe.py --mok-fp8-mega``), where the record has
+    them. The record line names the bench's flags that chose the contenders (from its args)."""
     env = record["environment"]
+    args = record.get("args", {})
     has_mega = any(
         "mok_fp8_mega" in c.get(p, {}) for c in record["cases"] for p in ("fwd", "fwd_bwd")
     )
-    mega_flag = " --mok-fp8-mega" if has_mega else ""
+    flags = " --mok-fp8"
+    if args.get("mok_cuda_forward"):
+        flags += f" --mok-cuda-forward {args['mok_cuda_forward']}"
+    flags += " --mok-stage1" if args.get("mok_stage1") else ""
+    flags += " --mok-fp8-mega" if has_mega else ""
+    flags += " --mok-graph" if args.get("mok_graph") else ""
     lines = [
         f"Record: {env['gpu']}, torch {env['torch']}, commit `{env['commit'][:7]}`, EP "
-        f"{env['world_size']} (`scripts/bench_moe.py --mok-fp8{mega_flag}`): median ms "
+        f"{env['world_size']} (`scripts/bench_moe.py{flags}`): median ms "
         "of the Megatron MoE layer, the alltoall + grouped-GEMM baseline and MoK in the same "
         "process.",
         "",

@@ -497,10 +497,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 t = measure(module, sets, args, backward, calls=args.back_to_back)
                 module.zero_grad(set_to_none=True)
                 result[f"{who}_back_to_back"] = _rates(t, cost)
-            result["back_to_back_speedup"] = (
-                result["baseline_back_to_back"]["median_ms_all_ranks_max"]
-                / result["mok_back_to_back"]["median_ms_all_ranks_max"]
-            )
+            result["back_to_back_speedup"] = _ratio(result, "baseline_back_to_back",
+                                                    "mok_back_to_back")  # fmt: skip
         if args.mok_graph and not backward:
             result["mok_graph"] = _rates(measure_graphed(layer, sets, args), cost)
             layer.zero_grad(set_to_none=True)
@@ -509,53 +507,33 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                     graphed = measure_graphed(layer, sets, args)
                 result["mok_fp8_mega_graph"] = _rates(graphed, cost)
                 layer.zero_grad(set_to_none=True)
-                result["fp8_mega_graph_speedup"] = (
-                    result["mok_graph"]["median_ms_all_ranks_max"]
-                    / result["mok_fp8_mega_graph"]["median_ms_all_ranks_max"]
-                )
+                result["fp8_mega_graph_speedup"] = _ratio(result, "mok_graph", "mok_fp8_mega_graph")
         if args.live_ceiling:  # after every contender of the pass
             dense = measure_dense_ceiling(cost["flops"], args)
             result["dense_ceiling"] = dense
             for entry in result.values():
                 if isinstance(entry, dict) and "fraction_of_floor" in entry:
                     entry["of_dense_ceiling"] = entry["tflops"] / dense["tflops"]
-        result["speedup"] = (result["baseline"]["median_ms_all_ranks_max"]
-                             / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+        result["speedup"] = _ratio(result, "baseline", "mok")
         if args.mok_fp8:  # > 1: the FP8 experts beat MoK's default (BF16) layer
-            result["fp8_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
-                                     / result["mok_fp8"]["median_ms_all_ranks_max"])  # fmt: skip
+            result["fp8_speedup"] = _ratio(result, "mok", "mok_fp8")
             if backward:
-                result["fp8_dgrad_speedup"] = (
-                    result["mok"]["median_ms_all_ranks_max"]
-                    / result["mok_fp8_dgrad"]["median_ms_all_ranks_max"]
-                )
+                result["fp8_dgrad_speedup"] = _ratio(result, "mok", "mok_fp8_dgrad")
         if args.mok_fp8_mega:  # > 1: the FP8 megakernel beats MoK's default (BF16) layer
-            result["fp8_mega_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
-                                          / result["mok_fp8_mega"]["median_ms_all_ranks_max"])  # fmt: skip
+            result["fp8_mega_speedup"] = _ratio(result, "mok", "mok_fp8_mega")
             if "mok_fp8_mega_dgrad" in result:
-                result["fp8_mega_dgrad_speedup"] = (
-                    result["mok"]["median_ms_all_ranks_max"]
-                    / result["mok_fp8_mega_dgrad"]["median_ms_all_ranks_max"]
-                )
+                result["fp8_mega_dgrad_speedup"] = _ratio(result, "mok", "mok_fp8_mega_dgrad")
             if args.mok_fp8:  # > 1: the FP8 megakernel beats the FP8 stage 1
-                result["fp8_mega_over_stage1"] = (
-                    result["mok_fp8"]["median_ms_all_ranks_max"]
-                    / result["mok_fp8_mega"]["median_ms_all_ranks_max"]
-                )
+                result["fp8_mega_over_stage1"] = _ratio(result, "mok_fp8", "mok_fp8_mega")
         if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
-            result["stage1_speedup"] = (result["mok_stage1"]["median_ms_all_ranks_max"]
-                                        / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+            result["stage1_speedup"] = _ratio(result, "mok_stage1", "mok")
         if args.mok_cluster2:  # > 1: clusters of two beat the megakernels without clusters
-            result["cluster2_speedup"] = (result["mok"]["median_ms_all_ranks_max"]
-                                          / result["mok_cluster2"]["median_ms_all_ranks_max"])  # fmt: skip
+            result["cluster2_speedup"] = _ratio(result, "mok", "mok_cluster2")
         if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
-            result["stage1_bwd_speedup"] = (result["mok_stage1_bwd"]["median_ms_all_ranks_max"]
-                                            / result["mok"]["median_ms_all_ranks_max"])  # fmt: skip
+            result["stage1_bwd_speedup"] = _ratio(result, "mok_stage1_bwd", "mok")
         # > 1: MoK's default expert GEMMs beat this setting
         result["default_gemm_speedup"] = {
-            v: result[f"mok_gemm_{v}"]["median_ms_all_ranks_max"]
-            / result["mok"]["median_ms_all_ranks_max"]
-            for v in variants
+            v: _ratio(result, f"mok_gemm_{v}", "mok") for v in variants
         }
         case[label] = result
     if args.device == "cuda":  # what the clocks were, for reading the spread
@@ -566,6 +544,12 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             p.grad_added_to_main_grad for p in (experts.weight_gate_up, experts.weight_down)
         )
     return case
+
+
+def _ratio(result: dict, slower: str, faster: str) -> float:
+    """``slower``'s time over ``faster``'s (their slowest-rank medians): > 1 where ``faster`` is."""
+    return (result[slower]["median_ms_all_ranks_max"]
+            / result[faster]["median_ms_all_ranks_max"])  # fmt: skip
 
 
 #: The MoK knobs of the FP8-experts contenders: stage 1 (``--mok-fp8``; profile_moe.py's too)

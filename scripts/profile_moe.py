@@ -238,15 +238,14 @@ def main(argv=None) -> None:
                   f"{case['baseline']['gpu_time_us_per_iter'] / 1e3:.2f} ms")  # fmt: skip
             labels = ("mok_fp8_fwd", "mok_fp8") if args.mok_fp8 else ()
             labels += ("mok_fp8_mega_fwd",) if args.mok_fp8_mega else ()
-            if labels:
-                for label in labels:
-                    print(
-                        f"  {label}: {case[label]['gpu_time_us_per_iter'] / 1e3:.2f} ms GPU "
-                        f"time in {case[label]['launches_per_iter']:.0f} launches; top:"
-                    )
-                    for k in case[label]["kernels"][:14]:
-                        print(f"    {k['us_per_iter']:9.1f} us x{k['calls_per_iter']:.0f} "
-                              f"{k['name'][:90]}")  # fmt: skip
+            for label in labels:
+                print(
+                    f"  {label}: {case[label]['gpu_time_us_per_iter'] / 1e3:.2f} ms GPU "
+                    f"time in {case[label]['launches_per_iter']:.0f} launches; top:"
+                )
+                for k in case[label]["kernels"][:14]:
+                    print(f"    {k['us_per_iter']:9.1f} us x{k['calls_per_iter']:.0f} "
+                          f"{k['name'][:90]}")  # fmt: skip
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -39,7 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_moe  # noqa: E402
 
-from mok_megatron.functional.config import LayerDims, tuned_table_path  # noqa: E402
+from mok_megatron.functional.config import (  # noqa: E402
+    FORWARD_TUNED_KNOBS,
+    LayerDims,
+    tuned_table_path,
+)
 
 
 def parse_args(argv=None):
@@ -64,6 +68,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _pair(key: str) -> tuple[int, int]:
+    """A sweep point's key "comm,minibatch" as (fwd_num_comm_sms, minibatch_size)."""
+    comm, mini = map(int, key.split(","))
+    return comm, mini
+
+
 def sweep_shape(name, args, points, rank) -> dict:
     from mok_megatron.testing.timing import time_fn
 
@@ -85,7 +95,7 @@ def sweep_shape(name, args, points, rank) -> dict:
         times[f"{comm},{mini}"] = _slowest_rank(t.median_ms)
         bench_moe._release_memory()
     best = min(times, key=times.get)
-    comm, mini = map(int, best.split(","))
+    comm, mini = _pair(best)
     if args.fp8:  # FP8's backward is stage 1's: no backward knob to sweep
         runtime.mok_config = default
         return {"shape": name, "tokens_per_rank": args.tokens, "precision": "fp8_blockwise",
@@ -128,12 +138,11 @@ def write_fp8_entries(path, record, points) -> None:
     if not os.path.isfile(path):
         raise SystemExit(f"{path}: no tuned table to add FP8 knobs to; run the BF16 sweep first")
     with open(path) as f:
-        head = "".join(line for line in f if line.startswith("#"))
-    with open(path) as f:
-        table = yaml.safe_load(f) or {}
+        text = f.read()
+    head = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    table = yaml.safe_load(text) or {}
     cases = record["cases"]
-    pair = _geomean_best(cases, "forward_ms", [f"{c},{m}" for c, m in points])
-    comm, mini = map(int, pair.split(","))
+    comm, mini = _pair(_geomean_best(cases, "forward_ms", [f"{c},{m}" for c, m in points]))
     env = record["environment"]
     table["fp8_blockwise"] = {
         "fwd_num_comm_sms": comm, "minibatch_size": mini,
@@ -147,8 +156,7 @@ def write_fp8_entries(path, record, points) -> None:
             "tokens_per_rank": c["tokens_per_rank"],
         })  # fmt: skip
         entry["fp8_blockwise"] = {
-            "fwd_num_comm_sms": int(c["best"].split(",")[0]),
-            "minibatch_size": int(c["best"].split(",")[1]),
+            **dict(zip(FORWARD_TUNED_KNOBS, _pair(c["best"]))),
             "forward_ms": round(c["forward_ms"][c["best"]], 4),
         }  # fmt: skip
     with open(path, "w") as f:
@@ -160,8 +168,7 @@ def write_table(path, record, points) -> None:
     import yaml
 
     cases = record["cases"]
-    pair = _geomean_best(cases, "forward_ms", [f"{c},{m}" for c, m in points])
-    comm, mini = map(int, pair.split(","))
+    comm, mini = _pair(_geomean_best(cases, "forward_ms", [f"{c},{m}" for c, m in points]))
     bwd_comm = int(_geomean_best(cases, "fwd_bwd_ms", list(cases[0]["fwd_bwd_ms"])))
     env = record["environment"]
     table = {
@@ -173,8 +180,7 @@ def write_table(path, record, points) -> None:
             c["shape"]: {
                 **dict(zip(LayerDims._fields, bench_moe.SHAPES[c["shape"]])),
                 "tokens_per_rank": c["tokens_per_rank"],
-                "fwd_num_comm_sms": int(c["best"].split(",")[0]),
-                "minibatch_size": int(c["best"].split(",")[1]),
+                **dict(zip(FORWARD_TUNED_KNOBS, _pair(c["best"]))),
                 "forward_ms": round(c["forward_ms"][c["best"]], 4),
                 "bwd_num_comm_sms": int(c["bwd_best"]),
                 "fwd_bwd_ms": round(c["fwd_bwd_ms"][c["bwd_best"]], 4),
@@ -190,7 +196,7 @@ def write_table(path, record, points) -> None:
         table["fp8_blockwise"] = old["fp8_blockwise"]
     for name, entry in (old.get("shapes") or {}).items():
         if "fp8_blockwise" in entry:
-            table["shapes"].setdefault(name, {k: v for k, v in entry.items()})
+            table["shapes"].setdefault(name, dict(entry))
             table["shapes"][name]["fp8_blockwise"] = entry["fp8_blockwise"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

@@ -406,9 +406,15 @@ class LayerDims(NamedTuple):
     topk: int
 
 
-#: The knobs a tuned table's ``fp8_blockwise:`` entries hold (scripts/tune.py --fp8): the FP8
-#: megakernel's forward pair. Its backward is stage 1's, so bwd_num_comm_sms stays the BF16 one.
-FP8_TUNED_KNOBS = ("fwd_num_comm_sms", "minibatch_size")
+#: The forward megakernel's pair of "auto" knobs, as a tuned table's entries name them; its
+#: ``fp8_blockwise:`` entries (scripts/tune.py --fp8) hold only these: FP8's backward is stage 1's,
+#: so bwd_num_comm_sms stays the BF16 one.
+FORWARD_TUNED_KNOBS = ("fwd_num_comm_sms", "minibatch_size")
+
+
+def _fp8_pair(section: dict | None) -> dict:
+    """The forward pair of an ``fp8_blockwise:`` entry (none: {})."""
+    return {n: v for n, v in (section or {}).items() if n in FORWARD_TUNED_KNOBS}
 
 
 def _tuned_knobs(
@@ -429,8 +435,7 @@ def _tuned_knobs(
     fp8 = precision == "fp8_blockwise"
     section = dict(doc.get("mok", {}))
     if fp8:
-        section.update({n: v for n, v in (doc.get("fp8_blockwise") or {}).items()
-                        if n in FP8_TUNED_KNOBS})  # fmt: skip
+        section.update(_fp8_pair(doc.get("fp8_blockwise")))
     for entry in (doc.get("shapes") or {}).values():
         dims = [entry.get(name) for name in LayerDims._fields]
         if layer is None or dims != list(layer):
@@ -438,8 +443,7 @@ def _tuned_knobs(
         if all(n in entry for n in AUTO_FALLBACKS):  # the shape's BF16 sweep
             section = dict(entry)
         if fp8:  # its FP8 sweep (an entry may hold only that: tune.py --fp8 of a new shape)
-            section.update({n: v for n, v in (entry.get("fp8_blockwise") or {}).items()
-                            if n in FP8_TUNED_KNOBS})  # fmt: skip
+            section.update(_fp8_pair(entry.get("fp8_blockwise")))
         break
     knobs = {name: section[name] for name in AUTO_FALLBACKS if name in section}
     for name, value in knobs.items():

@@ -220,6 +220,10 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
         "| deepseek-v3 | 64 | fwd replayed (FP8 megakernel) | - | 1.50 | megakernel, replayed | "
         "0.50 | 3.00x | 1.5x |"
     )
+    # The record line names the flags that chose the contenders
+    record["args"] = {"mok_cuda_forward": "megakernel", "mok_stage1": True, "mok_graph": True}
+    assert ("(`scripts/bench_moe.py --mok-fp8 --mok-cuda-forward megakernel --mok-stage1 "
+            "--mok-fp8-mega --mok-graph`)") in bench_fp8_gemm.render_layer(record)  # fmt: skip
     # The BF16 layer's path as the record names it (stage 1 where cuda_forward was "auto")
     record["cases"][0]["mok_backend"] = "cuda/stage1"
     assert "| 2.00 | stage1 | 1.00 |" in bench_fp8_gemm.render_layer(record)
