@@ -129,8 +129,8 @@ int mega_grid(const at::Tensor& x, int64_t num_sms, int64_t num_comm_sms, int64_
   int device_sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount,
                                         x.device().index()));
-  TORCH_CHECK(layout::valid_cluster_ctas(cluster), "mok::moe_mega: megakernel_cluster=", cluster, " must be 1 or ",
-              layout::kMaxClusterCtas);
+  TORCH_CHECK(layout::valid_cluster_ctas(cluster), "mok::moe_mega: megakernel_cluster=", cluster,
+              " must be 1 or ", layout::kMaxClusterCtas);
   int given = num_sms > 0 ? static_cast<int>(num_sms) : device_sms;
   if (num_sms <= 0 && cluster > 1) {
     const int resident = launch::megakernel_resident_ctas(backward, static_cast<int>(cluster));

@@ -330,13 +330,13 @@ struct ClusterLaunch {
   cudaLaunchAttribute attr{};
   cudaLaunchConfig_t config{};
 
-  ClusterLaunch(int grid, int cluster, cudaStream_t stream, bool fp8 = false) {
+  ClusterLaunch(int grid, int cluster, cudaStream_t stream) {
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = static_cast<unsigned>(cluster);
     attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
     config.gridDim = dim3(static_cast<unsigned>(grid));
     config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
-    config.dynamicSmemBytes = megakernel_smem_bytes(fp8);
+    config.dynamicSmemBytes = megakernel_smem_bytes(false);  // the BF16 megakernels' (clusters)
     config.stream = stream;
     config.attrs = &attr;
     config.numAttrs = 1;

@@ -14,7 +14,7 @@
 // CTAs run n-tiles 2 n and 2 n + 1 of one m-tile and share its A tile (TMA multicast); the first
 // takes the tickets, the second receives them (roles/megakernel_cluster.cuh).
 // kFp8: the FP8 forward (one CTA per cluster): the same roles over blockwise-FP8 operands, each
-// task's n-tile as two FP8 tiles (roles/megakernel_fp8.cuh).
+// task's n-tile as two 128-wide FP8 tiles in one pass over K (roles/megakernel_fp8.cuh).
 #pragma once
 
 #include <cstdint>
