@@ -220,7 +220,11 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
   if (gemm::consumer_rows_idle(mma_thread_idx, rows)) {
     // This warpgroup has no row of the tile: nothing to compute or store; an L1 task's release
     // still waits for the other warpgroup's stores.
-    gemm::idle_task(pipeline, state, k_tiles);
+    if constexpr (kFp8) {
+      gemm::idle_task_fp8(pipeline, state, k_tiles, mma_thread_idx);  // takes its turns
+    } else {
+      gemm::idle_task(pipeline, state, k_tiles);
+    }
     if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx);
     return;
   }
@@ -329,6 +333,7 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
   // As CUTLASS's cooperative kernel: consumer warpgroup 1 is the tile's second 64 rows.
   const int mma_thread_idx = static_cast<int>(threadIdx.x) % kMegaConsumerThreads;
   const int comm_idx = comm_index(p);
+  if constexpr (kFp8) gemm::fp8_turns_begin(mma_thread_idx);
   for (int round = 0; round < p.num_rounds; ++round) {
     const MegaRound rd = make_round<kCluster>(p, round);
     if (comm_idx >= 0) {
@@ -357,6 +362,7 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
   }
+  if constexpr (kFp8) gemm::fp8_turns_end(mma_thread_idx);
   if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
 }
 

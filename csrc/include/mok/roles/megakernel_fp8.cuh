@@ -11,17 +11,14 @@
 // (its two-level accumulation holds 64 x 128 per consumer warpgroup and block of K:
 // roles/fp8_mainloop.cuh). A task runs both 128-wide halves of its n-tile in one pass over K: each
 // stage holds one 128-K block of the A tile and of both halves' B tiles, and each consumer
-// warpgroup keeps both halves' float32 totals (64 x 256). The A tile is read from L2 once per
-// task (the ncu record ncu_megakernel_h200_3bf75fe_fp8.json, docs/FP8.md), where running the
-// halves one after the other read it twice: 4 tile loads per 128-K block of a task become 3.
-// Promotion. A half's 128 columns run as two quarters of 64 (64 x 64 x 32 wgmma), each into one
-// of two 32-register partials, software-pipelined: while the tensor cores run one quarter, the
-// warpgroup promotes the other's partial into its total and issues the next quarter into it, so
-// a warpgroup always has a quarter in flight. One 64-register partial per half (the earlier
-// kernel; three 64-register fragments fill the consumers' budget) made each warpgroup wait for
-// its whole half before it could promote and issue again: a timing experiment without the
-// promotion ran the mainloop's k-tiles 12-14% faster (megakernel_trace_h200_f4b7c9a_fp8_exp_*,
-// docs/FP8.md). Then the two halves' epilogues, in order. The plan, the counters and the
+// warpgroup keeps both halves' float32 totals (64 x 256) and one partial (the block's wgmma sum of
+// one half), promoted into its half's total before the other half's wgmmas reuse it. The A tile
+// is read from L2 once per task (the megakernel's FP8 mainloop is bound by L2 bandwidth: the
+// ncu record ncu_megakernel_h200_3bf75fe_fp8.json, docs/FP8.md), where running the halves one
+// after the other read it twice: 4 tile loads per 128-K block of a task become 3. The price: a
+// warpgroup waits for its partial before it promotes (no second partial to overlap with: three
+// 64-register fragments fill the consumers' budget), and its tensor-core share goes to the other
+// warpgroup meanwhile. Then the two halves' epilogues, in order. The plan, the counters and the
 // task order stay the BF16 forward's. An L1 task's 256 h columns are 128 act columns: exactly one
 // (1, 128) act block, so the act quantisation needs no other task: with both halves' totals in
 // registers, each lane quantises the act columns it stored under the row's maximum over the
@@ -63,12 +60,6 @@ static_assert(kMegaFp8Halves == 2 && kMegaFp8BlockN == kFp8ScaleBlock &&
 // K / 128 of either GEMM at most (the weight scales a task stages in shared memory): K <= 16384.
 constexpr int kMegaFp8MaxKBlocks = 128;
 constexpr int kMegaFp8SfaBytes = layout::kBlockM * static_cast<int>(sizeof(float));
-// A quarter: 64 of a half's 128 columns, the wgmma tile of the promotion's pipeline.
-using MegaFp8QuarterShape = cute::Shape<cute::_128, cute::_64, cute::_128>;
-constexpr int kMegaFp8QuarterN = cute::size<1>(MegaFp8QuarterShape{});
-constexpr int kMegaFp8QuartersPerHalf = kMegaFp8BlockN / kMegaFp8QuarterN;
-constexpr int kMegaFp8Quarters = kMegaFp8Halves * kMegaFp8QuartersPerHalf;  // per stage
-static_assert(kMegaFp8QuartersPerHalf == 2, "two quarters a half: the pipeline's two partials");
 
 // The producer warp's staging of one task's weight scales (both halves).
 struct MegaFp8Scratch {
@@ -115,19 +106,6 @@ struct MegaFp8Mainloop {
       cute::make_shape(cute::Int<kMegaFp8BlockN>{}, cute::Int<kFp8ScaleBlock>{},
                        cute::Int<kMegaFp8Halves * kMegaFp8Stages>{}),
       cute::Step<cute::_1, cute::_2, cute::_3>{}));
-  // The same bytes as quarters: quarter kMegaFp8QuartersPerHalf b + q is rows
-  // [64 q, 64 q + 64) of SmemLayoutB's tile b (the atom is 8 rows deep and tiled along the rows
-  // first, so each 64-row half of a tile is whole atoms, contiguous).
-  using SmemLayoutBQuarter = decltype(cute::tile_to_shape(
-      typename Base::SmemLayoutAtomB{},
-      cute::make_shape(cute::Int<kMegaFp8QuarterN>{}, cute::Int<kFp8ScaleBlock>{},
-                       cute::Int<kMegaFp8Quarters * kMegaFp8Stages>{}),
-      cute::Step<cute::_1, cute::_2, cute::_3>{}));
-  // The quarters' wgmma: the collective's (K-major e4m3, two warpgroups along M), 64 wide.
-  using QuarterTiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Fp8Element, Fp8Element, Accumulator, MegaFp8QuarterShape,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::K>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   struct TensorStorage : cute::aligned_struct<128> {
     cute::array_aligned<Fp8Element, cute::cosize_v<SmemLayoutA>> smem_A;
     cute::array_aligned<Fp8Element, cute::cosize_v<SmemLayoutB>> smem_B;
@@ -154,28 +132,6 @@ static_assert(cute::cosize_v<MegaFp8Mainloop::SmemLayoutA> ==
                                  typename MegaFp8Base::SmemLayoutA>,
               "a stage: one e4m3 byte per element, tiled as the collective's stages (whose TMA "
               "descriptors fill it)");
-// Quarter 2 b + q's element (r, k) is tile b's element (64 q + r, k), at sample points.
-constexpr bool quarters_cover_b() {
-  const MegaFp8Mainloop::SmemLayoutB halves{};
-  const MegaFp8Mainloop::SmemLayoutBQuarter quarters{};
-  constexpr int rows[] = {0, 1, 7, 8, 9, 31, 63};
-  constexpr int ks[] = {0, 1, 15, 16, 17, 64, 127};
-  for (int b = 0; b < kMegaFp8Halves * kMegaFp8Stages; ++b) {
-    for (int q = 0; q < kMegaFp8QuartersPerHalf; ++q) {
-      for (int r : rows) {
-        for (int k : ks) {
-          if (quarters(r, k, kMegaFp8QuartersPerHalf * b + q) !=
-              halves(kMegaFp8QuarterN * q + r, k, b)) {
-            return false;
-          }
-        }
-      }
-    }
-  }
-  return cute::cosize_v<MegaFp8Mainloop::SmemLayoutBQuarter> ==
-         cute::cosize_v<MegaFp8Mainloop::SmemLayoutB>;
-}
-static_assert(quarters_cover_b(), "B's quarters are its stages' 64-row halves, byte for byte");
 // The bytes TMA delivers into one stage: A, both halves' B (zero-filled rows count) and A's
 // scales; the stage's full barrier is armed with them.
 constexpr int kMegaFp8StageBytes =
@@ -184,19 +140,6 @@ constexpr int kMegaFp8StageBytes =
 using MegaFp8Accumulators =
     decltype(cute::partition_fragment_C(MegaFp8TiledMma{}, cute::take<0, 2>(MegaFp8TileShape{})));
 constexpr int kMegaFp8FragBlocks = frag_blocks<MegaFp8Accumulators>();
-using MegaFp8QuarterAccumulators = decltype(cute::partition_fragment_C(
-    MegaFp8Mainloop::QuarterTiledMma{}, cute::take<0, 2>(MegaFp8QuarterShape{})));
-// NOTE: a fragment's element c + 2 h + 4 j is column 8 j + 2 (lane % 4) + c of row half h (the
-// NOTE above kFragPartner): quarter q's element i is its half's total's element
-// i + q * kMegaFp8QuarterElems, the same row and a column 64 q to the right.
-constexpr int kMegaFp8QuarterElems = cute::size(typename MegaFp8QuarterAccumulators::layout_type{});
-static_assert(kMegaFp8QuarterElems * kMegaFp8QuartersPerHalf ==
-                      cute::size(typename MegaFp8Accumulators::layout_type{}) &&
-                  frag_blocks<MegaFp8QuarterAccumulators>() * kMegaFp8QuartersPerHalf ==
-                      kMegaFp8FragBlocks &&
-                  cute::size<0, 0>(typename MegaFp8QuarterAccumulators::layout_type{}) == 2 &&
-                  cute::size<0, 1>(typename MegaFp8QuarterAccumulators::layout_type{}) == 2,
-              "a quarter's fragment: the half's layout, half its column blocks");
 static_assert(kMegaFp8FragBlocks * kFragBlockCols == kMegaFp8BlockN &&
                   cute::size<0, 0>(typename MegaFp8Accumulators::layout_type{}) == 2 &&
                   cute::size<0, 1>(typename MegaFp8Accumulators::layout_type{}) == 2 &&
@@ -308,14 +251,61 @@ CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8Gemm&
   }
 }
 
+// The consumer warpgroups' wgmma issue order: warpgroup 0's batch (one half of one k-tile), then
+// warpgroup 1's, then warpgroup 0's next, and so on for the whole launch. Each warpgroup waits
+// for its batch before it promotes it (mma_task_fp8), and both wait on the same stage: left to
+// themselves they issue together, their batches finish together and both promote while the
+// tensor cores idle. In turn, warpgroup 0's batch finishes first and its promotion runs under
+// warpgroup 1's batch, and so on. Two named barriers pass the turn: kFp8TurnOf1 (warpgroup 0
+// issued: 1 may) and kFp8TurnOf0 (1 issued: 0 may). A warpgroup with no rows in a task
+// (consumer_rows_idle) still takes its turns (idle_task_fp8). No arithmetic changes: each
+// warpgroup's wgmmas and promotions are the same, only their timing.
+// NOTE: ids 1 and 2 are roles::MegaBarrier's.
+constexpr int kFp8TurnOf1 = 3;
+constexpr int kFp8TurnOf0 = 4;
+constexpr int kFp8TurnThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+
+// Before warpgroup `wg`'s batch: its turn.
+MOK_DEVICE void fp8_wait_turn(int wg) {
+  ptx::named_barrier_sync(wg == 0 ? kFp8TurnOf0 : kFp8TurnOf1, kFp8TurnThreads);
+}
+// After its batch is issued: the other's turn.
+MOK_DEVICE void fp8_pass_turn(int wg) {
+  ptx::named_barrier_arrive(wg == 0 ? kFp8TurnOf1 : kFp8TurnOf0, kFp8TurnThreads);
+}
+// Once per launch, before the consumers' first task: warpgroup 0 has the first turn. And after
+// their last: warpgroup 0 takes the turn warpgroup 1 passed last, so no arrival is left over.
+MOK_DEVICE void fp8_turns_begin(int mma_thread_idx) {
+  if (mma_thread_idx / cutlass::NumThreadsPerWarpGroup == 1) fp8_pass_turn(1);
+}
+MOK_DEVICE void fp8_turns_end(int mma_thread_idx) {
+  if (mma_thread_idx / cutlass::NumThreadsPerWarpGroup == 0) fp8_wait_turn(0);
+}
+
+// A warpgroup with no rows in an FP8 task (consumer_rows_idle): as idle_task, and it takes its
+// turns (both halves of each k-tile) without issuing.
+template <class Pipeline, class State>
+CUTLASS_DEVICE void idle_task_fp8(Pipeline& pipeline, State& state, int k_tiles,
+                                  int mma_thread_idx) {
+  const int wg = mma_thread_idx / cutlass::NumThreadsPerWarpGroup;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < k_tiles; ++k) {
+    pipeline.consumer_wait(state, pipeline.consumer_try_wait(state));
+    CUTLASS_PRAGMA_UNROLL
+    for (int half = 0; half < kMegaFp8Halves; ++half) {
+      fp8_wait_turn(wg);
+      fp8_pass_turn(wg);
+    }
+    pipeline.consumer_release(state);
+    ++state;
+  }
+}
+
 // Consumers (both warpgroups): one task's K / 128 k-tiles from `state` on (advanced past them),
 // both halves of each: total_h += partial_h(k) * (sa(k) * sb_h(k)), k ascending, the engine's
 // FP8 promotion (roles/fp8_mainloop.cuh) of half h's 128 x 128 tile, term for term, so each
-// half's totals are bitwise the engine's tile's (a quarter's partial is its 64 columns of the
-// half's). The quarters run in order (half 0's two, then half 1's) through the two partials: a
-// warpgroup waits for the older of its two quarters in flight, promotes it and issues the next
-// quarter into the freed partial; the next stage's first quarter is issued before this stage's
-// last is promoted, and a stage is released once its last quarter is done.
+// half's totals are bitwise the engine's tile's. Each stage is released once both halves have
+// read it.
 CUTLASS_DEVICE void mma_task_fp8(MegaFp8Pipeline& pipeline, MegaFp8PipelineState& state,
                                  typename MegaFp8Mainloop::TensorStorage& smem,
                                  MegaFp8Accumulators& total0, MegaFp8Accumulators& total1,
@@ -323,125 +313,62 @@ CUTLASS_DEVICE void mma_task_fp8(MegaFp8Pipeline& pipeline, MegaFp8PipelineState
   using namespace cute;
   using Mainloop = MegaFp8Mainloop;
   Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()),
-                          typename Mainloop::SmemLayoutBQuarter{});  // (64, BLK_K, 4 PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
   // A's row scales, broadcast along the tile's N: (BLK_M, BLK_N, PIPE).
   Tensor sSFA = make_tensor(
       make_smem_ptr(smem.smem_SFA.data()),
       make_layout(make_shape(Int<layout::kBlockM>{}, Int<kMegaFp8BlockN>{}, Int<kMegaFp8Stages>{}),
                   make_stride(_1{}, _0{}, Int<layout::kBlockM>{})));
-  typename Mainloop::QuarterTiledMma quarter_mma;
-  constexpr int kWarpGroups =
-      size(typename Mainloop::QuarterTiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+  typename Mainloop::TiledMma tiled_mma;
+  constexpr int kWarpGroups = size(typename Mainloop::TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
   const Layout warp_group_layout =
       make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
   const int warp_group = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-  auto thread_mma = quarter_mma.get_slice(warp_group_layout(warp_group));
-  // The totals' elements' row scales (the half's fragment layout).
-  Tensor tCsSFA = typename Mainloop::TiledMma{}.get_slice(thread_idx).partition_C(sSFA);
+  auto thread_mma = tiled_mma.get_slice(warp_group_layout(warp_group));
+  Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);     // (MMA, M, N, PIPE)
   Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
-  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, N, K, 4 PIPE)
-  MegaFp8QuarterAccumulators partial0, partial1;
-  // Each half's promotion factors of the stage being promoted: each row's sa times the half's sb.
-  Tensor scale0 = make_tensor_like<float>(tCsSFA(_, _, _, _0{}));
-  Tensor scale1 = make_tensor_like<float>(tCsSFA(_, _, _, _0{}));
+  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, N, K, 2 PIPE)
+  Tensor partial = make_fragment_like(total0);
+  Tensor scale = make_tensor_like<float>(tCsSFA(_, _, _, _0{}));
   clear(total0);
   clear(total1);
-  // NOTE: every register the loop carries is defined before the first wgmma is in flight
-  // (otherwise ptxas materialises it after that wgmma and waits for it first).
-  clear(partial0);
-  clear(partial1);
+  clear(partial);
   warpgroup_fence_operand(total0);
   warpgroup_fence_operand(total1);
-  warpgroup_fence_operand(partial0);
-  warpgroup_fence_operand(partial1);
-  MegaFp8PipelineState release_state = state;
-  auto barrier_token = pipeline.consumer_try_wait(state);
-  // Quarter j of the stage at `state` (half j / 2, its columns [64 (j % 2), + 64)) into
-  // `partial`, not waited for; a stage's first quarter waits for the stage, its last moves
-  // `state` on, and each half's first computes the half's factors into `scale`.
-  auto issue = [&](MegaFp8QuarterAccumulators& partial, auto quarter, auto& scale) {
-    constexpr int j = decltype(quarter)::value;
-    if constexpr (j == 0) pipeline.consumer_wait(state, barrier_token);
-    const int stage = state.index();
-    if constexpr (j % kMegaFp8QuartersPerHalf == 0) copy(tCsSFA(_, _, _, stage), scale);
-    quarter_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(partial);
+  // Half b % 2 of stage b / 2 into `total`: its wgmmas into the partial, the scales while they
+  // run, then the promotion.
+  auto half = [&](MegaFp8Accumulators& total, int stage, int b) {
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(partial);
+    fp8_wait_turn(warp_group);
     warpgroup_arrive();
     CUTLASS_PRAGMA_UNROLL
     for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-      cute::gemm(quarter_mma, tCrA(_, _, k_block, stage),
-                 tCrB(_, _, k_block, kMegaFp8Quarters * stage + j), partial);
-      quarter_mma.accumulate_ = GMMA::ScaleOut::One;
+      cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, b), partial);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    // NOTE: no operand fence here: touching `partial` before its wait makes ptxas wait.
-    if constexpr (j % kMegaFp8QuartersPerHalf == 0) {
-      const float sb = smem.smem_SFB[kMegaFp8Halves * stage + j / kMegaFp8QuartersPerHalf];
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(filter_zeros(scale)); ++i) {
-        filter_zeros(scale)(i) = filter_zeros(scale)(i) * sb;
-      }
-    }
-    if constexpr (j == kMegaFp8Quarters - 1) {
-      ++state;
-      barrier_token = pipeline.consumer_try_wait(state);
-    }
-  };
-  // Quarter j's partial into its half's total once it is done (`outstanding` quarters may still
-  // run); a stage's last quarter then frees the stage.
-  auto retire = [&](MegaFp8QuarterAccumulators& partial, auto quarter, auto& scale,
-                    auto outstanding) {
-    constexpr int j = decltype(quarter)::value;
-    warpgroup_wait<decltype(outstanding)::value>();
-    warpgroup_fence_operand(partial);
-    MegaFp8Accumulators& total = j < kMegaFp8QuartersPerHalf ? total0 : total1;
-    constexpr int base = (j % kMegaFp8QuartersPerHalf) * kMegaFp8QuarterElems;
+    fp8_pass_turn(warp_group);
+    copy(tCsSFA(_, _, _, stage), scale);
+    const float sb = smem.smem_SFB[b];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kMegaFp8QuarterElems; ++i) {
-      total(base + i) += partial(i) * scale(base + i);
+    for (int i = 0; i < size(filter_zeros(scale)); ++i) {
+      filter_zeros(scale)(i) = filter_zeros(scale)(i) * sb;
     }
-    if constexpr (j == kMegaFp8Quarters - 1) {
-      pipeline.consumer_release(release_state);
-      ++release_state;
-    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(partial);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(total); ++i) total(i) += partial(i) * scale(i);
   };
-  using Q0 = Int<0>;
-  using Q1 = Int<1>;
-  using Q2 = Int<2>;
-  using Q3 = Int<3>;
-  // One stage (its quarter 0 in flight on entry): each quarter issued before the one in flight
-  // is retired, into the partial the last retirement freed; with `next`, the next stage's
-  // quarter 0 is issued before this stage's last quarter is retired.
-  auto stage_step = [&](auto next) {
-    issue(partial1, Q1{}, scale0);
-    retire(partial0, Q0{}, scale0, Int<1>{});
-    issue(partial0, Q2{}, scale1);
-    retire(partial1, Q1{}, scale0, Int<1>{});
-    issue(partial1, Q3{}, scale1);
-    retire(partial0, Q2{}, scale1, Int<1>{});
-    if constexpr (decltype(next)::value) {
-      issue(partial0, Q0{}, scale0);
-      retire(partial1, Q3{}, scale1, Int<1>{});
-    } else {
-      retire(partial1, Q3{}, scale1, Int<0>{});
-    }
-  };
-  // NOTE: the loop's shape is fp8_mainloop.cuh's (two steps an iteration, the last one or two
-  // after it under a branch): other shapes (one stage an iteration and the last peeled off, or a
-  // branch inside the loop) made ptxas serialise every wgmma (C7514, C7518).
-  issue(partial0, Q0{}, scale0);
-  int k = 1;
   CUTLASS_PRAGMA_NO_UNROLL
-  for (; k + 1 < k_tiles; k += 2) {
-    stage_step(cute::true_type{});
-    stage_step(cute::true_type{});
-  }
-  if (k < k_tiles) {
-    stage_step(cute::true_type{});
-    stage_step(cute::false_type{});
-  } else {
-    stage_step(cute::false_type{});
+  for (int k = 0; k < k_tiles; ++k) {
+    pipeline.consumer_wait(state, pipeline.consumer_try_wait(state));
+    const int stage = state.index();
+    half(total0, stage, kMegaFp8Halves * stage);
+    half(total1, stage, kMegaFp8Halves * stage + 1);
+    pipeline.consumer_release(state);
+    ++state;
   }
   warpgroup_fence_operand(total0);
   warpgroup_fence_operand(total1);
