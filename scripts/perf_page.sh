@@ -52,6 +52,10 @@ traces=(
   megakernel_trace_h200_53dea2a.json
   megakernel_trace_bwd_h200_bd81656.json
   megakernel_trace_bwd_h200_15fe76a.json
+  megakernel_trace_h200_f4b7c9a_fp8.json
+  megakernel_trace_h200_f4b7c9a_fp8_exp_nopromotion.json
+  megakernel_trace_h200_f4b7c9a_fp8_exp_halfb.json
+  megakernel_trace_h200_58060f8_fp8.json
 )
 args=()
 for r in "${records[@]}"; do args+=("$R/$r"); done

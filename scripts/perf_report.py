@@ -549,17 +549,26 @@ def trace_tables(path):
     backward = record["cases"][0].get("pass") == "backward"
     commit = (env.get("commit") or "unknown")[:12]
     cluster = int(record["args"].get("megakernel_cluster") or 1)
+    fp8 = bool(record["args"].get("fp8"))
+    # A timing experiment's record names its commit <commit>-exp-<name>: the kernel of the
+    # patch beside the record, not of any commit.
+    experiment = "-exp-" in (env.get("commit") or "")
+    if experiment:
+        commit = env["commit"]
     tag = f"`{commit}`" + (f", clusters of {cluster}" if cluster > 1 else "")
     if backward:
         yield f"## The backward megakernel's data gradients, from its timeline ({tag})\n"
+    elif fp8:
+        yield f"## The FP8 megakernel's forward, from its timeline ({tag})\n"
     elif record["args"].get("keep"):
         yield f"## The megakernel's forward keeping h for a backward, from its timeline ({tag})\n"
     else:
         yield "## The megakernel's forward, from its timeline\n"
+    patch = os.path.splitext(os.path.basename(path))[0] + ".patch"
     gemms = "L2-dgrad / L1-dgrad" if backward else "L1 / L2"
     yield (
         f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
-        f"`{(env.get('commit') or 'unknown')[:12]}`), written by `scripts/megakernel_trace.py`: "
+        f"`{commit}`), written by `scripts/megakernel_trace.py`: "
         "the kernel's span (first CTA start to last CTA end, the median of the traced passes), the "
         "share of all CTAs' time in each category (see the script), and the median mainloop time "
         "of one 128 x 256 x 64 k-tile per GEMM against its time at the floor model's BF16 ceiling, "
@@ -570,6 +579,12 @@ def trace_tables(path):
            if not backward and record["args"].get("keep") else "")
         + (f" `megakernel_cluster={cluster}`: the {cluster} CTAs of a cluster share each m-tile's "
            "A tile by TMA multicast; a k-tile is one CTA's." if cluster > 1 else "")
+        + (" FP8 experts (`expert_precision='fp8_blockwise'`): the same tasks in e4m3, a k-tile "
+           "here being 64 of K of a task's 128 K block, so the FP8 ceiling is half the BF16 one."
+           if fp8 else "")
+        + (f" A timing experiment: the kernel built from the patch beside the record (`{patch}`)"
+           ", whose outputs are wrong by design; only its times are measured."
+           if experiment else "")
         + "\n"
     )  # fmt: skip
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)

@@ -410,3 +410,29 @@ def test_ncu_table_renders_a_row_per_record(tmp_path):
     assert "| SM GHz | ms | SM % | L2 % | DRAM % | L2 hit % |" in head
     assert row == ("| `ncu_x.json` | `abc` | NVIDIA H200 | deepseek-v3 | 8192 | uniform | backward "
                    "| 1.43 | 10.67 | 77.77 | 96.70 | 63.10 | n/a |")  # fmt: skip
+
+
+def test_trace_tables_name_fp8_records_and_timing_experiments():
+    """An FP8 timeline gets its own heading, and a timing experiment's record (commit
+    <sha>-exp-<name>) names the patch it was built from, so its times are not read as a
+    commit's."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+
+    results = os.path.join(ROOT, "docs", "results")
+    head = "\n".join(
+        perf_report.trace_tables(os.path.join(results, "megakernel_trace_h200_f4b7c9a_fp8.json"))
+    )
+    assert "## The FP8 megakernel's forward, from its timeline (`f4b7c9a`)" in head
+    assert "FP8 experts" in head and "timing experiment" not in head
+    name = "megakernel_trace_h200_f4b7c9a_fp8_exp_nopromotion"
+    exp = "\n".join(perf_report.trace_tables(os.path.join(results, name + ".json")))
+    assert "(`f4b7c9a-exp-nopromotion`)" in exp
+    assert f"`{name}.patch`" in exp and os.path.exists(os.path.join(results, name + ".patch"))
+    bf16 = "\n".join(
+        perf_report.trace_tables(os.path.join(results, "megakernel_trace_h200_53dea2a.json"))
+    )
+    assert "FP8" not in bf16 and "## The megakernel's forward, from its timeline" in bf16

@@ -13,12 +13,15 @@
 // stage holds one 128-K block of the A tile and of both halves' B tiles, and each consumer
 // warpgroup keeps both halves' float32 totals (64 x 256) and one partial (the block's wgmma sum of
 // one half), promoted into its half's total before the other half's wgmmas reuse it. The A tile
-// is read from L2 once per task (the megakernel's FP8 mainloop is bound by L2 bandwidth: the
-// ncu record ncu_megakernel_h200_3bf75fe_fp8.json, docs/FP8.md), where running the halves one
-// after the other read it twice: 4 tile loads per 128-K block of a task become 3. The price: a
-// warpgroup waits for its partial before it promotes (no second partial to overlap with: three
-// 64-register fragments fill the consumers' budget), and its tensor-core share goes to the other
-// warpgroup meanwhile. Then the two halves' epilogues, in order. The plan, the counters and the
+// is read from L2 once per task (the ncu record ncu_megakernel_h200_3bf75fe_fp8.json had the L2
+// at 81% of its peak, docs/FP8.md), where running the halves one after the other read it twice:
+// 4 tile loads per 128-K block of a task become 3. The price: a warpgroup waits for its partial
+// before it promotes (no second partial to overlap with: three 64-register fragments fill the
+// consumers' budget), and its tensor-core share goes to the other warpgroup meanwhile; a timing
+// experiment without the promotion ran the k-tiles 12-14% faster (docs/FP8.md).
+// NOTE: hiding the promotion with 64-wide quarters through two 32-register partials (58060f8)
+// was bitwise right and slower (shared-memory re-reads of A, spills in the k-loop): reverted.
+// Then the two halves' epilogues, in order. The plan, the counters and the
 // task order stay the BF16 forward's. An L1 task's 256 h columns are 128 act columns: exactly one
 // (1, 128) act block, so the act quantisation needs no other task: with both halves' totals in
 // registers, each lane quantises the act columns it stored under the row's maximum over the
