@@ -191,7 +191,7 @@ def render_layer(record: dict) -> str:
     has_mega = any(
         "mok_fp8_mega" in c.get(p, {}) for c in record["cases"] for p in ("fwd", "fwd_bwd")
     )
-    flags = " --mok-fp8"
+    flags = " --mok-fp8" if args.get("mok_fp8") else ""
     if args.get("mok_cuda_forward"):
         flags += f" --mok-cuda-forward {args['mok_cuda_forward']}"
     flags += " --mok-stage1" if args.get("mok_stage1") else ""

@@ -221,9 +221,14 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
         "0.50 | 3.00x | 1.5x |"
     )
     # The record line names the flags that chose the contenders
-    record["args"] = {"mok_cuda_forward": "megakernel", "mok_stage1": True, "mok_graph": True}
+    record["args"] = {"mok_fp8": True, "mok_cuda_forward": "megakernel", "mok_stage1": True,
+                      "mok_graph": True}  # fmt: skip
     assert ("(`scripts/bench_moe.py --mok-fp8 --mok-cuda-forward megakernel --mok-stage1 "
             "--mok-fp8-mega --mok-graph`)") in bench_fp8_gemm.render_layer(record)  # fmt: skip
+    # ... and not --mok-fp8 where the bench ran without it (the FP8 megakernel alone)
+    record["args"] = {"mok_fp8": False, "mok_cuda_forward": "megakernel"}
+    assert ("(`scripts/bench_moe.py --mok-cuda-forward megakernel --mok-fp8-mega`)"
+            in bench_fp8_gemm.render_layer(record))  # fmt: skip
     # The BF16 layer's path as the record names it (stage 1 where cuda_forward was "auto")
     record["cases"][0]["mok_backend"] = "cuda/stage1"
     assert "| 2.00 | stage1 | 1.00 |" in bench_fp8_gemm.render_layer(record)
