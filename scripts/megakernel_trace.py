@@ -139,6 +139,33 @@ def ktile_times(tasks: list, k_tiles: dict) -> dict:
     return out
 
 
+def gap_stats(tasks: list) -> dict:
+    """The consumers' time between one task's epilogue end and the next task's start on the same
+    CTA (most of ``wait``), by the next task's GEMM: how many gaps, their sum over all CTAs (ns),
+    median and 90th percentile, and how many began before the producer had taken the next
+    ticket (``take`` after the previous epilogue's end: the producer, not the consumers, was
+    late)."""
+    by_cta: dict[int, list] = {}
+    for t in tasks:
+        by_cta.setdefault(t["cta"], []).append(t)
+    gaps: dict[str, list] = {"l1": [], "l2": []}
+    late: dict[str, int] = {"l1": 0, "l2": 0}
+    for mine in by_cta.values():
+        mine.sort(key=lambda t: t["got"])
+        for prev, nxt in zip(mine, mine[1:]):
+            gemm = "l2" if nxt["l2"] else "l1"
+            gaps[gemm].append(nxt["got"] - prev["epi_end"])
+            late[gemm] += nxt["take"] > prev["epi_end"]
+    out = {}
+    for gemm, g in gaps.items():
+        if not g:
+            continue
+        g.sort()
+        out[gemm] = {"gaps": len(g), "sum_ns": sum(g), "median_ns": statistics.median(g),
+                     "p90_ns": g[int(0.9 * (len(g) - 1))], "taken_late": late[gemm]}  # fmt: skip
+    return out
+
+
 def ceiling_ns_per_ktile() -> float:
     """One 128 x 256 x 64 k-tile on one SM at the floor model's BF16 ceiling
     (timing.H200_CEILINGS)."""
@@ -162,6 +189,7 @@ def summarise(ctas, tasks, k1, k2) -> dict:
         "tasks": {"l1": sum(not t["l2"] for t in tasks), "l2": sum(t["l2"] for t in tasks)},
         "first_l1_ready_us": (first_l1 - t0) / 1e3,
         "mainloop": ktile_times(tasks, k_tiles),
+        "gaps": gap_stats(tasks),
         "epilogue_median_ns": {
             g: statistics.median([t["epi_end"] - t["mma_end"] for t in tasks if t["l2"] == l2])
             for g, l2 in (("l1", False), ("l2", True))
@@ -231,8 +259,8 @@ def main(argv=None) -> None:
               f"{case['minibatch_size']}): span {case['span_us']:.0f} us; {frac}; ns/k-tile "
               f"L1 {ml['l1']['median_ns_per_ktile']} L2 {ml['l2']['median_ns_per_ktile']} "
               f"(ceiling {record['ceiling_ns_per_ktile']:.0f}); epilogue "
-              f"{case['epilogue_median_ns']}; first L1 ready {case['first_l1_ready_us']:.1f} us",
-              flush=True)  # fmt: skip
+              f"{case['epilogue_median_ns']}; first L1 ready {case['first_l1_ready_us']:.1f} us; "
+              f"gaps before {case['gaps']}", flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {args.out}")

@@ -441,3 +441,25 @@ def test_trace_tables_name_fp8_records_and_timing_experiments():
         perf_report.trace_tables(os.path.join(results, "megakernel_trace_h200_53dea2a.json"))
     )
     assert "FP8" not in bf16 and "## The megakernel's forward, from its timeline" in bf16
+
+
+def test_trace_gaps_split_by_the_next_task_and_count_tickets_taken_late():
+    """megakernel_trace's gaps: per CTA, from a task's epilogue end to the next task's start,
+    filed under the next task's GEMM, and counted as taken late where the producer took that
+    ticket after the epilogue ended."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import megakernel_trace
+    finally:
+        sys.path.pop(0)
+
+    def task(cta, l2, take, got, epi_end):
+        return {"cta": cta, "l2": l2, "take": take, "ready": got, "got": got,
+                "mma_end": epi_end - 1, "epi_end": epi_end}  # fmt: skip
+
+    tasks = [task(0, False, 0, 1, 12), task(0, True, 13, 15, 22), task(0, False, 20, 25, 31),
+             task(0, True, 26, 34, 40), task(1, True, 0, 2, 9)]  # fmt: skip
+    gaps = megakernel_trace.gap_stats(tasks)
+    assert gaps["l2"] == {"gaps": 2, "sum_ns": 3 + 3, "median_ns": 3, "p90_ns": 3,
+                          "taken_late": 1}  # fmt: skip
+    assert gaps["l1"] == {"gaps": 1, "sum_ns": 3, "median_ns": 3, "p90_ns": 3, "taken_late": 0}
