@@ -73,6 +73,16 @@ enum class MegaBarrier : int {
 using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
 using MegaTicketState = typename MegaTicketQueue::PipelineState;
 
+// One ticket as the producer passes it on: the task's number and its m-tile, which the producer
+// reads from the plan anyway (for a task past the round's last, or a padding one, the tile is
+// not read). The consumers then start a task without a dependent global load: reading the tile
+// themselves cost each task its latency, 1.5-2.5 us under the mainloop's load on the FP8
+// megakernel (megakernel_trace's gaps between tasks, docs/perf_notes.md), before any wgmma.
+struct MegaTicket {
+  MegaTile tile;
+  int32_t ticket;
+};
+
 template <bool kBackward, int kCluster = 1, bool kFp8 = false>
 struct MegaComputeStorage {
   using Mainloop = MegaMainloopKind<kBackward, kCluster, kFp8>;
@@ -82,7 +92,7 @@ struct MegaComputeStorage {
   alignas(1024) typename Mainloop::TensorStorage tensors;
   alignas(16) typename Mainloop::PipelineStorage pipeline;
   alignas(16) typename MegaTicketQueue::SharedStorage ticket_barriers;
-  int32_t tickets[kMegaTicketDepth];
+  MegaTicket tickets[kMegaTicketDepth];
   MegaMailbox mailbox;  // clusters of 2 only
   typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;  // the producer warp's (FP8)
 };
@@ -121,10 +131,10 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
                                  MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
                                  MegaStateKind<kBackward, kCluster, kFp8>& state,
                                  MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
-                                 const MegaRound& rd, int slot, const MegaTask& task) {
+                                 const MegaRound& rd, int slot, const MegaTask& task,
+                                 const MegaTile& tile) {
   using Mainloop = MegaMainloopKind<kBackward, kCluster, kFp8>;
   auto& smem = storage.tensors;
-  const MegaTile tile = p.tile(rd.round, task.tile);
   const bool leader = threadIdx.x % 32 == 0;  // NOTE: thread 0 is the pipeline's is_leader
   if (leader) trace_task(p, rd.round, slot, layout::kTraceTake);
   if constexpr (kFp8) {  // the weight scales do not wait for the task's inputs
@@ -200,8 +210,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
                                  MegaStateKind<kBackward, kCluster, kFp8>& state,
                                  typename MegaMainloopKind<kBackward, kCluster, kFp8>::TensorStorage& smem,
                                  const MegaRound& rd, int slot, const MegaTask& task,
-                                 int mma_thread_idx) {
-  const MegaTile tile = p.tile(rd.round, task.tile);
+                                 const MegaTile& tile, int mma_thread_idx) {
   const int rows = tile.row_end - tile.row_begin;
   const bool tracer = mma_thread_idx == 0;
   if constexpr (kCluster > 1) {
@@ -293,17 +302,21 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
         if (leader) t = cluster_ticket<kCluster>(p, storage.mailbox, seq, round);
         ++seq;
         t = __shfl_sync(0xffffffffu, t, 0);
+        const bool last = t >= rd.order.num_tasks();
+        const MegaTask task = last ? MegaTask{} : rd.order.decode(t);
+        const bool runs = !last && !rd.order.skipped(task);
+        const MegaTile tile = runs ? p.tile(rd.round, task.tile) : MegaTile{};
         if (leader) {
           gemm::acquire_slot(p, queue, queue_state, round);
-          storage.tickets[queue_state.index()] = t;
+          storage.tickets[queue_state.index()] = MegaTicket{tile, t};
           queue.producer_commit(queue_state);
         }
         ++queue_state;
-        if (t >= rd.order.num_tasks()) break;
-        const MegaTask task = rd.order.decode(t);
-        if (!rd.order.skipped(task)) {
+        if (last) break;
+        if (runs) {
           produce_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd,
-                                                  trace_slot<kCluster>(t), cta_task<kCluster>(task));
+                                                  trace_slot<kCluster>(t), cta_task<kCluster>(task),
+                                                  tile);
         }
       }
     }
@@ -348,16 +361,17 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
     }
     for (;;) {
       queue.consumer_wait(queue_state);
-      const int t = storage.tickets[queue_state.index()];
+      const MegaTicket entry = storage.tickets[queue_state.index()];
       queue.consumer_release(queue_state);
       ++queue_state;
+      const int t = entry.ticket;
       if (t >= rd.order.num_tasks()) break;
       const MegaTask task = rd.order.decode(t);
       if (!rd.order.skipped(task)) {
         if (task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
         consume_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage.tensors, rd,
                                                 trace_slot<kCluster>(t), cta_task<kCluster>(task),
-                                                mma_thread_idx);
+                                                entry.tile, mma_thread_idx);
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
