@@ -56,6 +56,10 @@ traces=(
   megakernel_trace_h200_f4b7c9a_fp8_exp_nopromotion.json
   megakernel_trace_h200_f4b7c9a_fp8_exp_halfb.json
   megakernel_trace_h200_58060f8_fp8.json
+  megakernel_trace_h200_f1633e7_fp8_gaps.json
+  megakernel_trace_h200_788a417_fp8.json
+  megakernel_trace_h200_f1633e7_gaps.json
+  megakernel_trace_h200_788a417.json
 )
 args=()
 for r in "${records[@]}"; do args+=("$R/$r"); done

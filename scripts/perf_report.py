@@ -582,23 +582,35 @@ def trace_tables(path):
         + (" FP8 experts (`expert_precision='fp8_blockwise'`): the same tasks in e4m3, a k-tile "
            "here being 64 of K of a task's 128 K block, so the FP8 ceiling is half the BF16 one."
            if fp8 else "")
+        + (" 'gap before': the median time from a task's epilogue end to the next task's start "
+           "on the same CTA, by the next task's GEMM (most of 'wait')."
+           if any("gaps" in case for case in record["cases"]) else "")
         + (f" A timing experiment: the kernel built from the patch beside the record (`{patch}`)"
            ", whose outputs are wrong by design; only its times are measured."
            if experiment else "")
         + "\n"
     )  # fmt: skip
+    gaps = any("gaps" in case for case in record["cases"])
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
-           + f" | {gemms} ns per k-tile | {gemms} epilogue (us) |")  # fmt: skip
-    yield "|---|---|---|---|" + "---|" * len(cats) + "---|---|"
+           + f" | {gemms} ns per k-tile | {gemms} epilogue (us) |"
+           + (f" {gemms} gap before (us) |" if gaps else ""))  # fmt: skip
+    yield "|---|---|---|---|" + "---|" * len(cats) + "---|---|" + ("---|" if gaps else "")
     for case in record["cases"]:
         ml, ep = case["mainloop"], case["epilogue_median_ns"]
+        gap = ""
+        if gaps:
+            g = case.get("gaps", {})
+            gap = " / ".join(
+                f"{g[k]['median_ns'] / 1e3:.1f}" if k in g else "-" for k in ("l1", "l2")
+            )
+            gap = f" {gap} |"
         yield (
             f"| {case['shape']} | {case['tokens_per_rank']} "
             f"| {case['bwd_num_comm_sms' if backward else 'fwd_num_comm_sms']} / "
             f"{case['minibatch_size']} | {case['span_us']:.0f} | "
             + " | ".join(f"{case['fractions'][c]:.2f}" for c in cats)
             + f" | {ml['l1']['median_ns_per_ktile']:.0f} / {ml['l2']['median_ns_per_ktile']:.0f}"
-            f" | {ep['l1'] / 1e3:.1f} / {ep['l2'] / 1e3:.1f} |"
+            f" | {ep['l1'] / 1e3:.1f} / {ep['l2'] / 1e3:.1f} |" + gap
         )
     yield ""
 

@@ -463,3 +463,24 @@ def test_trace_gaps_split_by_the_next_task_and_count_tickets_taken_late():
     assert gaps["l2"] == {"gaps": 2, "sum_ns": 3 + 3, "median_ns": 3, "p90_ns": 3,
                           "taken_late": 1}  # fmt: skip
     assert gaps["l1"] == {"gaps": 1, "sum_ns": 3, "median_ns": 3, "p90_ns": 3, "taken_late": 0}
+
+
+def test_trace_table_has_a_gap_column_only_where_the_record_has_gaps():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import perf_report
+    finally:
+        sys.path.pop(0)
+
+    results = os.path.join(ROOT, "docs", "results")
+    with_gaps = list(
+        perf_report.trace_tables(os.path.join(results, "megakernel_trace_h200_788a417_fp8.json"))
+    )
+    head = next(line for line in with_gaps if line.startswith("| shape"))
+    assert head.endswith("| L1 / L2 gap before (us) |")
+    row = next(line for line in with_gaps if line.startswith("| deepseek-v3"))
+    assert row.endswith("| 1.8 / 1.8 |")
+    without = list(
+        perf_report.trace_tables(os.path.join(results, "megakernel_trace_h200_53dea2a.json"))
+    )
+    assert not any("gap before" in line for line in without)
