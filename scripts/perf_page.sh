@@ -6,6 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_graph_25c52a9.json
   bench_moe_h200_ep1_ceiling_0d9dae0.json
   bench_moe_h200_ep1_ceiling_f94e43d.json
   bench_moe_h200_ep1_cluster2_efe26e3.json
