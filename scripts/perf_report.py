@@ -565,6 +565,7 @@ def trace_tables(path):
     else:
         yield "## The megakernel's forward, from its timeline\n"
     patch = os.path.splitext(os.path.basename(path))[0] + ".patch"
+    gaps = any("gaps" in case for case in record["cases"])
     gemms = "L2-dgrad / L1-dgrad" if backward else "L1 / L2"
     yield (
         f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
@@ -584,13 +585,12 @@ def trace_tables(path):
            if fp8 else "")
         + (" 'gap before': the median time from a task's epilogue end to the next task's start "
            "on the same CTA, by the next task's GEMM (most of 'wait')."
-           if any("gaps" in case for case in record["cases"]) else "")
+           if gaps else "")
         + (f" A timing experiment: the kernel built from the patch beside the record (`{patch}`)"
            ", whose outputs are wrong by design; only its times are measured."
            if experiment else "")
         + "\n"
     )  # fmt: skip
-    gaps = any("gaps" in case for case in record["cases"])
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
            + f" | {gemms} ns per k-tile | {gemms} epilogue (us) |"
            + (f" {gemms} gap before (us) |" if gaps else ""))  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -12,6 +13,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = [os.path.join(ROOT, "scripts", "bench_moe.py"), "--tiny", "--device", "cpu",
          "--iters", "2", "--warmup", "1", "--rotate", "2", "--live-ceiling"]  # fmt: skip
+
+
+def _script(name):
+    """scripts/<name>.py as a module (scripts/ on the import path only while it loads)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def _env():
@@ -82,11 +92,7 @@ def test_graph_rows_render_and_need_a_gpu(tmp_path):
     run = subprocess.run([sys.executable, *BENCH, "--mok-graph"], env=_env(), cwd=ROOT,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode != 0 and "--mok-graph captures CUDA graphs" in run.stderr
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
     mok = {"median_ms_all_ranks_max": 2.0, "p10_ms": 1.9, "p90_ms": 2.1, "fraction_of_floor": 0.4}
     graphed = {**mok, "median_ms_all_ranks_max": 1.0, "p10_ms": 0.95, "p90_ms": 1.05,
                "fraction_of_floor": 0.8}  # fmt: skip
@@ -101,11 +107,7 @@ def test_graph_rows_render_and_need_a_gpu(tmp_path):
 def test_clock_rows_render_each_contender_timed_with_clock_samples():
     """perf_report's clock table: one row per pass and contender with ``gpu_during`` (bench_moe's
     NVML samples while it was timed; a synthetic record), none for those without."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
     during = {"samples": 40, "sm_mhz_median": 1530.0, "sm_mhz_min": 1410.0,
               "sm_mhz_max": 1980.0, "power_w_median": 689.6}  # fmt: skip
     case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
@@ -130,11 +132,7 @@ def test_clock_rows_render_each_contender_timed_with_clock_samples():
 def test_gpu_state_rows_render_each_case_that_has_one():
     """perf_report's GPU-state table: one row per case with ``gpu_state_after`` (a synthetic
     record), a missing field shown as such, a case without a state skipped."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
     state = {"clocks.sm": "1590", "clocks.max.sm": "1980", "power.draw": "687.42",
              "temperature.gpu": "53"}  # fmt: skip
     case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "skewed",
@@ -149,11 +147,7 @@ def test_compare_rows_pair_the_same_cases_of_two_records(tmp_path):
     records), MoK's medians and peaks before and after beside the baseline's; a case only in
     one record, or skipped, or a pass one record lacks, gives no row; a --main-grad record
     against a plain one is refused."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
 
     def timing(ms, peak_gib):
         return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
@@ -189,11 +183,7 @@ def test_fp8_layer_table_has_a_dgrad_row_where_the_record_has_one():
     """bench_fp8_gemm's layer table from a synthetic ``bench_moe.py --mok-fp8`` record: one row
     per pass, a "(FP8 dgrads)" row for the forward + backward's ``mok_fp8_dgrad`` and a "(FP8
     megakernel)" row for the forward's ``mok_fp8_mega``."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import bench_fp8_gemm
-    finally:
-        sys.path.pop(0)
+    bench_fp8_gemm = _script("bench_fp8_gemm")
 
     def ms(value):
         return {"median_ms_all_ranks_max": value}
@@ -238,11 +228,7 @@ def test_fp8_gemm_table_gives_each_rows_clock_and_the_dense_ceilings():
     """bench_fp8_gemm's GEMM table from a synthetic record: each row's SM clock where it was
     sampled ('-' for older records without ``gpu_during``), the --dense-ceiling rows beside the
     grouped ones with their speed over our BF16 op."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import bench_fp8_gemm
-    finally:
-        sys.path.pop(0)
+    bench_fp8_gemm = _script("bench_fp8_gemm")
 
     def row(impl, ms, tflops, mhz=None):
         during = None if mhz is None else {"sm_mhz_median": mhz}
@@ -272,11 +258,7 @@ def test_fp8_gemm_table_gives_each_rows_clock_and_the_dense_ceilings():
 def test_gpu_state_reads_nvidia_smi_and_falls_back_without_the_reasons_field(tmp_path, monkeypatch):
     """bench_moe's per-case GPU state: nvidia-smi's fields by name; a driver that refuses the
     clock-event field gives the other four; no nvidia-smi gives None."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import bench_moe
-    finally:
-        sys.path.pop(0)
+    bench_moe = _script("bench_moe")
     monkeypatch.setattr(bench_moe.torch.cuda, "current_device", lambda: 0)
     fake = tmp_path / "nvidia-smi"
     fake.write_text(
@@ -301,11 +283,7 @@ def test_stage1_backward_rows_render_the_fwd_bwd_pass_of_cases_that_have_them():
     """perf_report's backward-paths table (bench_moe.py --mok-stage1-backward): a row per
     forward + backward pass with 'mok_stage1_bwd' (synthetic record); forward passes and cases
     without the contender are skipped."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
     mok = {"median_ms_all_ranks_max": 2.0, "p10_ms": 1.9, "p90_ms": 2.1, "fraction_of_floor": 0.5,
            "peak_mem_bytes": 2**30}  # fmt: skip
     stage1 = {**mok, "median_ms_all_ranks_max": 2.5, "p10_ms": 2.4, "p90_ms": 2.6,
@@ -337,11 +315,7 @@ def test_bench_back_to_back_runs_on_cpu_and_the_report_renders(tmp_path):
             r["baseline_back_to_back"]["median_ms_all_ranks_max"]
             / r["mok_back_to_back"]["median_ms_all_ranks_max"]
         )
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
     rows = list(perf_report.back_to_back_rows([(str(out), record)]))
     assert [row.split(" | ")[4] for row in rows] == ["fwd", "fwd+bwd"]
     assert rows[0].startswith("| tiny | 1 | 64 | uniform | fwd | reference | ")
@@ -355,11 +329,7 @@ def test_bench_back_to_back_runs_on_cpu_and_the_report_renders(tmp_path):
 def test_compare_rows_add_the_graph_replayed_forward_where_both_records_have_it(tmp_path):
     """perf_report --compare: a "fwd (graph)" row, MoK's forward replayed from a CUDA graph before
     and after, where both records' forward has one (bench_moe.py --mok-graph)."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
 
     def timing(ms):
         return {"median_ms_all_ranks_max": ms, "p10_ms": ms, "p90_ms": ms, "peak_mem_bytes": 0}
@@ -395,11 +365,7 @@ def test_time_back_to_back_needs_a_call_per_sample():
 def test_ncu_table_renders_a_row_per_record(tmp_path):
     """perf_report --ncu: one row per scripts/ncu_megakernel.py record (synthetic), its
     throughputs as ncu wrote them, a metric the record lacks shown as n/a."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
     metrics = [{"section": "GPU Speed Of Light Throughput", "name": name, "unit": "", "value": v}
                for name, v in (("SM Frequency", "1.43"), ("Duration", "10.67"),
                                ("Compute (SM) Throughput", "77.77"),
@@ -421,11 +387,7 @@ def test_trace_tables_name_fp8_records_and_timing_experiments():
     """An FP8 timeline gets its own heading, and a timing experiment's record (commit
     <sha>-exp-<name>) names the patch it was built from, so its times are not read as a
     commit's."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
 
     results = os.path.join(ROOT, "docs", "results")
     head = "\n".join(
@@ -447,11 +409,7 @@ def test_trace_gaps_split_by_the_next_task_and_count_tickets_taken_late():
     """megakernel_trace's gaps: per CTA, from a task's epilogue end to the next task's start,
     filed under the next task's GEMM, and counted as taken late where the producer took that
     ticket after the epilogue ended."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import megakernel_trace
-    finally:
-        sys.path.pop(0)
+    megakernel_trace = _script("megakernel_trace")
 
     def task(cta, l2, take, got, epi_end):
         return {"cta": cta, "l2": l2, "take": take, "ready": got, "got": got,
@@ -466,11 +424,7 @@ def test_trace_gaps_split_by_the_next_task_and_count_tickets_taken_late():
 
 
 def test_trace_table_has_a_gap_column_only_where_the_record_has_gaps():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import perf_report
-    finally:
-        sys.path.pop(0)
+    perf_report = _script("perf_report")
 
     results = os.path.join(ROOT, "docs", "results")
     with_gaps = list(
