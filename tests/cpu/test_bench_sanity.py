@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -438,3 +440,75 @@ def test_trace_table_has_a_gap_column_only_where_the_record_has_gaps():
         perf_report.trace_tables(os.path.join(results, "megakernel_trace_h200_53dea2a.json"))
     )
     assert not any("gap before" in line for line in without)
+
+
+def _curves(seed, fp8_shift, noise_shift, steps=40):
+    """Three made-up loss curves: BF16, FP8 and the noise floor off it by the given amounts from
+    step 25 on (before it, equal)."""
+    rng = random.Random(seed)
+    bf16 = [4.0 - 0.05 * s + rng.uniform(0, 0.01) for s in range(steps)]
+    return (
+        bf16,
+        [x + (fp8_shift if s >= 25 else 0.0) for s, x in enumerate(bf16)],
+        [x + (noise_shift if s >= 25 else 0.0) for s, x in enumerate(bf16)],
+    )
+
+
+def test_fp8_training_band_is_fp8s_gap_against_the_noise_floors_on_every_unseen_seed():
+    ft = _script("fp8_training_run")
+    assert ft.BAND_FROM_STEP < 25 and ft.BAND_NOISE_FACTOR == 2.0
+    judged = {}
+    for seed, fp8_shift in zip(ft.BAND_SEEDS, (0.01, -0.019, 0.015)):
+        judged[seed] = ft.judge(seed, *_curves(seed, fp8_shift, noise_shift=0.01))
+    assert [round(j["ratio"], 6) for j in judged.values()] == [1.0, 1.9, 1.5]
+    assert all(j["within"] and j["judges_band"] for j in judged.values())
+    assert ft.band_verdict(list(judged.values())) is True
+    assert ft.band_verdict(list(judged.values())[:2]) is None  # a seed not run: no verdict
+    # One seed past 2x the noise floor: the band does not hold.
+    over = ft.judge(ft.BAND_SEEDS[1], *_curves(1, 0.021, noise_shift=0.01))
+    assert not over["within"]
+    assert ft.band_verdict([judged[ft.BAND_SEEDS[0]], over, judged[ft.BAND_SEEDS[2]]]) is False
+    # A seed seen before the band was stated is reported, never a judge.
+    seen = ft.judge(1234, *_curves(5, 0.001, noise_shift=0.01))
+    assert seen["within"] and not seen["judges_band"]
+    assert ft.band_verdict([seen]) is None
+    # The gap counts only from BAND_FROM_STEP on; the first (2% relative) band is kept beside.
+    bf16, fp8, noise = _curves(6, 0.0, noise_shift=0.01)
+    fp8[ft.BAND_FROM_STEP - 1] += 1.0
+    early = ft.judge(1235, bf16, fp8, noise)
+    assert early["fp8_largest_gap"] == 0.0 and early["relative_2pct"]["within"]
+    with pytest.raises(ValueError, match="noise-floor run repeated the BF16 run"):
+        ft.judge(1235, bf16, fp8, list(bf16))
+    with pytest.raises(ValueError, match="needs more than"):
+        ft.judge(1235, bf16[:10], fp8[:10], noise[:10])
+
+
+def test_fp8_training_table_renders_old_and_new_records(tmp_path):
+    ft = _script("fp8_training_run")
+    head = {"gpu": "G", "torch": "t", "config": {"file": "configs/tiny_gpu_ep1_fp8.yaml",
+                                                 "steps": 40}}  # fmt: skip
+    bf16, fp8, noise = _curves(7, 0.005, noise_shift=0.01)
+    old = {**head, "commit": "a" * 40, "losses_bf16": bf16, "losses_fp8": fp8,
+           "losses_bf16_other_gemm": noise, "other_gemm": "torch"}  # fmt: skip
+    runs = []
+    for seed in ft.BAND_SEEDS:
+        b, f, n = _curves(seed, 0.03, noise_shift=0.01)  # 3x: outside the band
+        runs.append({"losses_bf16": b, "losses_fp8": f, "losses_bf16_other_gemm": n,
+                     "other_gemm": "torch", **ft.judge(seed, b, f, n)})  # fmt: skip
+    new = {**head, "commit": "b" * 40, "runs": runs}
+    paths = []
+    for name, rec in (("old.json", old), ("new.json", new)):
+        paths.append(str(tmp_path / name))
+        with open(paths[-1], "w") as f:
+            json.dump(rec, f)
+    md = tmp_path / "FP8.md"
+    md.write_text(f"before\n{ft.TABLE_BEGIN}\nstale\n{ft.TABLE_END}\nafter\n")
+    ft.render(argparse.Namespace(render=paths, png=str(tmp_path / "c.png"), md=str(md)))
+    text = md.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "stale" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) == 4
+    assert rows[0].startswith("| `aaaaaaa` | 1234 |") and "no (seen before)" in rows[0]
+    assert all("| 3.00 | no | yes |" in row for row in rows[1:])
+    assert "**not held**" in text
+    assert (tmp_path / "c.png").stat().st_size > 0
