@@ -126,10 +126,12 @@ def run_and_record(args) -> None:
                                                                     train_iters=args.steps))  # fmt: skip
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else list(BAND_SEEDS)
     with tempfile.TemporaryDirectory(prefix="mok_fp8_") as ckpt:
-        runs = run_ranks(rank_body, 1, run, seeds, ckpt, backend="nccl")[0]
+        backend = "nccl" if run.training.device == "cuda" else "gloo"
+        runs = run_ranks(rank_body, 1, run, seeds, ckpt, backend=backend)[0]
     judged = [judge(r["seed"], r["bf16"], r["fp8"], r["bf16_other_gemm"]) for r in runs]
     record = {
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
+        "gpu": torch.cuda.get_device_name() if backend == "nccl" else "cpu",
+        "torch": torch.__version__, "commit": commit(),
         "config": {"file": args.config, "steps": len(runs[0]["bf16"])},
         "band": {"rule": "fp8 largest |gap| <= factor * noise-floor largest |gap|",
                  "factor": BAND_NOISE_FACTOR, "from_step": BAND_FROM_STEP,
