@@ -66,9 +66,9 @@ def rank_body(rank: int, world: int, run, seeds: list[int], ckpt: str) -> list[d
         other = noise_floor_gemm(base.mok.expert_gemm)
         alt_run = dataclasses.replace(base, mok=dataclasses.replace(base.mok, expert_gemm=other))
         alt = train(alt_run, "mok", load_from=path, progress=False)
-        out.append({"seed": seed, "bf16": bf16.losses, "fp8": fp8.losses,
-                    "bf16_other_gemm": alt.losses, "other_gemm": other,
-                    "seconds": [bf16.seconds, fp8.seconds, alt.seconds]})  # fmt: skip
+        out.append({"seed": seed, "losses_bf16": bf16.losses, "losses_fp8": fp8.losses,
+                    "losses_bf16_other_gemm": alt.losses, "other_gemm": other,
+                    "seconds_bf16_fp8_other": [bf16.seconds, fp8.seconds, alt.seconds]})  # fmt: skip
     return out
 
 
@@ -106,9 +106,15 @@ def judge(seed: int, bf16: list[float], fp8: list[float], noise: list[float]) ->
     }
 
 
-def band_verdict(judged: list[dict]) -> bool | None:
+def judged(seed: int, run: dict) -> dict:
+    """A run (its three loss curves, as a record holds them) with its judgement."""
+    return {**run, **judge(seed, run["losses_bf16"], run["losses_fp8"],
+                           run["losses_bf16_other_gemm"])}  # fmt: skip
+
+
+def band_verdict(runs: list[dict]) -> bool | None:
     """Whether the band held on every seed of BAND_SEEDS (None: not all of them were run)."""
-    mine = {j["seed"]: j["within"] for j in judged if j["judges_band"]}
+    mine = {r["seed"]: r["within"] for r in runs if r["judges_band"]}
     if set(mine) != set(BAND_SEEDS):
         return None
     return all(mine.values())
@@ -128,22 +134,21 @@ def run_and_record(args) -> None:
     with tempfile.TemporaryDirectory(prefix="mok_fp8_") as ckpt:
         backend = "nccl" if run.training.device == "cuda" else "gloo"
         runs = run_ranks(rank_body, 1, run, seeds, ckpt, backend=backend)[0]
-    judged = [judge(r["seed"], r["bf16"], r["fp8"], r["bf16_other_gemm"]) for r in runs]
+    runs = [judged(r["seed"], r) for r in runs]
     record = {
         "gpu": torch.cuda.get_device_name() if backend == "nccl" else "cpu",
         "torch": torch.__version__, "commit": commit(),
-        "config": {"file": args.config, "steps": len(runs[0]["bf16"])},
+        "config": {"file": args.config, "steps": len(runs[0]["losses_bf16"])},
         "band": {"rule": "fp8 largest |gap| <= factor * noise-floor largest |gap|",
                  "factor": BAND_NOISE_FACTOR, "from_step": BAND_FROM_STEP,
-                 "seeds": list(BAND_SEEDS), "within": band_verdict(judged)},
-        "runs": [{"seed": r["seed"], "losses_bf16": r["bf16"], "losses_fp8": r["fp8"],
-                  "losses_bf16_other_gemm": r["bf16_other_gemm"], "other_gemm": r["other_gemm"],
-                  "seconds_bf16_fp8_other": r["seconds"], **j}
-                 for r, j in zip(runs, judged)],
+                 "seeds": list(BAND_SEEDS), "within": band_verdict(runs)},
+        "runs": runs,
     }  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    print(json.dumps({"band": record["band"], "runs": judged}, indent=1))
+    print(json.dumps({"band": record["band"],
+                      "runs": [{k: v for k, v in r.items() if not k.startswith(("losses", "seconds"))}
+                               for r in runs]}, indent=1))  # fmt: skip
 
 
 def record_runs(record: dict) -> list[dict]:
@@ -159,22 +164,19 @@ def record_runs(record: dict) -> list[dict]:
         seed = yaml.safe_load(f)["training"]["seed"]
     run = {k: record[k] for k in ("losses_bf16", "losses_fp8", "losses_bf16_other_gemm",
                                   "other_gemm")}  # fmt: skip
-    return [{**run, **judge(seed, record["losses_bf16"], record["losses_fp8"],
-                            record["losses_bf16_other_gemm"])}]  # fmt: skip
+    return [judged(seed, run)]
 
 
-def table_rows(record: dict) -> list[str]:
-    rows = []
-    for r in record_runs(record):
-        first = r["relative_2pct"]
-        rows.append(
-            f"| `{record['commit'][:7]}` | {r['seed']} | {r['final_loss_bf16']:.4f} | "
-            f"{r['final_loss_fp8']:.4f} | {r['final_loss_noise']:.4f} | "
-            f"{r['fp8_largest_gap']:.4f} | {r['noise_largest_gap']:.4f} | {r['ratio']:.2f} | "
-            f"{'yes' if r['within'] else 'no'} | {'yes' if r['judges_band'] else 'no (seen before)'} | "
-            f"{first['largest_relative_gap']:.1%} | {'yes' if first['within'] else 'no'} |"
-        )  # fmt: skip
-    return rows
+def table_row(record: dict, r: dict) -> str:
+    """One judged run ``r`` of ``record``, as a row of the training table."""
+    first = r["relative_2pct"]
+    return (
+        f"| `{record['commit'][:7]}` | {r['seed']} | {r['final_loss_bf16']:.4f} | "
+        f"{r['final_loss_fp8']:.4f} | {r['final_loss_noise']:.4f} | "
+        f"{r['fp8_largest_gap']:.4f} | {r['noise_largest_gap']:.4f} | {r['ratio']:.2f} | "
+        f"{'yes' if r['within'] else 'no'} | {'yes' if r['judges_band'] else 'no (seen before)'} | "
+        f"{first['largest_relative_gap']:.1%} | {'yes' if first['within'] else 'no'} |"
+    )  # fmt: skip
 
 
 def render(args) -> None:
@@ -202,8 +204,7 @@ def render(args) -> None:
         axes[-1, 0].set_xlabel("step")
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
-    judged = [r for _, r in runs]
-    verdict = band_verdict(judged)
+    verdict = band_verdict([r for _, r in runs])
     said = {None: "not judged yet: not every one of its seeds has run", True: "held",
             False: "not held"}[verdict]  # fmt: skip
     seeds = ", ".join(str(x) for x in BAND_SEEDS)
@@ -219,7 +220,7 @@ def render(args) -> None:
         f"from step {BAND_FROM_STEP} | noise's | ratio | within {BAND_NOISE_FACTOR:g}x | judges "
         f"the band | first band: largest relative gap | within {BAND_RELATIVE:.0%} |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *[row for rec in records for row in table_rows(rec)],
+        *[table_row(rec, r) for rec, r in runs],
     ])  # fmt: skip
     if args.md:
         text = Path(args.md).read_text()
