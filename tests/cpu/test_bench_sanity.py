@@ -512,3 +512,31 @@ def test_fp8_training_table_renders_old_and_new_records(tmp_path):
     assert all("| 3.00 | no | yes |" in row for row in rows[1:])
     assert "**not held**" in text
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_target_rows_judge_the_unrounded_fraction():
+    """perf_report's standing against issues 13 and 14: a fraction that shows as the target at
+    two decimals but is below it is missed; the replayed forward is judged on its own; shapes
+    without a target, skewed routings and EP > 1 give no row."""
+    report = _script("perf_report")
+
+    def case(shape, fwd, fwd_bwd, graph=None, routing="uniform", ep=1):
+        fwd_r = {"mok": {"fraction_of_floor": fwd}}
+        if graph is not None:
+            fwd_r["mok_graph"] = {"fraction_of_floor": graph}
+        return {"shape": shape, "ep": ep, "tokens_per_rank": 8192, "routing": routing,
+                "fwd": fwd_r, "fwd_bwd": {"mok": {"fraction_of_floor": fwd_bwd}}}  # fmt: skip
+
+    record = {"cases": [case("mixtral-8x7b", 0.7496, 0.65, graph=0.76),
+                        case("qwen3-30b-a3b", 0.61, 0.2, routing="skewed"),
+                        case("deepseek-v3", 0.1, 0.1, ep=2), case("tiny", 1.0, 1.0)]}  # fmt: skip
+    rows = list(report.target_rows("x/rec.json", record))
+    assert len(rows) == 2
+    assert (
+        "| 13 | mixtral-8x7b | 8192 | fwd | 0.75 | 0.750 | missed (99.9% of it) | 0.760 | met |"
+        in rows[0]
+    )
+    assert (
+        "| 14 | mixtral-8x7b | 8192 | fwd+bwd | 0.65 | 0.650 | met | - | - | `rec.json` |"
+        in rows[1]
+    )
