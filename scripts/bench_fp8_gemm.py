@@ -41,7 +41,7 @@ from mok_megatron.ops import fp8_blockwise as fb  # noqa: E402
 from mok_megatron.ops import grouped_gemm as gg  # noqa: E402
 from mok_megatron.ops import grouped_gemm_fp8 as gf  # noqa: E402
 from mok_megatron.testing.gpu_clocks import ClockSampler, cuda_reader  # noqa: E402
-from mok_megatron.testing.records import commit  # noqa: E402
+from mok_megatron.testing.records import commit, fill_markdown_table  # noqa: E402
 from mok_megatron.testing.timing import time_fn  # noqa: E402
 
 MODELS = {  # name: (hidden, intermediate, experts, topk), as scripts/bench_moe.py
@@ -245,18 +245,6 @@ def render_layer(record: dict) -> str:
     return "\n".join(lines)
 
 
-def write_table(md_path: str, table: str, begin: str = TABLE_BEGIN, end: str = TABLE_END) -> None:
-    """Replace the text between the markers ``begin`` and ``end`` of ``md_path`` with ``table``."""
-    with open(md_path) as f:
-        text = f.read()
-    if begin not in text or end not in text:
-        raise SystemExit(f"{md_path}: no '{begin}' ... '{end}' markers to fill")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    with open(md_path, "w") as f:
-        f.write(f"{head}{begin}\n{table}\n{end}{tail}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out")
@@ -291,7 +279,7 @@ def main() -> None:
         table = render(record) if args.render else render_layer(record)
         markers = table_markers(args.table or (TABLE_NAME if args.render else LAYER_NAME))
         if args.md:
-            write_table(args.md, table, *markers)
+            fill_markdown_table(args.md, table, *markers)
         else:
             print(table)
         return

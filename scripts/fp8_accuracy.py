@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mok_megatron.testing.records import commit  # noqa: E402
+from mok_megatron.testing.records import commit, fill_markdown_table  # noqa: E402
 
 NAMES = ("out", "d_x", "d_router_weights", "d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
 #: (name, hidden, inter, experts, topk, shared_inter, tokens)
@@ -146,10 +146,7 @@ def main() -> None:
         if not args.md:
             print(table)
             return
-        text = Path(args.md).read_text()
-        head, rest = text.split(TABLE_BEGIN, 1)
-        _, tail = rest.split(TABLE_END, 1)
-        Path(args.md).write_text(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
+        fill_markdown_table(args.md, table, TABLE_BEGIN, TABLE_END)
         return
     if not args.out:
         ap.error("give --out (measure) or --render (tabulate a record)")

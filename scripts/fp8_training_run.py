@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mok_megatron.testing.records import commit  # noqa: E402
+from mok_megatron.testing.records import commit, fill_markdown_table  # noqa: E402
 
 #: The band: max |loss_fp8 - loss_bf16| <= BAND_NOISE_FACTOR * max |loss_noise - loss_bf16| over
 #: the steps from BAND_FROM_STEP on, on each of BAND_SEEDS.
@@ -223,10 +223,7 @@ def render(args) -> None:
         *[table_row(rec, r) for rec, r in runs],
     ])  # fmt: skip
     if args.md:
-        text = Path(args.md).read_text()
-        head, rest = text.split(TABLE_BEGIN, 1)
-        _, tail = rest.split(TABLE_END, 1)
-        Path(args.md).write_text(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
+        fill_markdown_table(args.md, table, TABLE_BEGIN, TABLE_END)
     else:
         print(table)
 

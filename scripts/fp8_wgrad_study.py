@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_moe  # noqa: E402
 
+from mok_megatron.testing.records import fill_markdown_table  # noqa: E402
 from mok_megatron.testing.timing import H200_CEILINGS, moe_pass_cost  # noqa: E402
 
 GRADS = ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down")
@@ -117,29 +118,16 @@ def fp8_weight_gradients(enabled: bool):
         reference._grouped_wgrad = original
 
 
-def layer_grads(problem, config, d_out, fp8_wgrad: bool) -> dict:
-    """The routed weight gradients of one reference forward + backward on the CPU (fused gate/up
-    form, split into gate and up), float64."""
+def layer_grads(problem, config, fp8_wgrad: bool) -> dict:
+    """The routed weight gradients of one reference forward + backward on the CPU
+    (``testing.runs.run_local``, d_out of seed 1), float64."""
     import torch
 
-    from mok_megatron import functional as F
-    from mok_megatron.ops import deinterleave_gate_up, interleave_gate_up
+    from mok_megatron.testing.runs import run_local
 
-    x, topk, rw, (gate, up, down), shared = problem.local(0, dtype=torch.bfloat16, device="cpu")
-    weights = (*(shared or (None, None, None)), interleave_gate_up(gate, up), None, down)
-    ws = F.create_workspace(
-        config, None, device="cpu", num_local_tokens=x.shape[0], hidden_size=x.shape[1],
-        topk=topk.shape[1], num_experts=gate.shape[0], intermediate_size=gate.shape[1],
-        shared_intermediate_size=shared[0].shape[0] if shared else 0, dtype=torch.bfloat16,
-        backend="reference",
-    )  # fmt: skip
-    sched = F.build_schedule(ws, config, topk, ws.num_local_experts)
     with fp8_weight_gradients(fp8_wgrad):
-        _, ctx = F.forward(config, ws, sched, x, rw, *weights)
-        grads = F.backward(config, ws, sched, ctx, d_out, x, rw, *weights)._asdict()
-    d_gate, d_up = deinterleave_gate_up(grads["d_w_routed_gate"], dim=-2)
-    out = {**grads, "d_w_routed_gate": d_gate, "d_w_routed_up": d_up}
-    return {n: out[n].double() for n in GRADS}
+        result = run_local(problem, rank=0, dtype=torch.bfloat16, seed=1, config=config)
+    return {n: result[n].double() for n in GRADS}
 
 
 def accuracy(shapes) -> list[dict]:
@@ -154,11 +142,10 @@ def accuracy(shapes) -> list[dict]:
     for name, hidden, inter, experts, topk, shared, tokens in shapes:
         problem = random_moe_problem([tokens], hidden, inter, experts, topk,
                                      shared_inter=shared, seed=11)  # fmt: skip
-        d_out = global_d_out(problem, 1).to(torch.bfloat16)
-        oracle = run_oracle(problem, d_out.double())
+        oracle = run_oracle(problem, global_d_out(problem, 1).to(torch.bfloat16).double())
         runs = {
             run: layer_grads(problem, dataclasses.replace(
-                base, expert_precision=precision, fp8_backward=backward), d_out, fp8_wgrad)
+                base, expert_precision=precision, fp8_backward=backward), fp8_wgrad)
             for run, (precision, backward, fp8_wgrad) in RUNS.items()
         }  # fmt: skip
         for comparison, (run, against) in COMPARISONS.items():
@@ -247,13 +234,6 @@ def render(record: dict) -> str:
     return "\n".join(lines)
 
 
-def write_md(table: str, md: str) -> None:
-    text = Path(md).read_text()
-    head, rest = text.split(TABLE_BEGIN, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    Path(md).write_text(f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}{tail}")
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="measure and write the JSON record here")
@@ -271,7 +251,7 @@ def main(argv=None) -> None:
         record = json.loads(Path(args.render).read_text())
         table = render({**record, "path": args.render})
         if args.md:
-            write_md(table, args.md)
+            fill_markdown_table(args.md, table, TABLE_BEGIN, TABLE_END)
         else:
             print(table)
         return

@@ -540,3 +540,16 @@ def test_target_rows_judge_the_unrounded_fraction():
         "| 14 | mixtral-8x7b | 8192 | fwd+bwd | 0.65 | 0.650 | met | - | - | `rec.json` |"
         in rows[1]
     )
+
+
+def test_fill_markdown_table_replaces_between_its_markers_and_names_missing_ones(tmp_path):
+    """The one helper the record scripts write their tables with (bench_fp8_gemm,
+    fp8_accuracy, fp8_training_run, fp8_wgrad_study)."""
+    from mok_megatron.testing.records import fill_markdown_table
+
+    md = tmp_path / "page.md"
+    md.write_text("a\n<!-- t begin -->\nold\n<!-- t end -->\nb\n")
+    fill_markdown_table(str(md), "| new |", "<!-- t begin -->", "<!-- t end -->")
+    assert md.read_text() == "a\n<!-- t begin -->\n| new |\n<!-- t end -->\nb\n"
+    with pytest.raises(SystemExit, match="no '<!-- u begin -->' ... '<!-- u end -->' markers"):
+        fill_markdown_table(str(md), "x", "<!-- u begin -->", "<!-- u end -->")
