@@ -73,14 +73,19 @@ enum class MegaBarrier : int {
 using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
 using MegaTicketState = typename MegaTicketQueue::PipelineState;
 
-// One ticket as the producer passes it on: the task's number and its m-tile, which the producer
-// reads from the plan anyway (for a task past the round's last, or a padding one, the tile is
-// not read). The consumers then start a task without a dependent global load: reading the tile
-// themselves cost each task its latency, 1.5-2.5 us under the mainloop's load on the FP8
-// megakernel (megakernel_trace's gaps between tasks, docs/perf_notes.md), before any wgmma.
+// One ticket as the producer passes it on: this CTA's task, decoded (cta_task), its trace record
+// and its m-tile, which the producer reads from the plan anyway; or the end of the round. A
+// padding task (MegaTaskOrder::skipped) is not passed on: the consumers would do nothing with it.
+// The consumers then start a task without a dependent global load and without the task order:
+// reading the tile themselves cost each task its latency, 1.5-2.5 us under the mainloop's load
+// on the FP8 megakernel (megakernel_trace's gaps between tasks, docs/perf_notes.md), before any
+// wgmma; and the FP8 consumers, with no register to spare beside their accumulators, kept the
+// order's fields in local memory and reloaded them at every ticket.
 struct MegaTicket {
   MegaTile tile;
-  int32_t ticket;
+  MegaTask task;
+  int32_t slot;  // trace_slot
+  bool end;      // past the round's last task: the consumers go on to the round barrier
 };
 
 template <bool kBackward, int kCluster = 1, bool kFp8 = false>
@@ -305,19 +310,18 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
         const bool last = t >= rd.order.num_tasks();
         const MegaTask task = last ? MegaTask{} : rd.order.decode(t);
         const bool runs = !last && !rd.order.skipped(task);
+        if (!last && !runs) continue;
         const MegaTile tile = runs ? p.tile(rd.round, task.tile) : MegaTile{};
+        const MegaTicket entry{tile, cta_task<kCluster>(task), trace_slot<kCluster>(t), last};
         if (leader) {
           gemm::acquire_slot(p, queue, queue_state, round);
-          storage.tickets[queue_state.index()] = MegaTicket{tile, t};
+          storage.tickets[queue_state.index()] = entry;
           queue.producer_commit(queue_state);
         }
         ++queue_state;
         if (last) break;
-        if (runs) {
-          produce_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd,
-                                                  trace_slot<kCluster>(t), cta_task<kCluster>(task),
-                                                  tile);
-        }
+        produce_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd, entry.slot,
+                                                entry.task, tile);
       }
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
@@ -342,7 +346,9 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
                                   MegaTicketQueue& queue,
                                   MegaComputeStorage<kBackward, kCluster, kFp8>& storage) {
   MegaStateKind<kBackward, kCluster, kFp8> state;  // phase 0: waits for the producer's first fill
-  MegaTicketState queue_state;     // likewise
+  // The tickets read so far (all rounds): the queue's state, one register (the FP8 consumers
+  // have none to spare beside their accumulators, and spilled the state's phase otherwise).
+  uint32_t tickets_read = 0;
   // As CUTLASS's cooperative kernel: consumer warpgroup 1 is the tile's second 64 rows.
   const int mma_thread_idx = static_cast<int>(threadIdx.x) % kMegaConsumerThreads;
   const int comm_idx = comm_index(p);
@@ -360,19 +366,16 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
                                 32 + kMegaConsumerThreads);
     }
     for (;;) {
+      const MegaTicketState queue_state(tickets_read % kMegaTicketDepth,
+                                        (tickets_read / kMegaTicketDepth) % 2, tickets_read);
+      ++tickets_read;
       queue.consumer_wait(queue_state);
       const MegaTicket entry = storage.tickets[queue_state.index()];
       queue.consumer_release(queue_state);
-      ++queue_state;
-      const int t = entry.ticket;
-      if (t >= rd.order.num_tasks()) break;
-      const MegaTask task = rd.order.decode(t);
-      if (!rd.order.skipped(task)) {
-        if (task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
-        consume_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage.tensors, rd,
-                                                trace_slot<kCluster>(t), cta_task<kCluster>(task),
-                                                entry.tile, mma_thread_idx);
-      }
+      if (entry.end) break;
+      if (entry.task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
+      consume_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage.tensors, rd,
+                                              entry.slot, entry.task, entry.tile, mma_thread_idx);
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
   }
