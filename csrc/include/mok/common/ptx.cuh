@@ -55,6 +55,11 @@ MOK_DEVICE void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// A hint: the 128-byte line holding ptr into this SM's L1 (no register held, nothing waits).
+MOK_DEVICE void prefetch_global_l1(const void* ptr) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
+}
+
 // Named barrier `id` over `threads` threads of the CTA (id 0 is __syncthreads's).
 MOK_DEVICE void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -128,6 +128,15 @@ MOK_DEVICE int trace_slot(int ticket) {
   return ticket * kCluster + cluster_rank<kCluster>();
 }
 
+// Producer warp (all 32 lanes): the 128-byte lines of `count` int64 entries from `first` into
+// L1, a lane a line.
+MOK_DEVICE void prefetch_row_lines(const int64_t* first, int count) {
+  constexpr int kPerLine = 128 / static_cast<int>(sizeof(int64_t));
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int lines = count > 0 ? (count + 2 * kPerLine - 2) / kPerLine : 0;  // an unaligned start
+  for (int i = lane; i < lines; i += 32) ptx::prefetch_global_l1(first + min(i * kPerLine, count - 1));
+}
+
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
 // `task` is this CTA's (cta_task); `slot` its trace record.
 template <bool kBackward, int kCluster, bool kFp8>
@@ -165,6 +174,12 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     }
     state.advance(p.l1_ktiles);
   } else {
+    // The consumers read their rows' destinations (gemm::l2_row_dsts) as the task begins: the
+    // plan's row_dst entries of the tile's rows, brought into this SM's L1 now. The FP8 consumers
+    // keep the destinations in local memory across the mainloop, so the store there waits for
+    // these loads before the first wgmma (the BF16 consumers keep them in registers).
+    const int64_t* row_dst = p.row_dst + static_cast<int64_t>(rd.round) * p.ring_rows;
+    prefetch_row_lines(row_dst + tile.row_begin, tile.row_end - tile.row_begin);
     // The m-tile's act rows are stored: all n1 L1 tasks of the m-tile released l1_done.
     wait_counters(p, p.l1_done_word + task.tile * p.l1_ntiles, p.l1_ntiles, rd.gen,
                   {pass_phase(p, MegaPhase::kL2WaitL1), rd.round, task.tile, 0});
