@@ -327,7 +327,8 @@ std::vector<at::Tensor> moe_mega_forward(
     out[kForward_y_rows] = at::empty({keep_y ? ring : 0, lay.hidden}, bf16);
   } else {  // x_ring and act_ring are dropped after the pass: not in one storage with x_recv
     out[kForward_x_ring] = at::empty({fp8 ? 0 : ring, lay.hidden}, bf16);
-    out[kForward_act_ring] = at::empty({ring, inter}, bf16);
+    // FP8: the L2 reads act's FP8 copy; the bf16 act is for a backward only, so none here.
+    out[kForward_act_ring] = at::empty({fp8 ? 0 : ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({0, 2 * inter}, bf16);
     out[kForward_y_rows] = at::empty({0, lay.hidden}, bf16);
   }
@@ -367,7 +368,7 @@ std::vector<at::Tensor> moe_mega_forward(
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
   a.x_ring = fp8 ? nullptr : out[kForward_x_ring].data_ptr();
-  a.act_ring = out[kForward_act_ring].data_ptr();
+  a.act_ring = out[kForward_act_ring].numel() > 0 ? out[kForward_act_ring].data_ptr() : nullptr;
   a.h_ring = keep_rows ? out[kForward_h_ring].data_ptr() : nullptr;
   a.y_rows = keep_rows && keep_y ? out[kForward_y_rows].data_ptr() : nullptr;
   std::vector<at::Tensor> rings;  // FP8: the rings and their M-major scales, for the launch only

@@ -135,8 +135,10 @@ void check_args(const MegaArgs& a) {
                  "and 16-byte aligned rows",
                  static_cast<long long>(lay.num_ranks));
   MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr &&
-                     (a.fp8 || a.x_ring != nullptr) && a.act_ring != nullptr,
-                 "megakernel: null w_gate_up, w_down, x_ring or act_ring");
+                     (a.fp8 || (a.x_ring != nullptr && a.act_ring != nullptr)),
+                 "megakernel: null w_gate_up, w_down, x_ring or act_ring (only the FP8 forward "
+                 "reads neither: its L2 reads act's FP8 copy, and it stores the bf16 act where "
+                 "act_ring is given)");
   if (a.backward) {
     MOK_HOST_CHECK(a.h_ring != nullptr && a.dh_ring != nullptr && a.w_rows != nullptr &&
                        a.rw_partials != nullptr && a.y_rows == nullptr,

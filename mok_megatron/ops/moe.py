@@ -375,7 +375,8 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     e4m3 copies and ``w_gate_up_scales`` [E_l, 2I / 128, H / 128] / ``w_down_scales``
     [E_l, H / 128, I / 128] their scales (``functional.fp8_weights.fp8_weight``); x is quantised
     in (1, 128) blocks in the op and the pass computes stage 1's FP8 forward; ``x_ring`` is then
-    [0, H] (the ring holds FP8 rows).
+    [0, H] (the ring holds FP8 rows), and ``act_ring`` [0, I] unless a backward will read it
+    (``save`` in one round: its L2 reads act's FP8 copy, the bf16 act is the backward's).
     """
     given = [plan[name] for name in mega_plan_fields()] if plan is not None else []
     values = torch.ops.mok.moe_mega_forward(
@@ -454,7 +455,7 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
                                          token_capacity, inter, minibatch, macrobatch)  # fmt: skip
     out = [
         x.new_empty(x.shape), x.new_empty(0 if w_gate_up_scales is not None else ring, hidden),
-        x.new_empty(ring, inter),
+        x.new_empty(0 if w_gate_up_scales is not None and not (save and one) else ring, inter),
         x.new_empty(ring if save and one else 0, 2 * inter),
         x.new_empty(ring if save and one and keep_y else 0, hidden),
         x.new_empty(token_capacity if save and not one else 0, hidden),

@@ -63,3 +63,35 @@ def test_a_shared_memory_wait_reads_as_a_slot_and_its_use():
     rows = slot | {"phase": 1, "counter": 40, "seen": 3, "expected": 4}
     with pytest.raises(RuntimeError, match=r"counter arrive \(word 40\) = 3 < 4"):
         mops.check_mega_error(torch.tensor([rows[f] for f in fields], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("save", [False, True])
+def test_forward_keeps_a_bf16_act_ring_where_something_reads_it(fp8, save):
+    """The BF16 forward's L2 reads act_ring; the FP8 forward's reads act's FP8 copy, so its bf16
+    act ring exists only for a backward (save, one round)."""
+    hidden, inter, experts, tokens, topk, capacity = 256, 128, 4, 64, 2, 160
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    shape = mops.moe_mega_shape(capacity, experts, hidden, inter, 128, 131072)
+    assert shape.num_rounds == 1
+    weights = (torch.empty(experts, 2 * inter, hidden, **meta),
+               torch.empty(experts, hidden, inter, **meta))  # fmt: skip
+    scales = {}
+    if fp8:
+        weights = tuple(w.to(torch.float8_e4m3fn) for w in weights)
+        scales = {"w_gate_up_scales": torch.empty(experts, 2 * inter // 128, hidden // 128,
+                                                  device="meta"),
+                  "w_down_scales": torch.empty(experts, hidden // 128, inter // 128,
+                                               device="meta")}  # fmt: skip
+    outs, _ = mops.moe_mega_forward(
+        torch.empty(tokens, hidden, **meta),
+        torch.empty(tokens, topk, dtype=torch.int64, device="meta"),
+        torch.empty(tokens, topk, dtype=torch.float32, device="meta"), *weights, None,
+        {name: torch.empty(1, device="meta") for name in mops.mega_plan_fields()},
+        [0] * len(mops.comm_fields()), num_experts=experts, row_capacity=capacity,
+        token_capacity=tokens, minibatch=128, macrobatch=131072, num_comm_sms=2, num_sms=8,
+        save=save, keep_y=False, **scales,
+    )  # fmt: skip
+    kept = not fp8 or save
+    assert outs["act_ring"].shape == ((shape.ring_rows if kept else 0), inter)
+    assert outs["x_ring"].shape[0] == (0 if fp8 else shape.ring_rows)

@@ -168,6 +168,19 @@ def test_fp8_megakernel_repeat_bitwise(fp8_backward):
     _assert_repeats_bitwise(run, first, 4)
 
 
+def test_fp8_megakernel_forward_without_grad_keeps_nothing_and_equals_the_saving_one():
+    """Without a backward to follow, the FP8 forward stores no bf16 act (its L2 reads act's FP8
+    copy): the same output, bitwise, as the forward that keeps the rings."""
+    problem = _problem([300], FP8_SHAPES["qwen3-30b-a3b"], seed=13)
+    run = Run(problem, "cuda", config=fp8_config(), form="fused_auto")
+    _, saving = run()
+    sched = run.schedule()
+    out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
+                         save_for_backward=False)  # fmt: skip
+    assert ctx.saved is None and ctx.x_recv is None
+    assert torch.equal(out, saving["out"])
+
+
 @pytest.mark.parametrize("fp8_backward", ["bf16", "dgrad"])
 def test_fp8_megakernel_cuda_graph_replay_equals_eager(fp8_backward):
     """Forward and backward captured in one CUDA graph, replayed into outputs filled with NaN:

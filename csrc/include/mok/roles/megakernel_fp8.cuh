@@ -399,7 +399,8 @@ MOK_DEVICE uint2 encode8(uint4 v, const fp8_blockwise::BlockScale& s,
 
 // FP8 L1 epilogue (consumers): the L1 task (m-tile at ring row row_begin, rows [0, rows); n-tile
 // n_tile of the 2I interleaved columns) from both halves' totals: act = silu(g) * u into the
-// bf16 act ring (act columns n_tile * 128 + [0, 128), half h's at + 64 h), h into h_ring if set,
+// bf16 act ring if set (act columns n_tile * 128 + [0, 128), half h's at + 64 h; a backward reads
+// it, the L2 does not), h into h_ring if set,
 // as l1_epilogue; then the act block n_tile (those 128 columns) quantised into act8_ring /
 // act_scales, each lane encoding the columns it stored (its bf16 act, still in registers) under
 // the row's block scale (the quad's maximum over both halves).
@@ -420,7 +421,8 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
     const int row = cute::get<0>(coords(2 * rh));
     const bool live = row < rows;
     const int64_t ring_row = row_begin + row;
-    __nv_bfloat16* act = p.act_ring + ring_row * p.inter;
+    const bool keep_act = live && p.act_ring != nullptr;
+    __nv_bfloat16* act = keep_act ? p.act_ring + ring_row * p.inter : nullptr;
     uint4 mine[kMegaFp8Halves][kGroups];  // this lane's stored act columns, 8 per group
     uint32_t m = 0;  // |act| maximum (float32 bits) over this lane's columns of both halves
     CUTLASS_PRAGMA_UNROLL
@@ -436,7 +438,9 @@ CUTLASS_DEVICE void l1_epilogue_fp8(const roles::MegaParams& p, const MegaFp8Acc
       for_each_group<kActBlocks>([&](int a) { return words[a]; },
                                  [&](int g, uint4 v) {
                                    mine[half][g] = v;
-                                   if (live) store16(act + col0 + (4 * g + q) * kFragBlockCols, v);
+                                   if (keep_act) {
+                                     store16(act + col0 + (4 * g + q) * kFragBlockCols, v);
+                                   }
                                  });
       if (p.h_ring != nullptr) {
         __nv_bfloat16* h = p.h_ring + ring_row * h_cols + h_col0 + half * kMegaFp8BlockN;
