@@ -61,6 +61,13 @@ traces=(
   megakernel_trace_h200_788a417_fp8.json
   megakernel_trace_h200_f1633e7_gaps.json
   megakernel_trace_h200_788a417.json
+  megakernel_trace_h200_6d02663_fp8.json
+  megakernel_trace_h200_6d02663.json
+  megakernel_trace_h200_aad5166.json
+  megakernel_trace_h200_6d02663_run_bulk.json
+  megakernel_trace_h200_5327061_bulk.json
+  megakernel_trace_h200_6d02663_run_bulk_fp8.json
+  megakernel_trace_h200_5327061_bulk_fp8.json
 )
 args=()
 for r in "${records[@]}"; do args+=("$R/$r"); done
