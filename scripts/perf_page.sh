@@ -68,6 +68,8 @@ traces=(
   megakernel_trace_h200_5327061_bulk.json
   megakernel_trace_h200_6d02663_run_bulk_fp8.json
   megakernel_trace_h200_5327061_bulk_fp8.json
+  megakernel_trace_h200_6d02663_stagepull.json
+  megakernel_trace_h200_db4c163_stagepull.json
 )
 args=()
 for r in "${records[@]}"; do args+=("$R/$r"); done
