@@ -29,6 +29,7 @@ from test_cuda_backend import (
     _bitwise_equal,
     _graph_check,
     _no_sync_check,
+    _poison_workspace,
     _problem,
 )
 from test_fp8_experts_cuda import FP8_VS_BF16, FP8_VS_REFERENCE
@@ -43,6 +44,7 @@ from mok_megatron.ops import interleave_gate_up
 from mok_megatron.ops import moe as mops
 from mok_megatron.ops.grouped_gemm_fp8 import grouped_gemm_fp8_available
 from mok_megatron.testing import relative_error
+from mok_megatron.testing.poison import poisoned_memory
 from mok_megatron.testing.runs import GRAD_NAMES, global_d_out, run_oracle
 
 pytestmark = [
@@ -170,13 +172,17 @@ def test_fp8_megakernel_repeat_bitwise(fp8_backward):
 
 def test_fp8_megakernel_forward_without_grad_keeps_nothing_and_equals_the_saving_one():
     """Without a backward to follow, the FP8 forward stores no bf16 act (its L2 reads act's FP8
-    copy): the same output, bitwise, as the forward that keeps the rings."""
+    copy): the same output, bitwise, as the forward that keeps the rings; its output comes from
+    poisoned memory, as every run's here."""
     problem = _problem([300], FP8_SHAPES["qwen3-30b-a3b"], seed=13)
     run = Run(problem, "cuda", config=fp8_config(), form="fused_auto")
     _, saving = run()
-    sched = run.schedule()
-    out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
-                         save_for_backward=False)  # fmt: skip
+    _poison_workspace(run.ws)
+    with poisoned_memory() as mem:
+        sched = run.schedule()
+        out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
+                             save_for_backward=False)  # fmt: skip
+    mem.assert_covers(out=out)
     assert ctx.saved is None and ctx.x_recv is None
     assert torch.equal(out, saving["out"])
 
