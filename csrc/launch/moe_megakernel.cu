@@ -52,6 +52,26 @@ typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, 
   return params;
 }
 
+// The rows-in-place descriptor (gemm::load_task_rows): the token rows [rows, hidden] bf16, a box
+// of one row by one k-tile, 128-byte swizzle (the stage's, from the shared-memory address);
+// rows out of bounds (-1) zero-filled. L2 promotion 256 B: a row's next k-tile follows.
+cute::TmaDescriptor rows_descriptor(const void* tokens, int rows, int hidden) {
+  cute::TmaDescriptor desc{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(hidden), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(hidden) * sizeof(gemm::Element)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(gemm::kBlockK), 1};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &desc, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(tokens), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOK_HOST_CHECK(result == CUDA_SUCCESS,
+                 "megakernel: the rows-in-place TMA descriptor failed (CUresult %d) for %d rows "
+                 "of %d",
+                 static_cast<int>(result), rows, hidden);
+  return desc;
+}
+
 // The FP8 forward's operands (MegaArgs::fp8).
 void check_fp8_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
@@ -134,8 +154,24 @@ void check_args(const MegaArgs& a) {
                  "megakernel: local_tokens (token rows read in place) needs one rank, not %lld, "
                  "and 16-byte aligned rows",
                  static_cast<long long>(lay.num_ranks));
+  if (a.rows_in_place) {
+    MOK_HOST_CHECK(!a.backward && !a.fp8 && a.cluster_ctas == 1 && lay.num_ranks == 1,
+                   "megakernel: rows in place (MoKConfig.fwd_rows='in_place') are the bf16 "
+                   "forward's at one rank without clusters (backward=%d, fp8=%d, "
+                   "cluster_ctas=%d, num_ranks=%lld); use fwd_rows='pull'",
+                   static_cast<int>(a.backward), static_cast<int>(a.fp8), a.cluster_ctas,
+                   static_cast<long long>(lay.num_ranks));
+    MOK_HOST_CHECK(a.rows != nullptr && aligned16(a.rows) && a.token_rows >= 1 &&
+                       fits_int32(a.token_rows) && a.token_rows <= lay.max_tokens,
+                   "megakernel: rows in place need 16-byte aligned token rows, 1 to %lld of them "
+                   "(got %lld)",
+                   static_cast<long long>(lay.max_tokens), static_cast<long long>(a.token_rows));
+    MOK_HOST_CHECK(a.stall_minibatch < 0,
+                   "megakernel: stall_minibatch (a test's fault) needs pulled rows, not rows in "
+                   "place");
+  }
   MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr &&
-                     (a.fp8 || (a.x_ring != nullptr && a.act_ring != nullptr)),
+                     (a.fp8 || ((a.x_ring != nullptr || a.rows_in_place) && a.act_ring != nullptr)),
                  "megakernel: null w_gate_up, w_down, x_ring or act_ring (only the FP8 forward "
                  "reads neither: its L2 reads act's FP8 copy, and it stores the bf16 act where "
                  "act_ring is given)");
@@ -200,6 +236,7 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
   p.num_ctas = a.num_ctas;
   p.num_comm_ctas = a.num_comm_ctas;
+  p.rows_in_place = a.rows_in_place ? 1 : 0;
   p.stall_minibatch = a.stall_minibatch;
   p.stall_l2_cta = a.stall_l2_cta;
   p.phase_offset = a.backward ? layout::kBackwardPhases : 0;
@@ -291,6 +328,11 @@ kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) 
   if constexpr (kBackward) {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_down, i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.dh_ring, ring, a.w_gate_up, h, 2 * i, e);
+  } else if (a.rows_in_place) {  // x_ring unused: A's ring descriptor over the token rows
+    const int rows = to_int32(a.token_rows, "token_rows");
+    kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.rows, rows, a.w_gate_up, 2 * i, h, e);
+    kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);
+    kp.gemm.rows = rows_descriptor(a.rows, rows, h);
   } else {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);

@@ -67,6 +67,9 @@ enum class MegaBarrier : int {
   kConsumers = 1,  // the 256 consumer threads
   kPulled = 2,     // a comm CTA's consumers (arrive) and producer warp (sync): the round's rows
                    // are pulled, tasks may be taken
+  // (3 and 4: the FP8 consumers' turns, roles/megakernel_fp8.cuh)
+  kProducers = 5,  // the producer warpgroup's 128 threads: warp 0 passed a ticket to the row
+                   // loaders (rows in place)
 };
 
 // Producer -> consumers: the tickets the producer took, in order.
@@ -98,6 +101,7 @@ struct MegaComputeStorage {
   alignas(16) typename Mainloop::PipelineStorage pipeline;
   alignas(16) typename MegaTicketQueue::SharedStorage ticket_barriers;
   MegaTicket tickets[kMegaTicketDepth];
+  MegaTicket row_tickets[2];  // rows in place: warp 0 -> the other producer warps, alternately
   MegaMailbox mailbox;  // clusters of 2 only
   typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;  // the producer warp's (FP8)
 };
@@ -137,6 +141,19 @@ MOK_DEVICE void prefetch_row_lines(const int64_t* first, int count) {
   for (int i = lane; i < lines; i += 32) ptx::prefetch_global_l1(first + min(i * kPerLine, count - 1));
 }
 
+// Whether a megakernel can read its L1 rows in place (MegaParams::rows_in_place): the BF16
+// forward without clusters.
+template <bool kBackward, int kCluster, bool kFp8>
+constexpr bool kRowsInPlace = !kBackward && !kFp8 && kCluster == 1;
+
+// Rows in place: the token row of row `row` of m-tile `tile` (one rank: src = t), or -1 for a
+// row past the tile or a padding row (gemm::load_task_rows zero-fills it).
+MOK_DEVICE int row_token(const MegaParams& p, int round, const MegaTile& tile, int row) {
+  if (row >= tile.row_end - tile.row_begin) return -1;
+  const int64_t src = p.row_src[static_cast<int64_t>(round) * p.ring_rows + tile.row_begin + row];
+  return src < 0 ? -1 : static_cast<int>(src);
+}
+
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
 // `task` is this CTA's (cta_task); `slot` its trace record.
 template <bool kBackward, int kCluster, bool kFp8>
@@ -155,6 +172,20 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     gemm::stage_weight_scales(task.l2 ? gp.l2 : gp.l1, tile.expert, task.n, storage.scratch);
   }
   if (!task.l2) {
+    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
+                              p.l1_n,         p.hidden, p.l1_ktiles,
+                              p.num_local_experts, rd.round};
+    if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) {
+      if (p.rows_in_place) {  // the token rows were written before the launch: nothing to wait
+        if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
+        // warp 0's share of the rows (the other warps': rows_in_place_loader)
+        gemm::load_task_rows<Mainloop>(p, gp.l1, &gp.rows, pipeline, state, smem, load, 0,
+                                       row_token(p, rd.round, tile, threadIdx.x % 32));
+        state.advance(p.l1_ktiles);
+        __syncwarp();
+        return;
+      }
+    }
     // The rows [row_begin, row_end) landed: every minibatch covering them was released.
     const int mb_first = tile.row_begin / p.minibatch_rows;
     const int mb_last = (tile.row_end - 1) / p.minibatch_rows;
@@ -162,9 +193,6 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
                   {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
     if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
-    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
-                              p.l1_n,         p.hidden, p.l1_ktiles,
-                              p.num_local_experts, rd.round};
     if (leader) {
       if constexpr (kFp8) {
         gemm::load_task_fp8(p, gp.l1, pipeline, state, smem, load, storage.scratch);
@@ -288,10 +316,42 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
 }
 
-// Whether this CTA pulls rows (its comm index) or not (-1).
+// Whether this CTA pulls rows (its comm index) or not (-1): none with the rows in place.
 MOK_DEVICE int comm_index(const MegaParams& p) {
   const int b = static_cast<int>(blockIdx.x);
-  return b < p.num_comm_ctas ? b : -1;
+  return b < p.num_comm_ctas && !p.rows_in_place ? b : -1;
+}
+
+// Rows in place, the producer warpgroup's warps 1-3 (all lanes), one round: every ticket warp 0
+// passes on (MegaComputeStorage::row_tickets, a kProducers barrier each), up to the round's end;
+// each L1 task's rows 32 warp + lane loaded (gemm::load_task_rows), every task's k-tiles counted
+// in `state` as warp 0 counts them. A slot is rewritten two tickets later, after the barrier that
+// follows this warp's read of it.
+template <bool kBackward, int kCluster, bool kFp8>
+CUTLASS_DEVICE void rows_in_place_loader(const MegaParams& p,
+                                         const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                         MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                         MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                         MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
+                                         const MegaRound& rd, uint32_t& passed) {
+  using Mainloop = MegaMainloopKind<kBackward, kCluster, kFp8>;
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  for (;;) {
+    ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kProducers), 128);
+    const MegaTicket entry = storage.row_tickets[passed % 2];
+    ++passed;
+    if (entry.end) break;
+    if (entry.task.l2) {
+      state.advance(p.l2_ktiles);
+      continue;
+    }
+    const gemm::MegaLoad load{entry.tile.row_begin, entry.task.n,   entry.tile.expert,
+                              p.l1_n,               p.hidden,       p.l1_ktiles,
+                              p.num_local_experts,  rd.round};
+    gemm::load_task_rows<Mainloop>(p, gp.l1, &gp.rows, pipeline, state, storage.tensors, load,
+                                   warp, row_token(p, rd.round, entry.tile, threadIdx.x % 128));
+    state.advance(p.l1_ktiles);
+  }
 }
 
 // The producer warpgroup: warp 0 takes and loads tasks of every round (a comm CTA's once its
@@ -310,10 +370,18 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
   const bool loader = threadIdx.x / 32 == 0;
   const bool leader = threadIdx.x % 32 == 0;
   const bool pulls = comm_index(p) >= 0;
+  // Rows in place: the producer warpgroup's other warps load their share of each L1 task's rows.
+  bool row_loaders = false;
+  if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) row_loaders = p.rows_in_place != 0;
+  uint32_t passed = 0;  // tickets passed to the row loaders (their slot: passed % 2)
   uint32_t seq = 0;  // tickets this CTA took or received, all rounds (the mailbox's position)
   for (int round = 0; round < p.num_rounds; ++round) {
     const MegaRound rd = make_round<kCluster>(p, round);
-    if (loader) {
+    if (!loader && row_loaders) {
+      if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) {
+        rows_in_place_loader(p, gp, pipeline, state, storage, rd, passed);
+      }
+    } else if (loader) {
       if (pulls) {
         ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kPulled), 32 + kMegaConsumerThreads);
       }
@@ -334,6 +402,11 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
           queue.producer_commit(queue_state);
         }
         ++queue_state;
+        if (row_loaders) {
+          if (leader) storage.row_tickets[passed % 2] = entry;
+          ++passed;
+          ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kProducers), 128);
+        }
         if (last) break;
         produce_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd, entry.slot,
                                                 entry.task, tile);

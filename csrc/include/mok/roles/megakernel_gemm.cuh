@@ -87,6 +87,7 @@ template <class Mainloop>
 struct MegaGemmParamsOf {
   typename Mainloop::Params l1;
   typename Mainloop::Params l2;
+  cute::TmaDescriptor rows;  // the forward's rows in place (load_task_rows); unused otherwise
 };
 using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
 
@@ -180,6 +181,71 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
       copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
     }
     copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+    ++state;
+  }
+}
+
+// Rows in place (MoKConfig.fwd_rows="in_place", one rank): an L1 task reads its A rows straight
+// from the token rows [T, H] by a 2D TMA descriptor whose box is one row of one k-tile (64
+// columns, 128 bytes, 128-byte swizzle), instead of from the ring a comm CTA filled. Each of the
+// tile's rows is one box per k-tile, stored at the row's place in the stage: TMA computes the
+// 128-byte swizzle from the shared-memory address, so 128 one-row boxes build the same stage as
+// the ring's one 128-row box (the stage is 1024-byte aligned, a row 128 bytes).
+// The four warps of the producer warpgroup share a task's rows, a row per lane: a TMA takes its
+// coordinates from uniform registers, so a warp issues its 32 lanes' boxes one lane at a time,
+// and one warp alone would spend about the k-tile's mainloop time issuing 128 of them.
+constexpr int kRowLoaderWarps = 4;
+static_assert(kRowLoaderWarps * 32 == layout::kBlockM, "a row per lane of the producer warpgroup");
+constexpr int kBlockK = cute::size<2>(MegaTileShape{});
+using MegaSmemLayoutA = typename MegaMainloop::SmemLayoutA;
+static_assert(std::is_same_v<typename MegaMainloop::SmemLayoutAtomA,
+                             decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{})> &&
+                  kBlockK * sizeof(Element) == 128 &&
+                  cute::size<0>(MegaSmemLayoutA{}) == layout::kBlockM &&
+                  cute::size<1>(MegaSmemLayoutA{}) == kBlockK,
+              "rows in place: a stage of A is 128 K-major rows of one 128-byte swizzle atom's "
+              "width, 128 bytes apart (as one-row TMA boxes write them)");
+constexpr int kStageAElems = layout::kBlockM * kBlockK;
+static_assert(cute::cosize_v<MegaSmemLayoutA> == kStageAElems * MegaMainloop::DispatchPolicy::Stages,
+              "rows in place: the stages of A are consecutive");
+
+// One warp of the producer warpgroup (warp `warp`, all 32 lanes): its rows' boxes of one L1 task
+// whose A rows are read in place, k-tile by k-tile from `state` on (the caller advances its state
+// by k_tiles). Each warp's lane 0 waits for the stage to be free; warp 0's (the pipeline's
+// leader) also arms the stage's bytes (A's 128 rows and B) and loads B as load_task does. The
+// other warps' boxes may land before the arming: the stage's transaction count goes below zero
+// meanwhile, and the phase cannot complete before the leader's arrival.
+// `token`: the token row of the tile's row 32 warp + lane, or -1 for a row past the tile or a
+// padding row (a box wholly out of bounds: TMA zero-fills it and counts its bytes, as the ring's
+// zero rows gave).
+template <class Mainloop>
+CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop::Params const& mp,
+                                   const cute::TmaDescriptor* rows, MegaPipeline& pipeline,
+                                   MegaPipelineState state, typename Mainloop::TensorStorage& smem,
+                                   const MegaLoad& load, int warp, int token) {
+  using namespace cute;
+  static_assert(std::is_same_v<typename Mainloop::SmemLayoutA, MegaSmemLayoutA>,
+                "rows in place: the forward's A stages");
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const bool waits = lane == 0, loads_b = warp == 0 && lane == 0;
+  Tensor mB = mp.tma_load_b.get_tma_tensor(make_shape(load.n_size, load.k_size, load.num_experts));
+  Tensor gB = local_tile(mB(_, _, load.expert), select<1, 2>(MegaTileShape{}),
+                         make_coord(load.n_tile, _));  // (BLK_N, BLK_K, k)
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
+  auto block_tma_b = mp.tma_load_b.get_slice(0);
+  Tensor tBgB = block_tma_b.partition_S(gB);
+  Tensor tBsB = block_tma_b.partition_D(sB);
+  constexpr auto kHint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+  const int row = 32 * warp + lane;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < load.k_tiles; ++k) {
+    // NOTE: the pipeline arms only for its leader (thread 0): the other warps' lane 0 only wait
+    if (waits) acquire_slot(p, pipeline, state, load.round);
+    __syncwarp();  // the stage is free before any lane writes it
+    uint64_t* full = pipeline.producer_get_barrier(state);
+    Element* stage_a = smem.smem_A.data() + state.index() * kStageAElems;
+    SM90_TMA_LOAD_2D::copy(rows, full, kHint, stage_a + row * kBlockK, k * kBlockK, token);
+    if (loads_b) copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
     ++state;
   }
 }
