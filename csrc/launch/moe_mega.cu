@@ -86,7 +86,7 @@ void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, con
   const auto& lay = comm.lay;
   const int64_t slots = lay.num_ranks * lay.max_tokens * lay.topk;
   if (slots == 0) return;
-  roles::zero_dropped_slots<<<grid_for(slots * 32), kThreads, 0, stream>>>(
+  roles::zero_dropped_slots<<<grid_for(slots), kThreads, 0, stream>>>(
       lay, comm.peer_bases, global_topk, slot_row, comm.rank, num_local_experts);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
