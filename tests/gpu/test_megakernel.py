@@ -43,6 +43,7 @@ from test_cuda_backend import (
     _device,
     _graph_check,
     _no_sync_check,
+    _overflowing_problem,
     _poison_workspace,
     _problem,
     _schedule_failures,
@@ -54,6 +55,7 @@ from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import rows_in_place, unavailable_here
 from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
 from mok_megatron.functional.schedule import MoKSchedule
+from mok_megatron.functional.workspace import MoKCapacityError
 from mok_megatron.ops import deinterleave_gate_up
 from mok_megatron.testing import relative_error
 
@@ -563,6 +565,37 @@ def test_virtual_ranks_match_oracle_and_repeat_bitwise(case):
     if rounds:
         assert vruns.workspaces[0].buffers.mega.num_rounds > 1
     assert not failures, failures
+
+
+def test_virtual_ranks_capacity_overflow_drops_the_same_rows_as_stage1():
+    """Routing over the schedule's capacity (every token on one expert of rank 0, capacity 1x):
+    both passes finish and raise MoKCapacityError naming the knob, no kernel wrote past a
+    workspace region, and the rows the schedule dropped add nothing. Their slots get zero rows
+    in the poisoned workspace (roles::zero_dropped_slots, forward and backward), so the output
+    is finite and equals stage 1's, which drops the same rows, within the rank-order sums'
+    rounding (stage 1 sums a token's slots rank by rank)."""
+    problem = _overflowing_problem()
+    outs = {}
+    for path in ("megakernel", "stage1"):
+        config = F.MoKConfig(
+            cuda_forward=path, fwd_num_comm_sms=4, schedule_capacity_multiplier=1.0
+        )
+        vruns = VirtualRuns(problem, 2, config=config, form="fused_auto")
+        assert all(ws.backend.path(ws) == path for ws in vruns.workspaces)
+        _, results = vruns(check_errors=False)
+        outs[path] = [result["out"] for result in results]
+        for ws in vruns.workspaces:
+            assert ws.buffers.damaged_guards() == [], ws.buffers.damaged_guards()
+        with pytest.raises(MoKCapacityError, match="schedule_capacity_multiplier"):
+            vruns.workspaces[0].check_errors()
+    for rank, (got, want) in enumerate(zip(outs["megakernel"], outs["stage1"])):
+        assert torch.isfinite(got.float()).all(), (
+            f"rank {rank}: a dropped slot's poison reached out"
+        )
+        err = relative_error(got.double(), want.double())
+        assert err < 1e-2, (
+            f"rank {rank}: the megakernel's output differs from stage 1's ({err:.2e})"
+        )
 
 
 # ------------------------------------------------------------------------------ timeouts
