@@ -184,7 +184,7 @@ def _assert_tiles(plan, rounds, cplan):
 
 
 # --------------------------------------------------------------------------------- EP 1
-ROWS = {"in_place": MEGA, "pull": MEGA_PULL}
+ROWS = {"in_place": dataclasses.replace(MEGA, fwd_rows="in_place"), "pull": MEGA_PULL}
 
 
 @pytest.mark.parametrize("rows", list(ROWS))

@@ -356,8 +356,9 @@ CUTLASS_DEVICE void rows_in_place_loader(const MegaParams& p,
 
 // The producer warpgroup: warp 0 takes and loads tasks of every round (a comm CTA's once its
 // rows are pulled) and passes each ticket on, the round's first ticket past its tasks last;
-// warps 1-3 only meet the round barriers. In a cluster the first CTA takes the tickets and posts
-// them to the second (cluster_ticket).
+// warps 1-3 load their share of each L1 task's rows where the rows are read in place
+// (rows_in_place_loader), else only meet the round barriers. In a cluster the first CTA takes the
+// tickets and posts them to the second (cluster_ticket).
 template <bool kBackward, int kCluster, bool kFp8>
 CUTLASS_DEVICE void producer_role(const MegaParams& p,
                                   const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
@@ -471,13 +472,14 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
   if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
 }
 
-// This thread's side of both pipelines (the mainloop's and the ticket queue): the consumer
-// warpgroups consume, the producer warp produces, the producer warpgroup's other warps neither.
+// This thread's side of a pipeline: the consumer warpgroups consume; of the producer warpgroup,
+// the producer warp produces (the ticket queue's), or every warp (the mainloop's: with the rows in
+// place all four load rows; the pipeline's leader, thread 0, alone arms a stage).
 template <class Category>
-MOK_DEVICE Category pipeline_role(int warp_group) {
-  return warp_group != 0 ? Category::Consumer
-         : threadIdx.x / 32 == 0 ? Category::Producer
-                                 : Category::NonParticipant;
+MOK_DEVICE Category pipeline_role(int warp_group, bool whole_warpgroup) {
+  return warp_group != 0                             ? Category::Consumer
+         : whole_warpgroup || threadIdx.x / 32 == 0 ? Category::Producer
+                                                    : Category::NonParticipant;
 }
 
 // A CTA's whole launch: the pipelines, then the warpgroup roles with their register budgets
@@ -490,7 +492,7 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   using Pipeline = MegaPipelineKind<kBackward, kCluster, kFp8>;
   const int warp_group = static_cast<int>(threadIdx.x) / 128;
   typename Pipeline::Params pipe;
-  pipe.role = pipeline_role<typename Pipeline::ThreadCategory>(warp_group);
+  pipe.role = pipeline_role<typename Pipeline::ThreadCategory>(warp_group, true);
   pipe.is_leader = threadIdx.x % 128 == 0;
   pipe.num_consumers = kMegaConsumerThreads;
   pipe.num_producers = 1;
@@ -509,7 +511,7 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   // barriers would get half their arrivals (the same count, 2 CTAs x 2 warpgroups, either way).
   Pipeline pipeline(storage.pipeline, pipe, MegaLaunchCluster<kCluster>{});
   typename MegaTicketQueue::Params qp;
-  qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group);
+  qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group, false);
   qp.producer_arv_count = 1;                     // the producer warp's lane 0
   qp.consumer_arv_count = kMegaConsumerThreads;  // every consumer thread releases its read
   // NOTE: the queue is this CTA's own: its consumers release to this CTA's rank in the cluster
@@ -524,6 +526,9 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
     } else {
       Mainloop::prefetch_tma_descriptors(gp.l1);
       Mainloop::prefetch_tma_descriptors(gp.l2);
+      if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) {
+        if (p.rows_in_place) cute::prefetch_tma_descriptor(&gp.rows);
+      }
     }
   }
   if constexpr (kCluster > 1) {
