@@ -52,26 +52,6 @@ typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, 
   return params;
 }
 
-// The rows-in-place descriptor (gemm::load_task_rows): the token rows [rows, hidden] bf16, a box
-// of one row by one k-tile, 128-byte swizzle (the stage's, from the shared-memory address);
-// rows out of bounds (-1) zero-filled. L2 promotion 256 B: a row's next k-tile follows.
-cute::TmaDescriptor rows_descriptor(const void* tokens, int rows, int hidden) {
-  cute::TmaDescriptor desc{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(hidden), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(hidden) * sizeof(gemm::Element)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(gemm::kBlockK), 1};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-      &desc, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(tokens), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOK_HOST_CHECK(result == CUDA_SUCCESS,
-                 "megakernel: the rows-in-place TMA descriptor failed (CUresult %d) for %d rows "
-                 "of %d",
-                 static_cast<int>(result), rows, hidden);
-  return desc;
-}
-
 // The FP8 forward's operands (MegaArgs::fp8).
 void check_fp8_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
@@ -237,6 +217,7 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.num_ctas = a.num_ctas;
   p.num_comm_ctas = a.num_comm_ctas;
   p.rows_in_place = a.rows_in_place ? 1 : 0;
+  p.rows = static_cast<const __nv_bfloat16*>(a.rows);
   p.stall_minibatch = a.stall_minibatch;
   p.stall_l2_cta = a.stall_l2_cta;
   p.phase_offset = a.backward ? layout::kBackwardPhases : 0;
@@ -332,7 +313,6 @@ kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) 
     const int rows = to_int32(a.token_rows, "token_rows");
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.rows, rows, a.w_gate_up, 2 * i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);
-    kp.gemm.rows = rows_descriptor(a.rows, rows, h);
   } else {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);

@@ -36,8 +36,8 @@ struct MegaArgs {
   layout::MegaShape shape;                // sizes of the ring, tiles and counters
   int num_ctas = 0;                       // the grid: every CTA resident (checked)
   int num_comm_ctas = 0;                  // the first num_comm_ctas CTAs move rows
-  bool rows_in_place = false;             // the forward's L1 tasks read their rows from the
-                                          // token rows by TMA (MoKConfig.fwd_rows="in_place"):
+  bool rows_in_place = false;             // the forward's L1 tasks copy their rows from the
+                                          // token rows (MoKConfig.fwd_rows="in_place"):
                                           // one rank, bf16, clusters of 1; no CTA pulls and
                                           // x_ring may be null
   const void* rows = nullptr;             // rows_in_place: the token rows [token_rows, H]

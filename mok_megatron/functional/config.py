@@ -188,7 +188,8 @@ class MoKConfig:
         "How the forward megakernel's L1 tiles get their token rows: 'pull' (the comm SMs, "
         "fwd_num_comm_sms of them, copy each routed row into the ring, minibatch by minibatch), "
         "'in_place' (one rank only, bf16 experts, megakernel_cluster=1: each L1 tile loads its "
-        "rows from the token rows themselves, one TMA box per row and k-tile, and no SM pulls) "
+        "rows from the token rows themselves, the producer warpgroup copying a row per thread into "
+        "each stage, and no SM pulls) "
         "or 'auto' (in_place where it can run, else pull). Bitwise the same results.",
     )
 

@@ -370,8 +370,9 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     [0]. ``cluster``: CTAs per cluster of the megakernel (1 or 2,
     ``MoKConfig.megakernel_cluster``); its grid is ``num_sms`` (0: every SM) rounded down to
     whole clusters. ``rows_in_place`` (``MoKConfig.fwd_rows``; one rank, bf16 weights,
-    ``cluster`` 1): the L1 tiles read their rows from the token rows themselves (one TMA box per
-    row and k-tile) and no CTA pulls; ``x_ring`` is then [0, H].
+    ``cluster`` 1): the L1 tiles read their rows from the token rows themselves (the producer
+    warpgroup copies them into each stage, a row per thread) and no CTA pulls; ``x_ring`` is then
+    [0, H].
 
     FP8 experts (the FP8 megakernel): ``w_gate_up`` / ``w_down`` are the weights' (128, 128)-block
     e4m3 copies and ``w_gate_up_scales`` [E_l, 2I / 128, H / 128] / ``w_down_scales``

@@ -68,9 +68,13 @@ enum class MegaBarrier : int {
   kPulled = 2,     // a comm CTA's consumers (arrive) and producer warp (sync): the round's rows
                    // are pulled, tasks may be taken
   // (3 and 4: the FP8 consumers' turns, roles/megakernel_fp8.cuh)
-  kProducers = 5,  // the producer warpgroup's 128 threads: warp 0 passed a ticket to the row
-                   // loaders (rows in place)
+  kProducers = 5,  // the producer warpgroup's 128 threads (rows in place): warp 0 passed a
+                   // ticket to the other warps, or a k-tile's rows are copied and tracked
 };
+
+MOK_DEVICE void producers_sync() {
+  ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kProducers), 128);
+}
 
 // Producer -> consumers: the tickets the producer took, in order.
 using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
@@ -146,12 +150,14 @@ MOK_DEVICE void prefetch_row_lines(const int64_t* first, int count) {
 template <bool kBackward, int kCluster, bool kFp8>
 constexpr bool kRowsInPlace = !kBackward && !kFp8 && kCluster == 1;
 
-// Rows in place: the token row of row `row` of m-tile `tile` (one rank: src = t), or -1 for a
-// row past the tile or a padding row (gemm::load_task_rows zero-fills it).
-MOK_DEVICE int row_token(const MegaParams& p, int round, const MegaTile& tile, int row) {
-  if (row >= tile.row_end - tile.row_begin) return -1;
+// Rows in place: the first element of the token row of row `row` of m-tile `tile` (one rank:
+// src = t), or null for a row past the tile or a padding row (gemm::load_task_rows zero-fills it).
+MOK_DEVICE const gemm::Element* row_source(const MegaParams& p, int round, const MegaTile& tile,
+                                           int row) {
+  if (row >= tile.row_end - tile.row_begin) return nullptr;
   const int64_t src = p.row_src[static_cast<int64_t>(round) * p.ring_rows + tile.row_begin + row];
-  return src < 0 ? -1 : static_cast<int>(src);
+  return src < 0 ? nullptr
+                 : reinterpret_cast<const gemm::Element*>(p.rows) + src * static_cast<int64_t>(p.hidden);
 }
 
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
@@ -179,8 +185,9 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
       if (p.rows_in_place) {  // the token rows were written before the launch: nothing to wait
         if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
         // warp 0's share of the rows (the other warps': rows_in_place_loader)
-        gemm::load_task_rows<Mainloop>(p, gp.l1, &gp.rows, pipeline, state, smem, load, 0,
-                                       row_token(p, rd.round, tile, threadIdx.x % 32));
+        const int row = static_cast<int>(threadIdx.x % 32);
+        gemm::load_task_rows<Mainloop>(p, gp.l1, pipeline, state, smem, load, row,
+                                       row_source(p, rd.round, tile, row), producers_sync);
         state.advance(p.l1_ktiles);
         __syncwarp();
         return;
@@ -324,7 +331,7 @@ MOK_DEVICE int comm_index(const MegaParams& p) {
 
 // Rows in place, the producer warpgroup's warps 1-3 (all lanes), one round: every ticket warp 0
 // passes on (MegaComputeStorage::row_tickets, a kProducers barrier each), up to the round's end;
-// each L1 task's rows 32 warp + lane loaded (gemm::load_task_rows), every task's k-tiles counted
+// each L1 task's rows 32 warp + lane copied (gemm::load_task_rows), every task's k-tiles counted
 // in `state` as warp 0 counts them. A slot is rewritten two tickets later, after the barrier that
 // follows this warp's read of it.
 template <bool kBackward, int kCluster, bool kFp8>
@@ -335,9 +342,8 @@ CUTLASS_DEVICE void rows_in_place_loader(const MegaParams& p,
                                          MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
                                          const MegaRound& rd, uint32_t& passed) {
   using Mainloop = MegaMainloopKind<kBackward, kCluster, kFp8>;
-  const int warp = static_cast<int>(threadIdx.x / 32);
   for (;;) {
-    ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kProducers), 128);
+    producers_sync();
     const MegaTicket entry = storage.row_tickets[passed % 2];
     ++passed;
     if (entry.end) break;
@@ -348,8 +354,9 @@ CUTLASS_DEVICE void rows_in_place_loader(const MegaParams& p,
     const gemm::MegaLoad load{entry.tile.row_begin, entry.task.n,   entry.tile.expert,
                               p.l1_n,               p.hidden,       p.l1_ktiles,
                               p.num_local_experts,  rd.round};
-    gemm::load_task_rows<Mainloop>(p, gp.l1, &gp.rows, pipeline, state, storage.tensors, load,
-                                   warp, row_token(p, rd.round, entry.tile, threadIdx.x % 128));
+    const int row = static_cast<int>(threadIdx.x % 128);
+    gemm::load_task_rows<Mainloop>(p, gp.l1, pipeline, state, storage.tensors, load, row,
+                                   row_source(p, rd.round, entry.tile, row), producers_sync);
     state.advance(p.l1_ktiles);
   }
 }
@@ -406,7 +413,7 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
         if (row_loaders) {
           if (leader) storage.row_tickets[passed % 2] = entry;
           ++passed;
-          ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kProducers), 128);
+          producers_sync();
         }
         if (last) break;
         produce_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd, entry.slot,
@@ -526,9 +533,6 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
     } else {
       Mainloop::prefetch_tma_descriptors(gp.l1);
       Mainloop::prefetch_tma_descriptors(gp.l2);
-      if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) {
-        if (p.rows_in_place) cute::prefetch_tma_descriptor(&gp.rows);
-      }
     }
   }
   if constexpr (kCluster > 1) {

@@ -87,7 +87,6 @@ template <class Mainloop>
 struct MegaGemmParamsOf {
   typename Mainloop::Params l1;
   typename Mainloop::Params l2;
-  cute::TmaDescriptor rows;  // the forward's rows in place (load_task_rows); unused otherwise
 };
 using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
 
@@ -118,9 +117,11 @@ struct MegaLoad {
 struct NoArmHook {
   CUTLASS_DEVICE void operator()(int) const {}
 };
-template <class Pipeline, class State, class BeforeArm = NoArmHook>
-CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
-                                 const State& state, int round, BeforeArm before_arm = {}) {
+// acquire_slot's bounded wait alone, without arming (rows in place: the stage is armed by the
+// leader once every row's copies are tracked).
+template <class Pipeline, class State>
+CUTLASS_DEVICE void wait_slot(const roles::MegaParams& p, Pipeline& pipeline, const State& state,
+                              int round) {
   const auto phase = roles::pass_phase(p, layout::MegaPhase::kProducerSlot);
   uint64_t start_ns = 0;
   while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
@@ -134,6 +135,12 @@ CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
                                  static_cast<int32_t>(state.count() / Pipeline::Stages));
     }
   }
+}
+
+template <class Pipeline, class State, class BeforeArm = NoArmHook>
+CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
+                                 const State& state, int round, BeforeArm before_arm = {}) {
+  wait_slot(p, pipeline, state, round);
   before_arm(static_cast<int>(state.index()));
   pipeline.producer_acquire(state, {cutlass::BarrierStatus::WaitDone});
 }
@@ -186,48 +193,50 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
 }
 
 // Rows in place (MoKConfig.fwd_rows="in_place", one rank): an L1 task reads its A rows straight
-// from the token rows [T, H] by a 2D TMA descriptor whose box is one row of one k-tile (64
-// columns, 128 bytes, 128-byte swizzle), instead of from the ring a comm CTA filled. Each of the
-// tile's rows is one box per k-tile, stored at the row's place in the stage: TMA computes the
-// 128-byte swizzle from the shared-memory address, so 128 one-row boxes build the same stage as
-// the ring's one 128-row box (the stage is 1024-byte aligned, a row 128 bytes).
-// The four warps of the producer warpgroup share a task's rows, a row per lane: a TMA takes its
-// coordinates from uniform registers, so a warp issues its 32 lanes' boxes one lane at a time,
-// and one warp alone would spend about the k-tile's mainloop time issuing 128 of them.
-constexpr int kRowLoaderWarps = 4;
-static_assert(kRowLoaderWarps * 32 == layout::kBlockM, "a row per lane of the producer warpgroup");
+// from the token rows [T, H] instead of from the ring a comm CTA filled. The 128 threads of the
+// producer warpgroup copy a row each per k-tile, 128 bytes as 8 cp.async 16-byte chunks, into the
+// row's place in the stage under the stage's 128-byte swizzle (chunk c of row r at chunk
+// c ^ (r % 8) of the row's 128 bytes: CuTe's Swizzle<3, 4, 3> of the K-major SW128 atom, the
+// stage 1024-byte aligned); each thread's cp.async.mbarrier.arrive makes the stage's full
+// barrier wait for its copies. B is the leader's TMA as in load_task.
+// NOTE: one 2D TMA box per row (built first, commit 10e9f45) issues 128 TMAs per k-tile, which
+// a warp sends one lane at a time (a TMA's coordinates are uniform registers): the L1 k-tile
+// then took 1300 ns against the pull's 680 on one H200 (megakernel_trace_h200_fefeac9_*.json).
+constexpr int kRowLoaderThreads = 128;  // the producer warpgroup: a row of the tile each
+static_assert(kRowLoaderThreads == layout::kBlockM, "a row per producer thread");
 constexpr int kBlockK = cute::size<2>(MegaTileShape{});
+constexpr int kRowChunks = kBlockK * static_cast<int>(sizeof(Element)) / 16;  // 16-byte chunks
 using MegaSmemLayoutA = typename MegaMainloop::SmemLayoutA;
 static_assert(std::is_same_v<typename MegaMainloop::SmemLayoutAtomA,
                              decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{})> &&
-                  kBlockK * sizeof(Element) == 128 &&
-                  cute::size<0>(MegaSmemLayoutA{}) == layout::kBlockM &&
+                  kRowChunks == 8 && cute::size<0>(MegaSmemLayoutA{}) == layout::kBlockM &&
                   cute::size<1>(MegaSmemLayoutA{}) == kBlockK,
               "rows in place: a stage of A is 128 K-major rows of one 128-byte swizzle atom's "
-              "width, 128 bytes apart (as one-row TMA boxes write them)");
+              "width (8 chunks of 16 bytes, chunk c of row r at c ^ (r % 8)), 128 bytes apart");
 constexpr int kStageAElems = layout::kBlockM * kBlockK;
-static_assert(cute::cosize_v<MegaSmemLayoutA> == kStageAElems * MegaMainloop::DispatchPolicy::Stages,
-              "rows in place: the stages of A are consecutive");
+static_assert(cute::cosize_v<MegaSmemLayoutA> == kStageAElems * MegaMainloop::DispatchPolicy::Stages &&
+                  kStageAElems * sizeof(Element) % 1024 == 0,
+              "rows in place: the stages of A are consecutive, each 1024-byte aligned");
+constexpr uint32_t kStageBBytes = layout::kBlockN * kBlockK * sizeof(Element);
+static_assert(kStageAElems * sizeof(Element) + kStageBBytes == MegaMainloop::TmaTransactionBytes,
+              "rows in place: the stage's TMA bytes are B's alone");
 
-// One warp of the producer warpgroup (warp `warp`, all 32 lanes): its rows' boxes of one L1 task
-// whose A rows are read in place, k-tile by k-tile from `state` on (the caller advances its state
-// by k_tiles). Each warp's lane 0 waits for the stage to be free; warp 0's (the pipeline's
-// leader) also arms the stage's bytes (A's 128 rows and B) and loads B as load_task does. The
-// other warps' boxes may land before the arming: the stage's transaction count goes below zero
-// meanwhile, and the phase cannot complete before the leader's arrival.
-// `token`: the token row of the tile's row 32 warp + lane, or -1 for a row past the tile or a
-// padding row (a box wholly out of bounds: TMA zero-fills it and counts its bytes, as the ring's
-// zero rows gave).
-template <class Mainloop>
+// Producer thread (one of the warpgroup's 128, lane 0 of each warp waiting for the stages): one
+// L1 task's k-tiles from `state` on (the caller advances its state by k_tiles) with A's rows
+// read in place; `row` (32 warp + lane) is this thread's row of the tile and `src` its token
+// row's first element, or null for a row past the tile or a padding row (zeros, as the ring's
+// zero rows gave). Columns past H (a last k-tile in part) are zeros too. Every k-tile, after the
+// copies and their tracked arrival, the warpgroup meets at a named barrier (`sync`): the rows'
+// arrivals are counted before the leader (thread 0) arms the stage with B's bytes and loads B.
+template <class Mainloop, class Sync>
 CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop::Params const& mp,
-                                   const cute::TmaDescriptor* rows, MegaPipeline& pipeline,
-                                   MegaPipelineState state, typename Mainloop::TensorStorage& smem,
-                                   const MegaLoad& load, int warp, int token) {
+                                   MegaPipeline& pipeline, MegaPipelineState state,
+                                   typename Mainloop::TensorStorage& smem, const MegaLoad& load,
+                                   int row, const Element* src, Sync sync) {
   using namespace cute;
   static_assert(std::is_same_v<typename Mainloop::SmemLayoutA, MegaSmemLayoutA>,
                 "rows in place: the forward's A stages");
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const bool waits = lane == 0, loads_b = warp == 0 && lane == 0;
+  const bool waits = threadIdx.x % 32 == 0, leader = threadIdx.x == 0;
   Tensor mB = mp.tma_load_b.get_tma_tensor(make_shape(load.n_size, load.k_size, load.num_experts));
   Tensor gB = local_tile(mB(_, _, load.expert), select<1, 2>(MegaTileShape{}),
                          make_coord(load.n_tile, _));  // (BLK_N, BLK_K, k)
@@ -235,17 +244,30 @@ CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop
   auto block_tma_b = mp.tma_load_b.get_slice(0);
   Tensor tBgB = block_tma_b.partition_S(gB);
   Tensor tBsB = block_tma_b.partition_D(sB);
-  constexpr auto kHint = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
-  const int row = 32 * warp + lane;
+  const uint32_t swizzle = static_cast<uint32_t>(row % 8);
+  const uint32_t a_base = cast_smem_ptr_to_uint(smem.smem_A.data()) +
+                          static_cast<uint32_t>(row * kBlockK * sizeof(Element));
   CUTLASS_PRAGMA_NO_UNROLL
   for (int k = 0; k < load.k_tiles; ++k) {
-    // NOTE: the pipeline arms only for its leader (thread 0): the other warps' lane 0 only wait
-    if (waits) acquire_slot(p, pipeline, state, load.round);
+    if (waits) wait_slot(p, pipeline, state, load.round);
     __syncwarp();  // the stage is free before any lane writes it
     uint64_t* full = pipeline.producer_get_barrier(state);
-    Element* stage_a = smem.smem_A.data() + state.index() * kStageAElems;
-    SM90_TMA_LOAD_2D::copy(rows, full, kHint, stage_a + row * kBlockK, k * kBlockK, token);
-    if (loads_b) copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
+    const uint32_t dst = a_base + static_cast<uint32_t>(state.index() * kStageAElems * sizeof(Element));
+    const int col0 = k * kBlockK;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kRowChunks; ++c) {
+      const int col = col0 + c * 8;
+      const bool live = src != nullptr && col < load.k_size;
+      ptx::cp_async_16_zfill(dst + ((static_cast<uint32_t>(c) ^ swizzle) << 4),
+                             live ? src + col : reinterpret_cast<const Element*>(p.rows),
+                             live ? 16 : 0);
+    }
+    cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies
+    sync();
+    if (leader) {
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kStageBBytes);
+      copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
+    }
     ++state;
   }
 }
