@@ -720,6 +720,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.mok_graph and args.device != "cuda":
         raise SystemExit("--mok-graph captures CUDA graphs: it needs --device cuda")
+    if args.mok_pull and args.mok_cuda_forward != "megakernel":
+        # MoKConfig's default forward is stage 1's, which fwd_rows does not change: both
+        # contenders would time the same path
+        raise SystemExit("--mok-pull compares the megakernel's forward rows: it needs "
+                         "--mok-cuda-forward megakernel")  # fmt: skip
     rank, world = init_distributed(args.device)
     shapes = TINY_SHAPES if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
     tokens = [64] if args.tiny else [int(t) for t in args.tokens.split(",")]

@@ -70,6 +70,10 @@ traces=(
   megakernel_trace_h200_5327061_bulk_fp8.json
   megakernel_trace_h200_6d02663_stagepull.json
   megakernel_trace_h200_db4c163_stagepull.json
+  megakernel_trace_h200_fefeac9_pull.json
+  megakernel_trace_h200_fefeac9_in_place.json
+  megakernel_trace_h200_fefeac9_pull_2.json
+  megakernel_trace_h200_fefeac9_in_place_2.json
 )
 args=()
 for r in "${records[@]}"; do args+=("$R/$r"); done
@@ -87,7 +91,8 @@ for n in ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_1c8cc70.json")
-args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json")
+args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
+  "$R/profile_host_h200_ep1_fefeac9.json")
 args+=(--profile "$R/profile_moe_h200_ep1_0d9dae0.json" "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
   "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
 exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png
