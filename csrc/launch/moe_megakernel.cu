@@ -134,24 +134,8 @@ void check_args(const MegaArgs& a) {
                  "megakernel: local_tokens (token rows read in place) needs one rank, not %lld, "
                  "and 16-byte aligned rows",
                  static_cast<long long>(lay.num_ranks));
-  if (a.rows_in_place) {
-    MOK_HOST_CHECK(!a.backward && !a.fp8 && a.cluster_ctas == 1 && lay.num_ranks == 1,
-                   "megakernel: rows in place (MoKConfig.fwd_rows='in_place') are the bf16 "
-                   "forward's at one rank without clusters (backward=%d, fp8=%d, "
-                   "cluster_ctas=%d, num_ranks=%lld); use fwd_rows='pull'",
-                   static_cast<int>(a.backward), static_cast<int>(a.fp8), a.cluster_ctas,
-                   static_cast<long long>(lay.num_ranks));
-    MOK_HOST_CHECK(a.rows != nullptr && aligned16(a.rows) && a.token_rows >= 1 &&
-                       fits_int32(a.token_rows) && a.token_rows <= lay.max_tokens,
-                   "megakernel: rows in place need 16-byte aligned token rows, 1 to %lld of them "
-                   "(got %lld)",
-                   static_cast<long long>(lay.max_tokens), static_cast<long long>(a.token_rows));
-    MOK_HOST_CHECK(a.stall_minibatch < 0,
-                   "megakernel: stall_minibatch (a test's fault) needs pulled rows, not rows in "
-                   "place");
-  }
   MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr &&
-                     (a.fp8 || ((a.x_ring != nullptr || a.rows_in_place) && a.act_ring != nullptr)),
+                     (a.fp8 || (a.x_ring != nullptr && a.act_ring != nullptr)),
                  "megakernel: null w_gate_up, w_down, x_ring or act_ring (only the FP8 forward "
                  "reads neither: its L2 reads act's FP8 copy, and it stores the bf16 act where "
                  "act_ring is given)");
@@ -216,8 +200,6 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
   p.num_ctas = a.num_ctas;
   p.num_comm_ctas = a.num_comm_ctas;
-  p.rows_in_place = a.rows_in_place ? 1 : 0;
-  p.rows = static_cast<const __nv_bfloat16*>(a.rows);
   p.stall_minibatch = a.stall_minibatch;
   p.stall_l2_cta = a.stall_l2_cta;
   p.phase_offset = a.backward ? layout::kBackwardPhases : 0;
@@ -309,10 +291,6 @@ kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) 
   if constexpr (kBackward) {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_down, i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.dh_ring, ring, a.w_gate_up, h, 2 * i, e);
-  } else if (a.rows_in_place) {  // x_ring unused: A's ring descriptor over the token rows
-    const int rows = to_int32(a.token_rows, "token_rows");
-    kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.rows, rows, a.w_gate_up, 2 * i, h, e);
-    kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);
   } else {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);

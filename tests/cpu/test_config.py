@@ -18,7 +18,7 @@ def test_every_knob_is_documented_and_defaults_validate():
                      "schedule_capacity_multiplier", "cuda_forward", "cuda_backward",
                      "expert_gemm",
                      "expert_precision", "fp8_backward", "wait_timeout_ms",
-                     "bwd_schedule", "megakernel_cluster", "fwd_rows"]  # fmt: skip
+                     "bwd_schedule", "megakernel_cluster"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -67,15 +67,6 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"wait_timeout_ms": 0}, ["wait_timeout_ms=0", "positive", "try 10000"]),
         ({"wait_timeout_ms": -5}, ["wait_timeout_ms=-5", "positive"]),
         ({"wait_timeout_ms": 2**31}, ["wait_timeout_ms=2147483648", "below 2**31"]),
-        ({"fwd_rows": "gather"}, ["fwd_rows='gather'", "'in_place'", "'pull'"]),
-        (
-            {"fwd_rows": "in_place", "megakernel_cluster": 2},
-            ["fwd_rows='in_place'", "megakernel_cluster=2", "fwd_rows='auto' or 'pull'"],
-        ),
-        (
-            {"fwd_rows": "in_place", "expert_precision": "fp8_blockwise"},
-            ["fwd_rows='in_place'", "expert_precision='fp8_blockwise'", "bf16"],
-        ),
         ({"megakernel_cluster": 4}, ["megakernel_cluster=4", "(1, 2)"]),
         ({"megakernel_cluster": True}, ["megakernel_cluster=True", "(1, 2)"]),
         ({"megakernel_cluster": 2.0}, ["megakernel_cluster=2.0", "(1, 2)"]),
@@ -286,32 +277,3 @@ def test_megakernel_cluster_is_a_megakernel_knob():
         assert warn_ignored_knobs(MoKConfig(megakernel_cluster=2), "cuda/stage1") == [
             "megakernel_cluster"
         ]
-
-
-def test_fwd_rows_is_a_megakernel_knob_and_picks_in_place_only_where_it_runs():
-    """fwd_rows: 'auto' reads the rows in place at one rank with bf16 experts and no clusters,
-    pulls them otherwise; 'in_place' where it cannot run names why; 'pull' always pulls. Only
-    the megakernel uses it."""
-    from types import SimpleNamespace
-
-    from mok_megatron.functional.config import warn_ignored_knobs
-    from mok_megatron.functional.cuda.mega import rows_in_place
-
-    def ws(config, num_ranks):
-        return SimpleNamespace(config=config, num_ranks=num_ranks)
-
-    assert MoKConfig().fwd_rows == "auto"
-    assert rows_in_place(ws(MoKConfig(), 1))
-    assert not rows_in_place(ws(MoKConfig(), 2))
-    assert not rows_in_place(ws(MoKConfig(megakernel_cluster=2), 1))
-    assert not rows_in_place(ws(MoKConfig(expert_precision="fp8_blockwise"), 1))
-    assert not rows_in_place(ws(MoKConfig(fwd_rows="pull"), 1))
-    assert rows_in_place(ws(MoKConfig(fwd_rows="in_place"), 1))
-    with pytest.raises(ValueError, match=r"fwd_rows='in_place' needs one rank \(this workspace "
-                       r"has 2\).*fwd_rows='auto' or 'pull'"):  # fmt: skip
-        rows_in_place(ws(MoKConfig(fwd_rows="in_place"), 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert warn_ignored_knobs(MoKConfig(fwd_rows="pull"), "cuda/megakernel") == []
-    with pytest.warns(UserWarning, match="fwd_rows=pull has no effect on the cuda/stage1"):
-        assert warn_ignored_knobs(MoKConfig(fwd_rows="pull"), "cuda/stage1") == ["fwd_rows"]

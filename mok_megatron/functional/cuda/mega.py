@@ -31,8 +31,7 @@ from . import stage1
 from .experts import ExpertRows, Experts
 from .plan import CudaPlan, Rounds, window_offs
 
-__all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "rows_in_place",
-           "can_run", "forward",
+__all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "can_run", "forward",
            "backward_unavailable", "runs_backward", "backward_steps"]  # fmt: skip
 
 
@@ -74,24 +73,6 @@ def mega_shape(config, row_capacity, num_local_experts, hidden, inter):
 
     return moe_mega_shape(row_capacity, num_local_experts, hidden, inter, config.minibatch_size,
                           config.macrobatch_size)  # fmt: skip
-
-
-def rows_in_place(ws) -> bool:
-    """Whether the forward megakernel's L1 tiles read their rows in place (MoKConfig.fwd_rows):
-    'auto' where it can run (one rank, bf16 experts, no clusters), 'in_place' there or an error,
-    'pull' never."""
-    c = ws.config
-    choice = c.fwd_rows
-    if choice == "pull":
-        return False
-    can = ws.num_ranks == 1 and c.expert_precision == "bf16" and c.megakernel_cluster == 1
-    if choice == "in_place" and not can:
-        raise ValueError(
-            f"MoKConfig.fwd_rows='in_place' needs one rank (this workspace has {ws.num_ranks}), "
-            "bf16 experts and megakernel_cluster=1: at several ranks the rows come from peers "
-            "and are pulled; set fwd_rows='auto' or 'pull'"
-        )
-    return can
 
 
 def can_run(routed) -> bool:
@@ -168,8 +149,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
         num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
         stall_minibatch=ws.buffers.stall_minibatch, stall_l2_cta=ws.buffers.stall_l2_cta,
-        trace=ws.buffers.trace, cluster=c.megakernel_cluster, rows_in_place=rows_in_place(ws),
-        **scales,
+        trace=ws.buffers.trace, cluster=c.megakernel_cluster, **scales,
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_trace = (outs["trace_ctas"], outs["trace_tasks"])

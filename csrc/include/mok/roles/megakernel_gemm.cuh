@@ -117,11 +117,9 @@ struct MegaLoad {
 struct NoArmHook {
   CUTLASS_DEVICE void operator()(int) const {}
 };
-// acquire_slot's bounded wait alone, without arming (rows in place: the stage is armed by the
-// leader once every row's copies are tracked).
-template <class Pipeline, class State>
-CUTLASS_DEVICE void wait_slot(const roles::MegaParams& p, Pipeline& pipeline, const State& state,
-                              int round) {
+template <class Pipeline, class State, class BeforeArm = NoArmHook>
+CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
+                                 const State& state, int round, BeforeArm before_arm = {}) {
   const auto phase = roles::pass_phase(p, layout::MegaPhase::kProducerSlot);
   uint64_t start_ns = 0;
   while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
@@ -135,12 +133,6 @@ CUTLASS_DEVICE void wait_slot(const roles::MegaParams& p, Pipeline& pipeline, co
                                  static_cast<int32_t>(state.count() / Pipeline::Stages));
     }
   }
-}
-
-template <class Pipeline, class State, class BeforeArm = NoArmHook>
-CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
-                                 const State& state, int round, BeforeArm before_arm = {}) {
-  wait_slot(p, pipeline, state, round);
   before_arm(static_cast<int>(state.index()));
   pipeline.producer_acquire(state, {cutlass::BarrierStatus::WaitDone});
 }
@@ -188,86 +180,6 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
       copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
     }
     copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
-    ++state;
-  }
-}
-
-// Rows in place (MoKConfig.fwd_rows="in_place", one rank): an L1 task reads its A rows straight
-// from the token rows [T, H] instead of from the ring a comm CTA filled. The 128 threads of the
-// producer warpgroup copy a row each per k-tile, 128 bytes as 8 cp.async 16-byte chunks, into the
-// row's place in the stage under the stage's 128-byte swizzle (chunk c of row r at chunk
-// c ^ (r % 8) of the row's 128 bytes: CuTe's Swizzle<3, 4, 3> of the K-major SW128 atom, the
-// stage 1024-byte aligned); each thread's cp.async.mbarrier.arrive makes the stage's full
-// barrier wait for its copies. B is the leader's TMA as in load_task.
-// NOTE: one 2D TMA box per row (built first, commit 10e9f45) issues 128 TMAs per k-tile, which
-// a warp sends one lane at a time (a TMA's coordinates are uniform registers): the L1 k-tile
-// then took 1300 ns against the pull's 680 on one H200 (megakernel_trace_h200_fefeac9_*.json).
-constexpr int kRowLoaderThreads = 128;  // the producer warpgroup: a row of the tile each
-static_assert(kRowLoaderThreads == layout::kBlockM, "a row per producer thread");
-constexpr int kBlockK = cute::size<2>(MegaTileShape{});
-constexpr int kRowChunks = kBlockK * static_cast<int>(sizeof(Element)) / 16;  // 16-byte chunks
-using MegaSmemLayoutA = typename MegaMainloop::SmemLayoutA;
-static_assert(std::is_same_v<typename MegaMainloop::SmemLayoutAtomA,
-                             decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{})> &&
-                  kRowChunks == 8 && cute::size<0>(MegaSmemLayoutA{}) == layout::kBlockM &&
-                  cute::size<1>(MegaSmemLayoutA{}) == kBlockK,
-              "rows in place: a stage of A is 128 K-major rows of one 128-byte swizzle atom's "
-              "width (8 chunks of 16 bytes, chunk c of row r at c ^ (r % 8)), 128 bytes apart");
-constexpr int kStageAElems = layout::kBlockM * kBlockK;
-static_assert(cute::cosize_v<MegaSmemLayoutA> == kStageAElems * MegaMainloop::DispatchPolicy::Stages &&
-                  kStageAElems * sizeof(Element) % 1024 == 0,
-              "rows in place: the stages of A are consecutive, each 1024-byte aligned");
-constexpr uint32_t kStageBBytes = layout::kBlockN * kBlockK * sizeof(Element);
-static_assert(kStageAElems * sizeof(Element) + kStageBBytes == MegaMainloop::TmaTransactionBytes,
-              "rows in place: the stage's TMA bytes are B's alone");
-
-// Producer thread (one of the warpgroup's 128, lane 0 of each warp waiting for the stages): one
-// L1 task's k-tiles from `state` on (the caller advances its state by k_tiles) with A's rows
-// read in place; `row` (32 warp + lane) is this thread's row of the tile and `src` its token
-// row's first element, or null for a row past the tile or a padding row (zeros, as the ring's
-// zero rows gave). Columns past H (a last k-tile in part) are zeros too. Every k-tile, after the
-// copies and their tracked arrival, the warpgroup meets at a named barrier (`sync`): the rows'
-// arrivals are counted before the leader (thread 0) arms the stage with B's bytes and loads B.
-template <class Mainloop, class Sync>
-CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop::Params const& mp,
-                                   MegaPipeline& pipeline, MegaPipelineState state,
-                                   typename Mainloop::TensorStorage& smem, const MegaLoad& load,
-                                   int row, const Element* src, Sync sync) {
-  using namespace cute;
-  static_assert(std::is_same_v<typename Mainloop::SmemLayoutA, MegaSmemLayoutA>,
-                "rows in place: the forward's A stages");
-  const bool waits = threadIdx.x % 32 == 0, leader = threadIdx.x == 0;
-  Tensor mB = mp.tma_load_b.get_tma_tensor(make_shape(load.n_size, load.k_size, load.num_experts));
-  Tensor gB = local_tile(mB(_, _, load.expert), select<1, 2>(MegaTileShape{}),
-                         make_coord(load.n_tile, _));  // (BLK_N, BLK_K, k)
-  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
-  auto block_tma_b = mp.tma_load_b.get_slice(0);
-  Tensor tBgB = block_tma_b.partition_S(gB);
-  Tensor tBsB = block_tma_b.partition_D(sB);
-  const uint32_t swizzle = static_cast<uint32_t>(row % 8);
-  const uint32_t a_base = cast_smem_ptr_to_uint(smem.smem_A.data()) +
-                          static_cast<uint32_t>(row * kBlockK * sizeof(Element));
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int k = 0; k < load.k_tiles; ++k) {
-    if (waits) wait_slot(p, pipeline, state, load.round);
-    __syncwarp();  // the stage is free before any lane writes it
-    uint64_t* full = pipeline.producer_get_barrier(state);
-    const uint32_t dst = a_base + static_cast<uint32_t>(state.index() * kStageAElems * sizeof(Element));
-    const int col0 = k * kBlockK;
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kRowChunks; ++c) {
-      const int col = col0 + c * 8;
-      const bool live = src != nullptr && col < load.k_size;
-      ptx::cp_async_16_zfill(dst + ((static_cast<uint32_t>(c) ^ swizzle) << 4),
-                             live ? src + col : reinterpret_cast<const Element*>(p.rows),
-                             live ? 16 : 0);
-    }
-    cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies
-    sync();
-    if (leader) {
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kStageBBytes);
-      copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
-    }
     ++state;
   }
 }
