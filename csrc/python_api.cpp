@@ -61,7 +61,7 @@ TORCH_LIBRARY(mok, m) {
       "int row_capacity, int token_capacity, int minibatch, int macrobatch, int num_comm_sms, "
       "int num_sms, bool save, bool keep_y, int stall_minibatch, bool trace=False, "
       "int cluster=1, int stall_l2_cta=-1, Tensor? w_gate_up_scales=None, "
-      "Tensor? w_down_scales=None) -> Tensor[]");
+      "Tensor? w_down_scales=None, bool rows_in_place=False) -> Tensor[]");
   m.def(
       "moe_mega_backward(Tensor d_out, Tensor topk, Tensor[] plan, Tensor act_ring, "
       "Tensor h_ring, Tensor w_gate_up, Tensor w_down, Tensor? shared_dx, int[] comm, "

@@ -88,6 +88,14 @@ def parse_args(argv=None):
         "the default (the backward megakernel where it runs)",
     )
     p.add_argument(
+        "--mok-pull",
+        action="store_true",
+        help="also time MoK with MoKConfig.fwd_rows='pull' (the forward megakernel's comm SMs "
+        "pull every routed row into the ring, as at several ranks, instead of the L1 tiles "
+        "reading them in place at one rank), as 'mok_pull', in the same process, forward and "
+        "forward + backward",
+    )
+    p.add_argument(
         "--mok-cluster2",
         action="store_true",
         help="also time MoK with MoKConfig.megakernel_cluster=2 (the megakernels in clusters of "
@@ -116,7 +124,8 @@ def parse_args(argv=None):
         help="also time MoK's forward replayed from CUDA graphs (one captured per input set, "
         "autograd recording as in the fwd row), as 'mok_graph', in the same process: the GPU's "
         "time for the layer with no host work before its launches (the baseline is not captured); "
-        "with --mok-fp8-mega the FP8 megakernel's forward too, as 'mok_fp8_mega_graph'",
+        "with --mok-fp8-mega the FP8 megakernel's forward too, as 'mok_fp8_mega_graph', and with "
+        "--mok-pull the pulling forward's, as 'mok_pull_graph'",
     )
     p.add_argument(
         "--back-to-back",
@@ -473,6 +482,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_stage1", layer, {"cuda_forward": "stage1"}))
         if args.mok_stage1_backward and backward:
             contenders.append(("mok_stage1_bwd", layer, {"cuda_backward": "stage1"}))
+        if args.mok_pull:
+            contenders.append(("mok_pull", layer, {"fwd_rows": "pull"}))
         if args.mok_cluster2:
             contenders.append(("mok_cluster2", layer, {"megakernel_cluster": 2}))
         if args.mok_fp8:
@@ -502,6 +513,10 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_graph and not backward:
             result["mok_graph"] = _rates(measure_graphed(layer, sets, args), cost)
             layer.zero_grad(set_to_none=True)
+            if args.mok_pull:
+                with _mok_knobs(layer, fwd_rows="pull"):
+                    result["mok_pull_graph"] = _rates(measure_graphed(layer, sets, args), cost)
+                layer.zero_grad(set_to_none=True)
             if args.mok_fp8_mega:
                 with _mok_knobs(layer, **MOK_FP8_MEGA_KNOBS):
                     graphed = measure_graphed(layer, sets, args)
@@ -527,6 +542,10 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 result["fp8_mega_over_stage1"] = _ratio(result, "mok_fp8", "mok_fp8_mega")
         if args.mok_stage1:  # > 1: the default forward (the megakernel) beats stage 1
             result["stage1_speedup"] = _ratio(result, "mok_stage1", "mok")
+        if args.mok_pull:  # > 1: the default (rows in place at one rank) beats the pull
+            result["pull_speedup"] = _ratio(result, "mok_pull", "mok")
+            if "mok_pull_graph" in result:
+                result["pull_graph_speedup"] = _ratio(result, "mok_pull_graph", "mok_graph")
         if args.mok_cluster2:  # > 1: clusters of two beat the megakernels without clusters
             result["cluster2_speedup"] = _ratio(result, "mok", "mok_cluster2")
         if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
@@ -701,6 +720,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.mok_graph and args.device != "cuda":
         raise SystemExit("--mok-graph captures CUDA graphs: it needs --device cuda")
+    if args.mok_pull and args.mok_cuda_forward != "megakernel":
+        # MoKConfig's default forward is stage 1's, which fwd_rows does not change: both
+        # contenders would time the same path
+        raise SystemExit("--mok-pull compares the megakernel's forward rows: it needs "
+                         "--mok-cuda-forward megakernel")  # fmt: skip
     rank, world = init_distributed(args.device)
     shapes = TINY_SHAPES if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
     tokens = [64] if args.tiny else [int(t) for t in args.tokens.split(",")]

@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--minibatch-size", default=None, help="int; default: the config's (auto)")
     p.add_argument("--megakernel-cluster", default=None, choices=("1", "2"),
                    help="MoKConfig.megakernel_cluster; default: the config's (1)")  # fmt: skip
+    p.add_argument("--fwd-rows", default=None, choices=("auto", "in_place", "pull"),
+                   help="MoKConfig.fwd_rows; default: the config's (auto)")  # fmt: skip
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -209,6 +211,8 @@ def trace_case(name, args, rank) -> dict:
              if v is not None}  # fmt: skip
     if args.fp8:
         knobs["expert_precision"] = "fp8_blockwise"
+    if args.fwd_rows is not None:
+        knobs["fwd_rows"] = args.fwd_rows
     if knobs:
         runtime.mok_config = dataclasses.replace(runtime.mok_config, **knobs)
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
@@ -237,6 +241,7 @@ def trace_case(name, args, rank) -> dict:
             "fwd_num_comm_sms": resolved.fwd_num_comm_sms,
             "minibatch_size": resolved.minibatch_size, "num_ctas": len(ctas),
             "megakernel_cluster": resolved.megakernel_cluster,
+            "fwd_rows": resolved.fwd_rows,
             "expert_precision": resolved.expert_precision,
             "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip
     del layer, sets

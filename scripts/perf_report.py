@@ -130,18 +130,20 @@ TARGET_HEAD = (
 
 
 def stage1_rows(records, contender="mok_stage1", ratio="stage1_speedup",
-                labels=("fwd", "fwd_bwd")):  # fmt: skip
+                labels=("fwd", "fwd_bwd"), base="mok"):  # fmt: skip
     """MoK's default path against MoK with one knob changed, same process, where a record has
     both: cuda_forward='stage1' (bench_moe.py --mok-stage1, ``contender`` 'mok_stage1'),
     cuda_backward='stage1' (--mok-stage1-backward, 'mok_stage1_bwd', forward + backward), or
-    megakernel_cluster=2 (--mok-cluster2, 'mok_cluster2')."""
+    megakernel_cluster=2 (--mok-cluster2, 'mok_cluster2'), fwd_rows='pull' (--mok-pull,
+    'mok_pull'; replayed from CUDA graphs with --mok-graph: 'mok_pull_graph' against
+    'mok_graph', forward only)."""
     for _, record in records:
         for case in record["cases"]:
             for label in labels:
                 r = case.get(label, {})
                 if contender not in r:
                     continue
-                m, t = r["mok"], r[contender]
+                m, t = r[base], r[contender]
                 yield (
                     f"| {case['shape']} | {case['ep']} | {case['tokens_per_rank']} "
                     f"| {case['routing']} | {label.replace('_', '+')} | {case['mok_backend']} "
@@ -185,6 +187,33 @@ CLUSTER2_HEAD = (
     "| clusters of 2 ms (p10-p90) | ratio | mok of floor | clusters of 2 of floor | mok peak GiB "
     "| clusters of 2 peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+PULL_HEAD = (
+    "## The forward megakernel's rows in place against pulled (one rank)\n\n"
+    "The MoK layer as above (the megakernel's forward with the default `fwd_rows='auto'`: at one "
+    "rank its L1 tiles load their rows from the token rows, a row per producer thread, and "
+    "no SM pulls) against the same layer with `fwd_rows='pull'` (the comm SMs pull every routed "
+    "row into the ring first, as at several ranks), same process (`bench_moe.py --mok-pull`); "
+    "'fwd (graph)': both forwards replayed from CUDA graphs (`--mok-graph`). Ratio > 1: the rows "
+    "in place are faster.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | mok backend | in place ms (p10-p90) "
+    "| pulled ms (p10-p90) | ratio | in place of floor | pulled of floor | in place peak GiB "
+    "| pulled peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def pull_rows(records):
+    """The rows in place against pulled, timed and replayed (stage1_rows' form)."""
+    for _, record in records:
+        for case in record["cases"]:
+            for label in ("fwd", "fwd_bwd"):
+                yield from stage1_rows([(None, {"cases": [case]})], "mok_pull", "pull_speedup",
+                                       (label,))  # fmt: skip
+                if label == "fwd":
+                    for row in stage1_rows([(None, {"cases": [case]})], "mok_pull_graph",
+                                           "pull_graph_speedup", ("fwd",), base="mok_graph"):  # fmt: skip
+                        yield row.replace("| fwd |", "| fwd (graph) |", 1)
 
 
 def _case_cells(case) -> str:
@@ -783,6 +812,9 @@ def main(argv=None) -> None:
     stage1_bwd = list(stage1_rows(records, "mok_stage1_bwd", "stage1_bwd_speedup", ("fwd_bwd",)))
     if stage1_bwd:
         parts += ["", STAGE1_BWD_HEAD, *stage1_bwd]
+    pulled = list(pull_rows(records))
+    if pulled:
+        parts += ["", PULL_HEAD, *pulled]
     cluster2 = list(stage1_rows(records, "mok_cluster2", "cluster2_speedup"))
     if cluster2:
         parts += ["", CLUSTER2_HEAD, *cluster2]

@@ -248,7 +248,7 @@ std::vector<at::Tensor> moe_mega_forward(
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
     const std::optional<at::Tensor>& w_gate_up_scales,
-    const std::optional<at::Tensor>& w_down_scales) {
+    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   const bool fp8 = w_gate_up_scales.has_value();
@@ -299,6 +299,19 @@ std::vector<at::Tensor> moe_mega_forward(
   TORCH_CHECK(lay.slot_rows == 1 && lay.counter_words >= shape.counter_words(),
               "mok::moe_mega_forward: the workspace was not made for the megakernel (its layout "
               "lacks the slot_rows / counters regions for this shape)");
+  TORCH_CHECK(!rows_in_place || (lay.num_ranks == 1 && cluster == 1),
+              "mok::moe_mega_forward: rows in place (MoKConfig.fwd_rows='in_place') need one "
+              "rank and megakernel_cluster=1 (num_ranks=", lay.num_ranks, ", cluster=", cluster,
+              "); use fwd_rows='pull' or 'auto'");
+  TORCH_CHECK(!rows_in_place || stall_minibatch < 0, "mok::moe_mega_forward: stall_minibatch "
+              "(a test's fault) needs pulled rows, not rows in place");
+  // FP8 rows in place read x quantised in place, its data rows and their scales apart
+  // (roles/megakernel_fp8.cuh); a forward that keeps its tokens for the backward's rounds
+  // stages them as packed rows, which only the pull reads.
+  TORCH_CHECK(!(fp8 && rows_in_place && save && shape.num_rounds() > 1 && x.size(0) > 0),
+              "mok::moe_mega_forward: FP8 rows in place read x quantised in place, which a forward "
+              "of several macrobatch rounds that keeps its tokens for the backward stages "
+              "instead; use fwd_rows='pull' (or 'auto', which pulls there)");
   c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = stream_of(x);
   std::vector<at::Tensor> plan;
@@ -321,12 +334,12 @@ std::vector<at::Tensor> moe_mega_forward(
   if (keep_rows) {
     // NOTE: one allocation each, not an arena: the backward lets each ring go after its last
     // read (y and act in its first step, h and x_rows in its second), which lowers its peak.
-    out[kForward_x_ring] = at::empty({fp8 ? 0 : ring, lay.hidden}, bf16);
+    out[kForward_x_ring] = at::empty({fp8 || rows_in_place ? 0 : ring, lay.hidden}, bf16);
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({ring, 2 * inter}, bf16);
     out[kForward_y_rows] = at::empty({keep_y ? ring : 0, lay.hidden}, bf16);
   } else {  // x_ring and act_ring are dropped after the pass: not in one storage with x_recv
-    out[kForward_x_ring] = at::empty({fp8 ? 0 : ring, lay.hidden}, bf16);
+    out[kForward_x_ring] = at::empty({fp8 || rows_in_place ? 0 : ring, lay.hidden}, bf16);
     // FP8: the L2 reads act's FP8 copy; the bf16 act is for a backward only, so none here.
     out[kForward_act_ring] = at::empty({fp8 ? 0 : ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({0, 2 * inter}, bf16);
@@ -349,6 +362,11 @@ std::vector<at::Tensor> moe_mega_forward(
     tokens = moe_fp8_pack_rows(tokens, token_scales);
     token_scales = at::Tensor();
   }
+  // No tokens: no rows to read (and none to pull). Otherwise x is quantised in place here (the
+  // check above refused the forward that stages it).
+  const bool fp8_rows_in_place = fp8 && rows_in_place && num_tokens > 0;
+  TORCH_CHECK(!fp8_rows_in_place || (in_place != nullptr && token_scales.defined()),
+              "mok::moe_mega_forward: internal: FP8 rows in place without x quantised in place");
   if (keep_tokens) {  // the backward recomputes rounds from the received tokens
     launch::moe_dispatch(comm, x.data_ptr(), num_tokens, comm.lay.hidden,
                          plan[kPlan_recv_token_src].data_ptr<int64_t>(),
@@ -367,7 +385,18 @@ std::vector<at::Tensor> moe_mega_forward(
   a.local_tokens = in_place;
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();
-  a.x_ring = fp8 ? nullptr : out[kForward_x_ring].data_ptr();
+  a.x_ring = fp8 || rows_in_place ? nullptr : out[kForward_x_ring].data_ptr();
+  if (fp8_rows_in_place) {
+    a.rows_in_place = true;
+    a.token_rows = num_tokens;
+  } else if (rows_in_place && !fp8) {
+    // x in place, or where the tokens were staged (several rounds kept, unaligned rows) or there
+    // are none (a descriptor needs a row: the region's, never read), this rank's tokens region
+    const bool staged = in_place == nullptr || num_tokens == 0;
+    a.rows_in_place = true;
+    a.rows = staged ? lay.at<void>(comm.my_base, layout::Region::kTokens) : in_place;
+    a.token_rows = staged ? lay.max_tokens : num_tokens;
+  }
   a.act_ring = out[kForward_act_ring].numel() > 0 ? out[kForward_act_ring].data_ptr() : nullptr;
   a.h_ring = keep_rows ? out[kForward_h_ring].data_ptr() : nullptr;
   a.y_rows = keep_rows && keep_y ? out[kForward_y_rows].data_ptr() : nullptr;
@@ -375,7 +404,7 @@ std::vector<at::Tensor> moe_mega_forward(
   if (fp8) {
     const int64_t stride = shape.fp8_scale_stride(), h = lay.hidden, kb = fp8_blockwise::kBlock;
     TensorArena arena(x);
-    arena.add({ring, h}, at::kByte);
+    arena.add({fp8_rows_in_place ? 0 : ring, h}, at::kByte);  // in place: no x8 ring
     arena.add({h / kb, stride}, at::kFloat);
     arena.add({ring, inter}, at::kByte);
     arena.add({inter / kb, stride}, at::kFloat);

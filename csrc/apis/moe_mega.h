@@ -56,7 +56,9 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
 // 15): w_gate_up / w_down are the weights' (128, 128)-block e4m3 copies and w_gate_up_scales
 // [E_l, 2I / 128, H / 128] / w_down_scales [E_l, H / 128, I / 128] their float32 scales (both
 // given or neither); x is quantised in (1, 128) blocks here, the forward runs stage 1's FP8
-// arithmetic (x_ring is then [0, H]: the ring holds FP8 rows). Collective.
+// arithmetic (x_ring is then [0, H]: the ring holds FP8 rows). `rows_in_place`
+// (MoKConfig.fwd_rows, one rank, bf16, cluster 1): the L1 tiles read their rows from the token
+// rows themselves and no CTA pulls; x_ring is then [0, H]. Collective.
 std::vector<at::Tensor> moe_mega_forward(
     const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
     const at::Tensor& w_gate_up, const at::Tensor& w_down,
@@ -65,7 +67,7 @@ std::vector<at::Tensor> moe_mega_forward(
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
     const std::optional<at::Tensor>& w_gate_up_scales,
-    const std::optional<at::Tensor>& w_down_scales);
+    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place);
 
 // The data gradients of one forward pass (one round), from one call: staging d_out (at one rank
 // none: read in place), the backward megakernel, the unweighted slot sum (+ shared_dx [T, H] or none), the per-row router-weight

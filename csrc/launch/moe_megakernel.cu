@@ -67,9 +67,11 @@ void check_fp8_args(const MegaArgs& a) {
                  "blocks) and at most %d",
                  static_cast<long long>(s.hidden), static_cast<long long>(s.inter), kBlock,
                  kBlock * gemm::kMegaFp8MaxKBlocks);
+  // NOTE: with the rows in place no x8 ring exists (an empty tensor's data pointer is null); the
+  // producers read x quantised in place (roles/megakernel_fp8.cuh).
   MOK_HOST_CHECK(a.w_gate_up_scales != nullptr && a.w_down_scales != nullptr &&
-                     a.x8_ring != nullptr && a.x_scales != nullptr && a.act8_ring != nullptr &&
-                     a.act_scales != nullptr,
+                     (a.x8_ring != nullptr || a.rows_in_place) && a.x_scales != nullptr &&
+                     a.act8_ring != nullptr && a.act_scales != nullptr,
                  "FP8 megakernel: null weight scales, x8_ring, x_scales, act8_ring or act_scales");
   MOK_HOST_CHECK(a.local_token_scales == nullptr || a.local_tokens != nullptr,
                  "FP8 megakernel: local_token_scales go with the quantised rows in place "
@@ -134,8 +136,28 @@ void check_args(const MegaArgs& a) {
                  "megakernel: local_tokens (token rows read in place) needs one rank, not %lld, "
                  "and 16-byte aligned rows",
                  static_cast<long long>(lay.num_ranks));
+  if (a.rows_in_place) {
+    MOK_HOST_CHECK(!a.backward && a.cluster_ctas == 1 && lay.num_ranks == 1,
+                   "megakernel: rows in place (MoKConfig.fwd_rows='in_place') are the forward's "
+                   "at one rank without clusters (backward=%d, cluster_ctas=%d, num_ranks=%lld); "
+                   "use fwd_rows='pull'",
+                   static_cast<int>(a.backward), a.cluster_ctas,
+                   static_cast<long long>(lay.num_ranks));
+    const void* rows = a.fp8 ? a.local_tokens : a.rows;  // FP8: x quantised in place
+    MOK_HOST_CHECK(rows != nullptr && aligned16(rows) && a.token_rows >= 1 &&
+                       fits_int32(a.token_rows) && a.token_rows <= lay.max_tokens,
+                   "megakernel: rows in place need 16-byte aligned token rows, 1 to %lld of them "
+                   "(got %lld)",
+                   static_cast<long long>(lay.max_tokens), static_cast<long long>(a.token_rows));
+    MOK_HOST_CHECK(!a.fp8 || a.local_token_scales != nullptr,
+                   "FP8 megakernel: rows in place read the scales of x quantised in place "
+                   "(local_token_scales)");
+    MOK_HOST_CHECK(a.stall_minibatch < 0,
+                   "megakernel: stall_minibatch (a test's fault) needs pulled rows, not rows in "
+                   "place");
+  }
   MOK_HOST_CHECK(a.w_gate_up != nullptr && a.w_down != nullptr &&
-                     (a.fp8 || (a.x_ring != nullptr && a.act_ring != nullptr)),
+                     (a.fp8 || ((a.x_ring != nullptr || a.rows_in_place) && a.act_ring != nullptr)),
                  "megakernel: null w_gate_up, w_down, x_ring or act_ring (only the FP8 forward "
                  "reads neither: its L2 reads act's FP8 copy, and it stores the bf16 act where "
                  "act_ring is given)");
@@ -200,6 +222,8 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
   p.num_ctas = a.num_ctas;
   p.num_comm_ctas = a.num_comm_ctas;
+  p.rows_in_place = a.rows_in_place ? 1 : 0;
+  p.rows = static_cast<const __nv_bfloat16*>(a.rows);
   p.stall_minibatch = a.stall_minibatch;
   p.stall_l2_cta = a.stall_l2_cta;
   p.phase_offset = a.backward ? layout::kBackwardPhases : 0;
@@ -240,9 +264,10 @@ roles::MegaParams device_params(const MegaArgs& a) {
 // One FP8 GEMM's operands: A = a [a_rows, k] e4m3 with M-major scales a_scales [k / 128,
 // scale_stride]; B = b [num_experts, n, k] e4m3 with scales b_scales [num_experts, n / 128,
 // k / 128]. As gemm_params, A's descriptor from a problem with L = 1, B's with L = num_experts.
+// `scale_rows` (default a_rows): the rows of A's scale descriptor, at most scale_stride.
 gemm::MegaFp8Gemm fp8_gemm_params(const void* a, const float* a_scales, int a_rows,
                                   int scale_stride, const void* b, const float* b_scales, int n,
-                                  int k, int num_experts) {
+                                  int k, int num_experts, int scale_rows = -1) {
   using Mainloop = gemm::MegaFp8Base;  // its TMA descriptors (MegaFp8Mainloop::Params)
   using Element = gemm::Fp8Element;
   constexpr int kBlock = gemm::kFp8ScaleBlock;
@@ -260,7 +285,8 @@ gemm::MegaFp8Gemm fp8_gemm_params(const void* a, const float* a_scales, int a_ro
   g.ml.tma_load_b = Mainloop::to_underlying_arguments(cute::make_shape(a_rows, n, k, num_experts),
                                                       args(num_experts), nullptr)
                         .tma_load_b;
-  g.sfa = gemm::make_sfa_tma(a_scales, a_rows, k / kBlock, scale_stride);
+  g.sfa = gemm::make_sfa_tma(a_scales, scale_rows < 0 ? a_rows : scale_rows, k / kBlock,
+                             scale_stride);
   g.sfb = b_scales;
   g.n_blocks = n / kBlock;
   g.k_blocks = k / kBlock;
@@ -272,8 +298,16 @@ kernels::MegaKernelParams<false, 1, true> fp8_kernel_params(const MegaArgs& a) {
   kp.p = device_params(a);
   const int ring = kp.p.ring_rows, h = kp.p.hidden, i = kp.p.inter, e = kp.p.num_local_experts;
   const int stride = kp.p.scale_stride;
-  kp.gemm.l1 = fp8_gemm_params(a.x8_ring, a.x_scales, ring, stride, a.w_gate_up,
-                               a.w_gate_up_scales, 2 * i, h, e);
+  if (a.rows_in_place) {  // no x8 ring: A's descriptor over x quantised in place (unread: the
+                         // producers copy A and its scales, roles/megakernel_fp8.cuh)
+    const int rows = to_int32(a.token_rows, "token_rows");
+    // (the scales' descriptor over the ring's scale region, ring rows: its row stride)
+    kp.gemm.l1 = fp8_gemm_params(a.local_tokens, a.x_scales, rows, stride, a.w_gate_up,
+                                 a.w_gate_up_scales, 2 * i, h, e, ring);
+  } else {
+    kp.gemm.l1 = fp8_gemm_params(a.x8_ring, a.x_scales, ring, stride, a.w_gate_up,
+                                 a.w_gate_up_scales, 2 * i, h, e);
+  }
   kp.gemm.l2 = fp8_gemm_params(a.act8_ring, a.act_scales, ring, stride, a.w_down,
                                a.w_down_scales, h, i, e);
   return kp;
@@ -291,6 +325,10 @@ kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) 
   if constexpr (kBackward) {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_down, i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.dh_ring, ring, a.w_gate_up, h, 2 * i, e);
+  } else if (a.rows_in_place) {  // x_ring unused: A's ring descriptor over the token rows
+    const int rows = to_int32(a.token_rows, "token_rows");
+    kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.rows, rows, a.w_gate_up, 2 * i, h, e);
+    kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);
   } else {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_gate_up, 2 * i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.act_ring, ring, a.w_down, h, i, e);

@@ -36,6 +36,15 @@ struct MegaArgs {
   layout::MegaShape shape;                // sizes of the ring, tiles and counters
   int num_ctas = 0;                       // the grid: every CTA resident (checked)
   int num_comm_ctas = 0;                  // the first num_comm_ctas CTAs move rows
+  bool rows_in_place = false;             // the forward's L1 tasks copy their rows from the
+                                          // token rows (MoKConfig.fwd_rows="in_place"):
+                                          // one rank, clusters of 1; no CTA pulls, and
+                                          // x_ring (FP8: x8_ring) may be null
+  const void* rows = nullptr;             // rows_in_place, bf16: the token rows
+                                          // [token_rows, H] (local_tokens, or this rank's
+                                          // tokens region); FP8 reads local_tokens and
+                                          // local_token_scales
+  int64_t token_rows = 0;
   int cluster_ctas = 1;                   // CTAs per cluster, 1 or 2 (MoKConfig.
                                           // megakernel_cluster); divides num_ctas and
                                           // num_comm_ctas

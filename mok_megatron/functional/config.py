@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
            "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS",
-           "FP8_BACKWARDS", "MEGAKERNEL_CLUSTERS", "MOK_ROW_ALIGN", "KNOB_USERS", "LayerDims",
+           "FP8_BACKWARDS", "FWD_ROWS", "MEGAKERNEL_CLUSTERS", "MOK_ROW_ALIGN", "KNOB_USERS", "LayerDims",
            "engine_step_list",
            "tuned_table_path",
            "warn_ignored_knobs"]  # fmt: skip
@@ -48,6 +48,8 @@ CUDA_FORWARDS = ("auto", "megakernel", "stage1")
 CUDA_BACKWARDS = ("auto", "megakernel", "stage1")
 #: CTAs per cluster of the megakernels (MoKConfig.megakernel_cluster; layout::kMaxClusterCtas).
 MEGAKERNEL_CLUSTERS = (1, 2)
+#: How the forward megakernel's L1 tiles get their token rows (MoKConfig.fwd_rows).
+FWD_ROWS = ("auto", "in_place", "pull")
 #: The fused gate/up form's GEMM steps the expert GEMM engine can run (MoKConfig.expert_gemm):
 #: "l1" L1 + SwiGLU (forward, and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU
 #: backward, and the plain GEMMs: "l2" the L2 forward, "dgrad" the dgrads (against W_down without
@@ -77,6 +79,7 @@ KNOB_USERS = {
     "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
     "cuda_backward": ("cuda/megakernel",),
     "megakernel_cluster": ("cuda/megakernel",),
+    "fwd_rows": ("cuda/megakernel",),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
     "expert_precision": ("reference", "cuda/stage1", "cuda/megakernel"),
@@ -180,6 +183,16 @@ class MoKConfig:
         "results of 1 and was no faster on one H200 (docs/PERF.md), so 1 stays the default.",
     )
 
+    fwd_rows: str = _knob(
+        "auto",
+        "How the forward megakernel's L1 tiles get their token rows: 'pull' (the comm SMs, "
+        "fwd_num_comm_sms of them, copy each routed row into the ring, minibatch by minibatch), "
+        "'in_place' (one rank only, megakernel_cluster=1: each L1 tile loads its rows from the "
+        "token rows themselves, x quantised in place with FP8 experts, the producer warpgroup "
+        "copying them into each stage, and no SM pulls) "
+        "or 'auto' (in_place where it can run, else pull). Bitwise the same results.",
+    )
+
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
                      "wait_timeout_ms"):  # fmt: skip
@@ -274,6 +287,17 @@ class MoKConfig:
                 f"MoKConfig.expert_precision={self.expert_precision!r} with "
                 f"megakernel_cluster={self.megakernel_cluster}: the FP8 megakernel runs without "
                 "clusters; set megakernel_cluster=1 (or cuda_forward='stage1')"
+            )
+        if self.fwd_rows not in FWD_ROWS:
+            raise ValueError(
+                f"MoKConfig.fwd_rows={self.fwd_rows!r} must be one of {FWD_ROWS}; 'auto' is the "
+                "default"
+            )
+        if self.fwd_rows == "in_place" and self.megakernel_cluster != 1:
+            raise ValueError(
+                f"MoKConfig.fwd_rows='in_place' with megakernel_cluster={self.megakernel_cluster}:"
+                " rows in place are the megakernel's without clusters; set fwd_rows='auto' or "
+                "'pull'"
             )
         if not 1 <= self.wait_timeout_ms < 2**31:
             raise ValueError(

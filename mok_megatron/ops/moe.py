@@ -351,7 +351,7 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                      num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
                      trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
-                     w_down_scales=None):  # fmt: skip
+                     w_down_scales=None, rows_in_place=False):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging (none at one rank: the megakernel reads x in place), the megakernel, the
     slot-ordered sum at the source. Collective.
@@ -369,7 +369,10 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     hold the kernel's timeline (``MEGA_TRACE_CTA_FIELDS`` / ``MEGA_TRACE_TASK_FIELDS``), else
     [0]. ``cluster``: CTAs per cluster of the megakernel (1 or 2,
     ``MoKConfig.megakernel_cluster``); its grid is ``num_sms`` (0: every SM) rounded down to
-    whole clusters.
+    whole clusters. ``rows_in_place`` (``MoKConfig.fwd_rows``; one rank, ``cluster`` 1; FP8:
+    one round, or ``save`` False): the L1 tiles read their rows from the token rows themselves
+    (FP8: x quantised in place and its scales; the producer warpgroup copies them into each
+    stage) and no CTA pulls; ``x_ring`` is then [0, H].
 
     FP8 experts (the FP8 megakernel): ``w_gate_up`` / ``w_down`` are the weights' (128, 128)-block
     e4m3 copies and ``w_gate_up_scales`` [E_l, 2I / 128, H / 128] / ``w_down_scales``
@@ -383,6 +386,7 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
         keep_y, stall_minibatch, trace, cluster, stall_l2_cta, w_gate_up_scales, w_down_scales,
+        rows_in_place,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -447,14 +451,15 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                        num_comm_sms, num_sms, save, keep_y, stall_minibatch,
                        trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
-                       w_down_scales=None):  # fmt: skip
+                       w_down_scales=None, rows_in_place=False):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring, one = shape.ring_rows, shape.num_rounds == 1
     plan = list(plan) or _mega_plan_fake(topk, router_weights, comm, num_experts, row_capacity,
                                          token_capacity, inter, minibatch, macrobatch)  # fmt: skip
     out = [
-        x.new_empty(x.shape), x.new_empty(0 if w_gate_up_scales is not None else ring, hidden),
+        x.new_empty(x.shape),
+        x.new_empty(0 if w_gate_up_scales is not None or rows_in_place else ring, hidden),
         x.new_empty(0 if w_gate_up_scales is not None and not (save and one) else ring, inter),
         x.new_empty(ring if save and one else 0, 2 * inter),
         x.new_empty(ring if save and one and keep_y else 0, hidden),

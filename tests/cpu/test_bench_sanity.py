@@ -106,6 +106,34 @@ def test_graph_rows_render_and_need_a_gpu(tmp_path):
                    "| 1.000 (0.950-1.050) | 0.800 | 0.40 | 0.80 |")  # fmt: skip
 
 
+def test_pull_rows_render_timed_and_replayed_rows_in_place_against_pulled():
+    """perf_report's rows-in-place table (bench_moe --mok-pull, with --mok-graph): per case a
+    forward and a forward + backward row (in place = 'mok' against 'mok_pull') and a replayed
+    forward row ('mok_graph' against 'mok_pull_graph'); nothing for a case without them."""
+    perf_report = _script("perf_report")
+
+    def timing(ms, frac):
+        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+                "fraction_of_floor": frac, "peak_mem_bytes": 2**30}  # fmt: skip
+
+    fwd = {"mok": timing(2.0, 0.5), "mok_pull": timing(2.2, 0.45), "pull_speedup": 1.1,
+           "mok_graph": timing(1.5, 0.6), "mok_pull_graph": timing(1.8, 0.5),
+           "pull_graph_speedup": 1.2}  # fmt: skip
+    fwd_bwd = {"mok": timing(6.0, 0.4), "mok_pull": timing(6.3, 0.38), "pull_speedup": 1.05}
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
+            "mok_backend": "cuda/megakernel", "fwd": fwd, "fwd_bwd": fwd_bwd}  # fmt: skip
+    rows = list(perf_report.pull_rows([("r.json", {"cases": [case, {**case, "fwd": {},
+                                                                    "fwd_bwd": {}}]})]))  # fmt: skip
+    assert rows == [
+        "| s | 1 | 64 | uniform | fwd | cuda/megakernel | 2.000 (1.900-2.100) "
+        "| 2.200 (2.100-2.300) | **1.10x** | 0.50 | 0.45 | 1.00 | 1.00 |",
+        "| s | 1 | 64 | uniform | fwd (graph) | cuda/megakernel | 1.500 (1.400-1.600) "
+        "| 1.800 (1.700-1.900) | **1.20x** | 0.60 | 0.50 | 1.00 | 1.00 |",
+        "| s | 1 | 64 | uniform | fwd+bwd | cuda/megakernel | 6.000 (5.900-6.100) "
+        "| 6.300 (6.200-6.400) | **1.05x** | 0.40 | 0.38 | 1.00 | 1.00 |",
+    ]
+
+
 def test_clock_rows_render_each_contender_timed_with_clock_samples():
     """perf_report's clock table: one row per pass and contender with ``gpu_during`` (bench_moe's
     NVML samples while it was timed; a synthetic record), none for those without."""

@@ -18,7 +18,7 @@ def test_every_knob_is_documented_and_defaults_validate():
                      "schedule_capacity_multiplier", "cuda_forward", "cuda_backward",
                      "expert_gemm",
                      "expert_precision", "fp8_backward", "wait_timeout_ms",
-                     "bwd_schedule", "megakernel_cluster"]  # fmt: skip
+                     "bwd_schedule", "megakernel_cluster", "fwd_rows"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -67,6 +67,11 @@ def test_every_knob_is_documented_and_defaults_validate():
         ({"wait_timeout_ms": 0}, ["wait_timeout_ms=0", "positive", "try 10000"]),
         ({"wait_timeout_ms": -5}, ["wait_timeout_ms=-5", "positive"]),
         ({"wait_timeout_ms": 2**31}, ["wait_timeout_ms=2147483648", "below 2**31"]),
+        ({"fwd_rows": "gather"}, ["fwd_rows='gather'", "'in_place'", "'pull'"]),
+        (
+            {"fwd_rows": "in_place", "megakernel_cluster": 2},
+            ["fwd_rows='in_place'", "megakernel_cluster=2", "fwd_rows='auto' or 'pull'"],
+        ),
         ({"megakernel_cluster": 4}, ["megakernel_cluster=4", "(1, 2)"]),
         ({"megakernel_cluster": True}, ["megakernel_cluster=True", "(1, 2)"]),
         ({"megakernel_cluster": 2.0}, ["megakernel_cluster=2.0", "(1, 2)"]),
@@ -277,3 +282,42 @@ def test_megakernel_cluster_is_a_megakernel_knob():
         assert warn_ignored_knobs(MoKConfig(megakernel_cluster=2), "cuda/stage1") == [
             "megakernel_cluster"
         ]
+
+
+def test_fwd_rows_is_a_megakernel_knob_and_picks_in_place_only_where_it_runs():
+    """fwd_rows: 'auto' reads the rows in place at one rank without clusters (with FP8 experts
+    not in a forward of several rounds that keeps its tokens: those are staged), pulls them
+    otherwise; 'in_place' where it cannot run names why; 'pull' always pulls. Only the megakernel
+    uses it."""
+    from types import SimpleNamespace
+
+    from mok_megatron.functional.config import warn_ignored_knobs
+    from mok_megatron.functional.cuda.mega import rows_in_place
+
+    def ws(config, num_ranks, rounds=1):
+        mega = SimpleNamespace(num_rounds=rounds)
+        return SimpleNamespace(config=config, num_ranks=num_ranks,
+                               buffers=SimpleNamespace(mega=mega))  # fmt: skip
+
+    fp8 = {"expert_precision": "fp8_blockwise"}
+    assert MoKConfig().fwd_rows == "auto"
+    assert rows_in_place(ws(MoKConfig(), 1))
+    assert rows_in_place(ws(MoKConfig(), 1, rounds=3), save=True)  # bf16: staged rows in place
+    assert not rows_in_place(ws(MoKConfig(), 2))
+    assert not rows_in_place(ws(MoKConfig(megakernel_cluster=2), 1))
+    assert rows_in_place(ws(MoKConfig(**fp8), 1))
+    assert rows_in_place(ws(MoKConfig(**fp8), 1, rounds=3), save=False)
+    assert not rows_in_place(ws(MoKConfig(**fp8), 1, rounds=3), save=True)
+    assert not rows_in_place(ws(MoKConfig(fwd_rows="pull"), 1))
+    assert rows_in_place(ws(MoKConfig(fwd_rows="in_place"), 1))
+    with pytest.raises(ValueError, match=r"fwd_rows='in_place' cannot run: rows in place need one "
+                       r"rank \(this workspace has 2\).*fwd_rows='auto' or 'pull'"):  # fmt: skip
+        rows_in_place(ws(MoKConfig(fwd_rows="in_place"), 2))
+    with pytest.raises(ValueError, match=r"FP8 rows in place read x quantised in place.*raise "
+                       r"macrobatch_size"):  # fmt: skip
+        rows_in_place(ws(MoKConfig(fwd_rows="in_place", **fp8), 1, rounds=2), save=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_ignored_knobs(MoKConfig(fwd_rows="pull"), "cuda/megakernel") == []
+    with pytest.warns(UserWarning, match="fwd_rows=pull has no effect on the cuda/stage1"):
+        assert warn_ignored_knobs(MoKConfig(fwd_rows="pull"), "cuda/stage1") == ["fwd_rows"]

@@ -52,7 +52,7 @@ from test_cuda_backend import (
 )
 
 from mok_megatron import functional as F
-from mok_megatron.functional.cuda.mega import unavailable_here
+from mok_megatron.functional.cuda.mega import rows_in_place, unavailable_here
 from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
 from mok_megatron.functional.schedule import MoKSchedule
 from mok_megatron.functional.workspace import MoKCapacityError
@@ -65,6 +65,9 @@ pytestmark = [
 ]
 
 MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8)
+# At one rank MEGA's forward reads its rows in place (fwd_rows='auto'); MEGA_PULL's comm CTAs
+# pull them into the ring, as at several ranks.
+MEGA_PULL = dataclasses.replace(MEGA, fwd_rows="pull")
 MEGA_STAGE1_BWD = F.MoKConfig(cuda_forward="megakernel", cuda_backward="stage1",
                               fwd_num_comm_sms=8)  # fmt: skip
 STAGE1 = F.MoKConfig(cuda_forward="stage1", fwd_num_comm_sms=8)
@@ -181,10 +184,14 @@ def _assert_tiles(plan, rounds, cplan):
 
 
 # --------------------------------------------------------------------------------- EP 1
+ROWS = {"in_place": dataclasses.replace(MEGA, fwd_rows="in_place"), "pull": MEGA_PULL}
+
+
+@pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_shapes_match_oracle_and_equal_stage1(shape):
+def test_shapes_match_oracle_and_equal_stage1(shape, rows):
     problem = _problem([300], SHAPES[shape], seed=11)
-    mega, sched, got, want = _mega_and_stage1(problem, MEGA, STAGE1)
+    mega, sched, got, want = _mega_and_stage1(problem, ROWS[rows], STAGE1)
     _assert_schedule_equal(sched, problem, mega.ws)
     failures = _check_accuracy(problem, got)
     failures += _check_against_reference(problem, got, MEGA, form="fused")
@@ -192,23 +199,28 @@ def test_shapes_match_oracle_and_equal_stage1(shape):
     _assert_equal_to_stage1(got, want)
 
 
+@pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("case", list(EDGE_CASES))
-def test_edge_cases_match_oracle_and_equal_stage1(case):
+def test_edge_cases_match_oracle_and_equal_stage1(case, rows):
     tokens, shape, kwargs, t_max = EDGE_CASES[case]
     problem = _problem(tokens, shape, seed=5, **kwargs)
-    mega, sched, got, want = _mega_and_stage1(problem, MEGA, STAGE1, num_local_tokens=t_max)
+    mega, sched, got, want = _mega_and_stage1(problem, ROWS[rows], STAGE1,
+                                              num_local_tokens=t_max)  # fmt: skip
     _assert_schedule_equal(sched, problem, mega.ws)
     failures = _check_accuracy(problem, got)
     assert not failures, failures
     _assert_equal_to_stage1(got, want)
 
 
+@pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("case", list(ROUND_CASES))
-def test_more_rows_than_one_ring(case):
-    """Rounds of 256 rows (several per pass): the ring is refilled after each round."""
+def test_more_rows_than_one_ring(case, rows):
+    """Rounds of 256 rows (several per pass): the ring is refilled after each round (with the
+    rows in place, each round's L1 tiles read the round's rows from the token rows)."""
     tokens, shape, kwargs = ROUND_CASES[case]
     problem = _problem(tokens, shape, seed=23, **kwargs)
-    mega, sched, got, want = _mega_and_stage1(problem, MEGA_ROUNDS, STAGE1_ROUNDS)
+    config = dataclasses.replace(MEGA_ROUNDS, fwd_rows="in_place" if rows == "in_place" else "pull")
+    mega, sched, got, want = _mega_and_stage1(problem, config, STAGE1_ROUNDS)
     assert mega.ws.buffers.mega.num_rounds > 1
     failures = _check_accuracy(problem, got)
     failures += _check_against_reference(problem, got, MEGA_ROUNDS, form="fused")
@@ -311,9 +323,10 @@ def test_knob_values_change_the_launch_not_the_result():
     there) but not the arithmetic: every setting gives the same bits."""
     problem = _problem([257], SHAPES["qwen3-30b-a3b"], seed=9)
     results = []
-    for comm, mini in ((1, 128), (8, 256), (40, 512)):
+    for comm, mini, rows in ((1, 128, "pull"), (8, 256, "pull"), (40, 512, "pull"),
+                             (8, 256, "in_place")):  # fmt: skip
         config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=comm,
-                             minibatch_size=mini, macrobatch_size=131072)  # fmt: skip
+                             minibatch_size=mini, macrobatch_size=131072, fwd_rows=rows)  # fmt: skip
         results.append(Run(problem, "cuda", config=config, form="fused_auto")()[1])
     for other in results[1:]:
         assert not _bitwise_equal(results[0], other)
@@ -325,8 +338,8 @@ def test_knob_values_change_the_launch_not_the_result():
 
 @pytest.mark.parametrize(
     "config",
-    [MEGA, MEGA_ROUNDS, dataclasses.replace(MEGA, megakernel_cluster=2)],
-    ids=["one_round", "rounds", "clusters_of_2"],
+    [MEGA, MEGA_PULL, MEGA_ROUNDS, dataclasses.replace(MEGA, megakernel_cluster=2)],
+    ids=["one_round", "one_round_pull", "rounds", "clusters_of_2"],
 )
 def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config):
     """The timeline (diagnostics, scripts/megakernel_trace.py): with the trace on, the pass gives
@@ -353,7 +366,10 @@ def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config
     assert tasks.shape == (shape.num_rounds, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS))
     c = dict(zip(MEGA_TRACE_CTA_FIELDS, ctas.cpu().T))
     assert (c["start"] > 0).all() and (c["end"] >= c["start"]).all()
-    assert c["pull_ns"][0] > 0 and (c["pull_ns"][config.fwd_num_comm_sms :] == 0).all()
+    if rows_in_place(run.ws):  # no CTA pulls
+        assert (c["pull_ns"] == 0).all()
+    else:
+        assert c["pull_ns"][0] > 0 and (c["pull_ns"][config.fwd_num_comm_sms :] == 0).all()
     if shape.num_rounds > 1:
         assert c["barrier_ns"].sum() > 0
     else:
@@ -632,7 +648,7 @@ sched = F.build_schedule(ws, config, topk, router_weights=rw)
 def _stalled_minibatch(knobs: str = "") -> str:
     """A child's forward whose comm CTAs never release minibatch 2; `knobs`: more MoKConfig
     fields (", name=value ...")."""
-    return _child_script(f"fwd_num_comm_sms=4, wait_timeout_ms=1500{knobs}",
+    return _child_script(f"fwd_num_comm_sms=4, fwd_rows='pull', wait_timeout_ms=1500{knobs}",
                          "ws.buffers.stall_minibatch = 2")  # fmt: skip
 
 
@@ -658,7 +674,7 @@ def test_a_stalled_minibatch_times_out_naming_rank_phase_minibatch_and_counter(t
 # L2 task: its producer's wait for a free stage (an L2 task has 6 k-tiles, the pipeline 4 stages)
 # is then the only wait left, and it must give up, not hang (as CUTLASS's own wait would).
 _STALLED_CONSUMERS = _child_script(
-    "fwd_num_comm_sms=1, wait_timeout_ms=1000",
+    "fwd_num_comm_sms=1, fwd_rows='pull', wait_timeout_ms=1000",
     "ws.buffers.num_sms = 2\nws.buffers.stall_l2_cta = 1",
     inter=384,
 )

@@ -84,13 +84,14 @@ def ran(monkeypatch):
     return calls
 
 
-def _fp8_runs(problem, ran, num_local_tokens=None, **knobs) -> tuple[dict, dict, int]:
+def _fp8_runs(problem, ran, num_local_tokens=None, rows="auto", **knobs) -> tuple[dict, dict, int]:
     """(the FP8 megakernel's out and gradients, FP8 stage 1's, the megakernel's rounds) on the
-    same problem with the same ``knobs``, each pass from poisoned memory; checks that each ran
-    its own forward and neither the backward megakernel."""
+    same problem with the same ``knobs`` (``rows``: the megakernel's fwd_rows), each pass from
+    poisoned memory; checks that each ran its own forward and neither the backward megakernel."""
     results, rounds = [], 0
     for forward in ("megakernel", "stage1"):
-        run = Run(problem, "cuda", config=fp8_config(forward, **knobs), form="fused_auto",
+        mine = {"fwd_rows": rows} if forward == "megakernel" else {}
+        run = Run(problem, "cuda", config=fp8_config(forward, **knobs, **mine), form="fused_auto",
                   num_local_tokens=num_local_tokens)  # fmt: skip
         assert run.ws.backend.path(run.ws) == forward
         ran.clear()
@@ -119,13 +120,16 @@ CASES = {
 
 
 # --------------------------------------------------------------------------------- EP 1
+@pytest.mark.parametrize("rows", ["in_place", "pull"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fp8_megakernel_forward_equals_stage1_bitwise(case, ran):
-    """The output bitwise stage 1's FP8 forward's; with stage 1's backward on both, every
-    gradient too (the activations each forward kept are bitwise equal)."""
+def test_fp8_megakernel_forward_equals_stage1_bitwise(case, rows, ran):
+    """The output bitwise stage 1's FP8 forward's, the L1 rows read in place (x quantised in
+    place: the producers copy them and their scales) or pulled into the ring; with stage 1's
+    backward on both, every gradient too (the activations each forward kept are bitwise
+    equal)."""
     tokens, shape, kwargs, t_max = CASES[case]
     problem = _problem(tokens, shape, seed=11, **kwargs)
-    got, want, _ = _fp8_runs(problem, ran, t_max, cuda_backward="stage1")
+    got, want, _ = _fp8_runs(problem, ran, t_max, rows=rows, cuda_backward="stage1")
     assert torch.equal(got["out"].view(torch.uint8), want["out"].view(torch.uint8)), (
         f"out: {relative_error(got['out'].float(), want['out'].float()):.2e} from stage 1's"
     )
@@ -222,6 +226,26 @@ def test_fp8_megakernel_rounds_equal_stage1(tokens, shape, kwargs, ran):
     assert err < OTHER_SUM_ORDER, f"out: {err:.2e} from stage 1's"
 
 
+def test_fp8_megakernel_rounds_without_grad_read_rows_in_place():
+    """A forward of several rounds that keeps nothing for a backward keeps no tokens, so its FP8
+    rows can be read in place ('auto' does): bitwise the pulled forward's output, both from
+    poisoned memory."""
+    problem = _problem([300], FP8_SHAPES["qwen3-30b-a3b"], seed=29)
+    outs = {}
+    for rows in ("in_place", "pull"):
+        config = fp8_config(fwd_rows=rows, minibatch_size=128, macrobatch_size=256)
+        run = Run(problem, "cuda", config=config, form="fused_auto")
+        assert run.ws.buffers.mega.num_rounds > 1
+        _poison_workspace(run.ws)
+        with poisoned_memory() as mem:
+            sched = run.schedule()
+            out, _ = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
+                               save_for_backward=False)  # fmt: skip
+        mem.assert_covers(out=out)
+        outs[rows] = out
+    assert torch.equal(outs["in_place"].view(torch.uint8), outs["pull"].view(torch.uint8))
+
+
 @pytest.mark.parametrize("form", ["fp8_blocks", "mxfp8"])
 def test_fp8_megakernel_prequantised_weights_equal_stage1(form, ran):
     """Weights given already quantised ((128, 128) FP8BlockTensors, or MXFP8 requantised):
@@ -310,7 +334,8 @@ def test_fp8_megakernel_stalled_minibatch_times_out(tmp_path):
     """The FP8 megakernel's comm CTAs never release minibatch 2: its tiles give up and the
     record names rank, phase, minibatch and counter, instead of hanging."""
     script = _child_script(
-        "expert_precision='fp8_blockwise', fwd_num_comm_sms=4, wait_timeout_ms=1500",
+        "expert_precision='fp8_blockwise', fwd_num_comm_sms=4, fwd_rows='pull', "
+        "wait_timeout_ms=1500",
         "ws.buffers.stall_minibatch = 2",
         inter=128,
     )

@@ -31,7 +31,8 @@ from . import stage1
 from .experts import ExpertRows, Experts
 from .plan import CudaPlan, Rounds, window_offs
 
-__all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "can_run", "forward",
+__all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "rows_in_place",
+           "can_run", "forward",
            "backward_unavailable", "runs_backward", "backward_steps"]  # fmt: skip
 
 
@@ -73,6 +74,30 @@ def mega_shape(config, row_capacity, num_local_experts, hidden, inter):
 
     return moe_mega_shape(row_capacity, num_local_experts, hidden, inter, config.minibatch_size,
                           config.macrobatch_size)  # fmt: skip
+
+
+def rows_in_place(ws, save: bool = False) -> bool:
+    """Whether the forward megakernel's L1 tiles read their rows in place (MoKConfig.fwd_rows):
+    'auto' where it can run (one rank, no clusters; FP8 experts also not in a forward of several
+    macrobatch rounds that keeps its tokens for the backward, ``save``: those are staged),
+    'in_place' there or an error, 'pull' never."""
+    c = ws.config
+    choice = c.fwd_rows
+    if choice == "pull":
+        return False
+    can = ws.num_ranks == 1 and c.megakernel_cluster == 1
+    staged = c.expert_precision != "bf16" and save and ws.buffers.mega.num_rounds > 1
+    if choice == "in_place" and not (can and not staged):
+        why = (
+            "FP8 rows in place read x quantised in place, and a forward of several macrobatch "
+            "rounds that keeps its tokens for the backward stages them (raise macrobatch_size)"
+            if can
+            else f"rows in place need one rank (this workspace has {ws.num_ranks}) and "
+            "megakernel_cluster=1: at several ranks the rows come from peers and are pulled"
+        )
+        raise ValueError(f"MoKConfig.fwd_rows='in_place' cannot run: {why}; set "
+                         "fwd_rows='auto' or 'pull'")  # fmt: skip
+    return can and not staged
 
 
 def can_run(routed) -> bool:
@@ -149,7 +174,9 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
         num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
         stall_minibatch=ws.buffers.stall_minibatch, stall_l2_cta=ws.buffers.stall_l2_cta,
-        trace=ws.buffers.trace, cluster=c.megakernel_cluster, **scales,
+        trace=ws.buffers.trace, cluster=c.megakernel_cluster,
+        rows_in_place=rows_in_place(ws, save),
+        **scales,
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_trace = (outs["trace_ctas"], outs["trace_tasks"])

@@ -60,6 +60,25 @@ MOK_DEVICE void prefetch_global_l1(const void* ptr) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
 }
 
+// 16 bytes global -> shared, asynchronously (cp.async, L2 only): `src_bytes` of them read from
+// `src` (16 or 0), the rest zero-filled. Completion: cp.async.mbarrier.arrive or wait_group.
+MOK_DEVICE void cp_async_16_zfill(uint32_t smem_dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// 4 bytes global -> shared, asynchronously (cp.async.ca: the 4-byte form caches in L1): `src_bytes`
+// of them read from `src` (4 or 0), the rest zero-filled.
+MOK_DEVICE void cp_async_4_zfill(uint32_t smem_dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// Waits for all of this thread's cp.async copies.
+MOK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // Named barrier `id` over `threads` threads of the CTA (id 0 is __syncthreads's).
 MOK_DEVICE void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

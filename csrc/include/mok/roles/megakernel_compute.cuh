@@ -67,7 +67,14 @@ enum class MegaBarrier : int {
   kConsumers = 1,  // the 256 consumer threads
   kPulled = 2,     // a comm CTA's consumers (arrive) and producer warp (sync): the round's rows
                    // are pulled, tasks may be taken
+  // (3 and 4: the FP8 consumers' turns, roles/megakernel_fp8.cuh)
+  kProducers = 5,  // the producer warpgroup's 128 threads (rows in place): warp 0 passed a
+                   // ticket to the other warps, or a k-tile's rows are copied and tracked
 };
+
+MOK_DEVICE void producers_sync() {
+  ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kProducers), 128);
+}
 
 // Producer -> consumers: the tickets the producer took, in order.
 using MegaTicketQueue = cutlass::PipelineAsync<kMegaTicketDepth>;
@@ -98,6 +105,8 @@ struct MegaComputeStorage {
   alignas(16) typename Mainloop::PipelineStorage pipeline;
   alignas(16) typename MegaTicketQueue::SharedStorage ticket_barriers;
   MegaTicket tickets[kMegaTicketDepth];
+  MegaTicket row_tickets[2];  // rows in place: warp 0 -> the other producer warps, alternately
+  int32_t row_tokens[layout::kBlockM];  // rows in place: each row's token of the L1 task loading
   MegaMailbox mailbox;  // clusters of 2 only
   typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;  // the producer warp's (FP8)
 };
@@ -137,6 +146,30 @@ MOK_DEVICE void prefetch_row_lines(const int64_t* first, int count) {
   for (int i = lane; i < lines; i += 32) ptx::prefetch_global_l1(first + min(i * kPerLine, count - 1));
 }
 
+// Whether a megakernel can read its L1 rows in place (MegaParams::rows_in_place): the forward
+// (BF16 or FP8) without clusters.
+template <bool kBackward, int kCluster, bool kFp8>
+constexpr bool kRowsInPlace = !kBackward && kCluster == 1;
+
+// Producer thread (one of the warpgroup's 128), rows in place: one L1 task's loads, its `row`
+// of the tile and that row's token (row_token) its own to publish (gemm::load_task_rows, or the
+// FP8 forward's gemm::load_task_rows_fp8).
+template <bool kBackward, int kCluster, bool kFp8>
+CUTLASS_DEVICE void load_task_rows_in_place(const MegaParams& p,
+                                            const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                            MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                            MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                            MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
+                                            const gemm::MegaLoad& load, int row, int32_t token);
+
+// Rows in place: the token row (one rank: src = t) of row `row` of m-tile `tile`, or -1 for a row
+// past the tile or a padding row (gemm::load_task_rows zero-fills it).
+MOK_DEVICE int32_t row_token(const MegaParams& p, int round, const MegaTile& tile, int row) {
+  if (row >= tile.row_end - tile.row_begin) return -1;
+  const int64_t src = p.row_src[static_cast<int64_t>(round) * p.ring_rows + tile.row_begin + row];
+  return src < 0 ? -1 : static_cast<int32_t>(src);
+}
+
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
 // `task` is this CTA's (cta_task); `slot` its trace record.
 template <bool kBackward, int kCluster, bool kFp8>
@@ -155,6 +188,21 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     gemm::stage_weight_scales(task.l2 ? gp.l2 : gp.l1, tile.expert, task.n, storage.scratch);
   }
   if (!task.l2) {
+    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
+                              p.l1_n,         p.hidden, p.l1_ktiles,
+                              p.num_local_experts, rd.round};
+    if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) {
+      if (p.rows_in_place) {  // the token rows were written before the launch: nothing to wait
+        if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
+        // warp 0's share of the copies (the other warps': rows_in_place_loader)
+        const int row = static_cast<int>(threadIdx.x % 128);
+        load_task_rows_in_place<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, load,
+                                                           row, row_token(p, rd.round, tile, row));
+        state.advance(p.l1_ktiles);
+        __syncwarp();
+        return;
+      }
+    }
     // The rows [row_begin, row_end) landed: every minibatch covering them was released.
     const int mb_first = tile.row_begin / p.minibatch_rows;
     const int mb_last = (tile.row_end - 1) / p.minibatch_rows;
@@ -162,9 +210,6 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
     wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
                   {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
     if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
-    const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
-                              p.l1_n,         p.hidden, p.l1_ktiles,
-                              p.num_local_experts, rd.round};
     if (leader) {
       if constexpr (kFp8) {
         gemm::load_task_fp8(p, gp.l1, pipeline, state, smem, load, storage.scratch);
@@ -288,16 +333,65 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
 }
 
-// Whether this CTA pulls rows (its comm index) or not (-1).
+// Whether this CTA pulls rows (its comm index) or not (-1): none with the rows in place.
 MOK_DEVICE int comm_index(const MegaParams& p) {
   const int b = static_cast<int>(blockIdx.x);
-  return b < p.num_comm_ctas ? b : -1;
+  return b < p.num_comm_ctas && !p.rows_in_place ? b : -1;
+}
+
+template <bool kBackward, int kCluster, bool kFp8>
+CUTLASS_DEVICE void load_task_rows_in_place(const MegaParams& p,
+                                            const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                            MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                            MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                            MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
+                                            const gemm::MegaLoad& load, int row, int32_t token) {
+  if constexpr (kFp8) {
+    gemm::load_task_rows_fp8(p, gp.l1, pipeline, state, storage.tensors, load, row, token,
+                             storage.row_tokens, storage.scratch, producers_sync);
+  } else {
+    gemm::load_task_rows<MegaMainloopKind<kBackward, kCluster, kFp8>>(
+        p, gp.l1, pipeline, state, storage.tensors, load, row, token, storage.row_tokens,
+        producers_sync);
+  }
+}
+
+// Rows in place, the producer warpgroup's warps 1-3 (all lanes), one round: every ticket warp 0
+// passes on (MegaComputeStorage::row_tickets, a kProducers barrier each), up to the round's end;
+// each L1 task's share of the copies made (gemm::load_task_rows), every task's k-tiles counted
+// in `state` as warp 0 counts them. A slot is rewritten two tickets later, after the barrier that
+// follows this warp's read of it.
+template <bool kBackward, int kCluster, bool kFp8>
+CUTLASS_DEVICE void rows_in_place_loader(const MegaParams& p,
+                                         const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                         MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                         MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                         MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
+                                         const MegaRound& rd, uint32_t& passed) {
+  for (;;) {
+    producers_sync();
+    const MegaTicket entry = storage.row_tickets[passed % 2];
+    ++passed;
+    if (entry.end) break;
+    if (entry.task.l2) {
+      state.advance(p.l2_ktiles);
+      continue;
+    }
+    const gemm::MegaLoad load{entry.tile.row_begin, entry.task.n,   entry.tile.expert,
+                              p.l1_n,               p.hidden,       p.l1_ktiles,
+                              p.num_local_experts,  rd.round};
+    const int row = static_cast<int>(threadIdx.x % 128);
+    load_task_rows_in_place<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, load, row,
+                                                       row_token(p, rd.round, entry.tile, row));
+    state.advance(p.l1_ktiles);
+  }
 }
 
 // The producer warpgroup: warp 0 takes and loads tasks of every round (a comm CTA's once its
 // rows are pulled) and passes each ticket on, the round's first ticket past its tasks last;
-// warps 1-3 only meet the round barriers. In a cluster the first CTA takes the tickets and posts
-// them to the second (cluster_ticket).
+// warps 1-3 load their share of each L1 task's rows where the rows are read in place
+// (rows_in_place_loader), else only meet the round barriers. In a cluster the first CTA takes the
+// tickets and posts them to the second (cluster_ticket).
 template <bool kBackward, int kCluster, bool kFp8>
 CUTLASS_DEVICE void producer_role(const MegaParams& p,
                                   const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
@@ -310,10 +404,18 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
   const bool loader = threadIdx.x / 32 == 0;
   const bool leader = threadIdx.x % 32 == 0;
   const bool pulls = comm_index(p) >= 0;
+  // Rows in place: the producer warpgroup's other warps load their share of each L1 task's rows.
+  bool row_loaders = false;
+  if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) row_loaders = p.rows_in_place != 0;
+  uint32_t passed = 0;  // tickets passed to the row loaders (their slot: passed % 2)
   uint32_t seq = 0;  // tickets this CTA took or received, all rounds (the mailbox's position)
   for (int round = 0; round < p.num_rounds; ++round) {
     const MegaRound rd = make_round<kCluster>(p, round);
-    if (loader) {
+    if (!loader && row_loaders) {
+      if constexpr (kRowsInPlace<kBackward, kCluster, kFp8>) {
+        rows_in_place_loader(p, gp, pipeline, state, storage, rd, passed);
+      }
+    } else if (loader) {
       if (pulls) {
         ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kPulled), 32 + kMegaConsumerThreads);
       }
@@ -334,6 +436,11 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
           queue.producer_commit(queue_state);
         }
         ++queue_state;
+        if (row_loaders) {
+          if (leader) storage.row_tickets[passed % 2] = entry;
+          ++passed;
+          producers_sync();
+        }
         if (last) break;
         produce_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd, entry.slot,
                                                 entry.task, tile);
@@ -349,6 +456,9 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
       gemm::acquire_slot(p, pipeline, state, p.num_rounds - 1);
     }
   }
+  // NOTE: no thread leaves with copies of its own in flight (as CUTLASS's producers' load_tail);
+  // the CTA would outlive them anyway (warp 0 waits above for the consumers, which wait for them).
+  if (row_loaders) ptx::cp_async_wait_all();
   __syncwarp();  // warp 0 converged again before the cluster's aligned barrier
 }
 
@@ -398,13 +508,14 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
   if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
 }
 
-// This thread's side of both pipelines (the mainloop's and the ticket queue): the consumer
-// warpgroups consume, the producer warp produces, the producer warpgroup's other warps neither.
+// This thread's side of a pipeline: the consumer warpgroups consume; of the producer warpgroup,
+// the producer warp produces (the ticket queue's), or every warp (the mainloop's: with the rows in
+// place all four load rows; the pipeline's leader, thread 0, alone arms a stage).
 template <class Category>
-MOK_DEVICE Category pipeline_role(int warp_group) {
-  return warp_group != 0 ? Category::Consumer
-         : threadIdx.x / 32 == 0 ? Category::Producer
-                                 : Category::NonParticipant;
+MOK_DEVICE Category pipeline_role(int warp_group, bool whole_warpgroup) {
+  return warp_group != 0                             ? Category::Consumer
+         : whole_warpgroup || threadIdx.x / 32 == 0 ? Category::Producer
+                                                    : Category::NonParticipant;
 }
 
 // A CTA's whole launch: the pipelines, then the warpgroup roles with their register budgets
@@ -417,7 +528,7 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   using Pipeline = MegaPipelineKind<kBackward, kCluster, kFp8>;
   const int warp_group = static_cast<int>(threadIdx.x) / 128;
   typename Pipeline::Params pipe;
-  pipe.role = pipeline_role<typename Pipeline::ThreadCategory>(warp_group);
+  pipe.role = pipeline_role<typename Pipeline::ThreadCategory>(warp_group, true);
   pipe.is_leader = threadIdx.x % 128 == 0;
   pipe.num_consumers = kMegaConsumerThreads;
   pipe.num_producers = 1;
@@ -436,7 +547,7 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   // barriers would get half their arrivals (the same count, 2 CTAs x 2 warpgroups, either way).
   Pipeline pipeline(storage.pipeline, pipe, MegaLaunchCluster<kCluster>{});
   typename MegaTicketQueue::Params qp;
-  qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group);
+  qp.role = pipeline_role<typename MegaTicketQueue::ThreadCategory>(warp_group, false);
   qp.producer_arv_count = 1;                     // the producer warp's lane 0
   qp.consumer_arv_count = kMegaConsumerThreads;  // every consumer thread releases its read
   // NOTE: the queue is this CTA's own: its consumers release to this CTA's rank in the cluster

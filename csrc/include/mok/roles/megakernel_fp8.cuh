@@ -32,7 +32,9 @@
 // scale and encoding (common/fp8_blockwise.cuh, roles/fp8_blockwise_quantize.cuh) applied to the
 // bf16 act values stage 1's quantiser reads.
 //
-// Producer. One thread issues each k-tile's TMA loads (A, both halves' B, A's 128 scales). B's
+// Producer. One thread issues each k-tile's TMA loads (A, both halves' B, A's 128 scales); with
+// the rows in place at one rank (MoKConfig.fwd_rows) the producer warpgroup copies A's rows and
+// scales from x quantised in place instead (load_task_rows_fp8) and no ring is pulled. B's
 // one scale per half and k-tile is not a TMA box (4 bytes): the producer warp stages the task's
 // K / 128 weight scales of both halves in shared memory first (one coalesced load), and the
 // loading thread stores each k-tile's two into the stage's scale slots before it arms the stage's
@@ -250,6 +252,98 @@ CUTLASS_DEVICE void load_task_fp8(const roles::MegaParams& p, const MegaFp8Gemm&
     copy(g.ml.tma_load_b.with(*full, 0), tBgB1(_, _, _, k),
          tBsB(_, _, _, kMegaFp8Halves * stage + 1));
     copy(g.sfa.with(*full, 0), tSgS(_, _, _, k), tSsS(_, _, _, stage));
+    ++state;
+  }
+}
+
+// Rows in place (MoKConfig.fwd_rows="in_place", one rank): an L1 task reads its A rows and their
+// scales straight from x quantised in place (MegaParams::local_tokens, local_token_scales) instead
+// of from the ring and scale region a comm CTA filled; gemm::load_task_rows' copies (a K block of
+// e4m3 is 128 bytes a row, as a bf16 k-tile: the same chunks, swizzle and warp mapping) plus each
+// row's scale of the block, 4 bytes by its own thread into smem_SFA. A padding row or one past the
+// tile gets zeros and scale 0 (the pull gave zeros and scale 1): its partials are +-0 and its
+// totals +0 either way (weight scales are finite), so every row's outputs, a padding row's stored
+// act included, are the same bits; rows past the tile are not stored.
+constexpr uint32_t kMegaFp8StageBBytes = kMegaFp8Halves * kMegaFp8BlockN * kFp8ScaleBlock;
+constexpr int kMegaFp8StageABytes = layout::kBlockM * kFp8ScaleBlock;
+constexpr auto kFp8ALayout = cute::get_nonswizzle_portion(MegaFp8Mainloop::SmemLayoutA{});
+static_assert(sizeof(Fp8Element) == 1 && kFp8ScaleBlock == 128 && kRowChunks * 16 == 128 &&
+                  kFp8ALayout(1, 0, 0) == 128 && kFp8ALayout(8, 0, 0) == 8 * 128 &&
+                  kFp8ALayout(0, 1, 0) == 1 && kFp8ALayout(0, 0, 1) == kMegaFp8StageABytes &&
+                  std::is_same_v<decltype(cute::get_swizzle_portion(MegaFp8Mainloop::SmemLayoutA{})),
+                                 cute::Swizzle<3, 4, 3>>,
+              "FP8 rows in place: A's rows 128 bytes apart, stages consecutive, SW128 (as bf16's)");
+static_assert(kMegaFp8StageABytes + kMegaFp8StageBBytes + kMegaFp8SfaBytes == kMegaFp8StageBytes,
+              "FP8 rows in place: the stage's TMA bytes are B's alone");
+
+// Producer thread (one of the warpgroup's 128): as gemm::load_task_rows, over one L1 task's K
+// blocks; the leader also stores each block's two weight scales (from `scratch`) before its
+// arrival, as load_task_fp8's does before arming.
+template <class Sync>
+CUTLASS_DEVICE void load_task_rows_fp8(const roles::MegaParams& p, const MegaFp8Gemm& g,
+                                       MegaFp8Pipeline& pipeline, MegaFp8PipelineState state,
+                                       typename MegaFp8Mainloop::TensorStorage& smem,
+                                       const MegaLoad& load, int row, int32_t token,
+                                       int32_t* row_tokens, const MegaFp8Scratch& scratch,
+                                       Sync sync) {
+  using namespace cute;
+  using Tile = MegaFp8TileShape;
+  const bool waits = threadIdx.x % 32 == 0, leader = threadIdx.x == 0;
+  Tensor mB = g.ml.tma_load_b.get_tma_tensor(make_shape(load.n_size, load.k_size, load.num_experts));
+  const int nb = load.n_tile * kMegaFp8Halves;
+  Tensor gB0 = local_tile(mB(_, _, load.expert), select<1, 2>(Tile{}), make_coord(nb, _));
+  Tensor gB1 = local_tile(mB(_, _, load.expert), select<1, 2>(Tile{}), make_coord(nb + 1, _));
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()),
+                          typename MegaFp8Mainloop::SmemLayoutB{});  // (BLK_N, BLK_K, 2 PIPE)
+  auto tma_b = g.ml.tma_load_b.get_slice(0);
+  Tensor tBgB0 = tma_b.partition_S(gB0);
+  Tensor tBgB1 = tma_b.partition_S(gB1);
+  Tensor tBsB = tma_b.partition_D(sB);
+  row_tokens[row] = token;
+  sync();  // every row's token is in shared memory
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int chunk = lane % kRowChunks;
+  const int first_row = row / 32 * 32 + lane / kRowChunks;  // copy j: row first_row + 4 j
+  const uint8_t* rows = p.local_tokens;
+  const int blocks = p.hidden / kFp8ScaleBlock;
+  const float* scale = token >= 0 ? p.local_token_scales + static_cast<int64_t>(token) * blocks
+                                  : p.local_token_scales;  // this thread's row's, or a dummy
+  // Offsets in a stage as gemm::load_task_rows' (rows of 128 bytes either way).
+  const uint32_t even = cast_smem_ptr_to_uint(smem.smem_A.data()) +
+                        static_cast<uint32_t>(first_row * 128) +
+                        ((static_cast<uint32_t>(chunk) ^ static_cast<uint32_t>(first_row % 8)) << 4);
+  const uint32_t odd = even ^ 64u;
+  const uint32_t sfa = cast_smem_ptr_to_uint(smem.smem_SFA.data()) +
+                       static_cast<uint32_t>(row * sizeof(float));
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < g.k_blocks; ++k) {
+    if (waits) wait_slot(p, pipeline, state, load.round);
+    __syncwarp();  // the stage is free before any lane writes it
+    uint64_t* full = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    if (leader) {
+      smem.smem_SFB[kMegaFp8Halves * stage] = scratch.sfb[k];
+      smem.smem_SFB[kMegaFp8Halves * stage + 1] = scratch.sfb[g.k_blocks + k];
+      cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, kMegaFp8StageBBytes);
+      copy(g.ml.tma_load_b.with(*full, 0), tBgB0(_, _, _, k), tBsB(_, _, _, kMegaFp8Halves * stage));
+      copy(g.ml.tma_load_b.with(*full, 0), tBgB1(_, _, _, k),
+           tBsB(_, _, _, kMegaFp8Halves * stage + 1));
+    }
+    const uint32_t a_stage = static_cast<uint32_t>(stage * kMegaFp8StageABytes);
+    const int col = k * kFp8ScaleBlock + chunk * 16;  // bytes = e4m3 elements
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCopiesPerThread; ++j) {
+      const int32_t t = row_tokens[first_row + kRowsPerCopy * j];
+      const bool live = t >= 0 && col < load.k_size;
+      const uint32_t dst = (j % 2 ? odd : even) + a_stage + static_cast<uint32_t>(512 * j);
+      ptx::cp_async_16_zfill(dst, live ? rows + static_cast<int64_t>(t) * p.hidden + col : rows,
+                             live ? 16 : 0);
+    }
+    ptx::cp_async_4_zfill(sfa + static_cast<uint32_t>(stage * kMegaFp8SfaBytes), scale + k,
+                          token >= 0 ? 4 : 0);
+    cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies
+    sync();
+    if (leader) cutlass::arch::ClusterBarrier::arrive(full);
     ++state;
   }
 }

@@ -117,9 +117,11 @@ struct MegaLoad {
 struct NoArmHook {
   CUTLASS_DEVICE void operator()(int) const {}
 };
-template <class Pipeline, class State, class BeforeArm = NoArmHook>
-CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
-                                 const State& state, int round, BeforeArm before_arm = {}) {
+// acquire_slot's bounded wait alone, without arming (rows in place: the stage is armed by the
+// leader once every row's copies are tracked).
+template <class Pipeline, class State>
+CUTLASS_DEVICE void wait_slot(const roles::MegaParams& p, Pipeline& pipeline, const State& state,
+                              int round) {
   const auto phase = roles::pass_phase(p, layout::MegaPhase::kProducerSlot);
   uint64_t start_ns = 0;
   while (pipeline.producer_try_acquire(state) != cutlass::BarrierStatus::WaitDone) {
@@ -133,6 +135,12 @@ CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
                                  static_cast<int32_t>(state.count() / Pipeline::Stages));
     }
   }
+}
+
+template <class Pipeline, class State, class BeforeArm = NoArmHook>
+CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
+                                 const State& state, int round, BeforeArm before_arm = {}) {
+  wait_slot(p, pipeline, state, round);
   before_arm(static_cast<int>(state.index()));
   pipeline.producer_acquire(state, {cutlass::BarrierStatus::WaitDone});
 }
@@ -180,6 +188,113 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
       copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
     }
     copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+    ++state;
+  }
+}
+
+// Rows in place (MoKConfig.fwd_rows="in_place", one rank): an L1 task reads its A rows straight
+// from the token rows [T, H] instead of from the ring a comm CTA filled. The 128 threads of the
+// producer warpgroup copy each k-tile's 128 rows x 128 bytes with cp.async, 16-byte chunks into
+// the stage under its 128-byte swizzle (chunk c of row r at chunk c ^ (r % 8) of the row's 128
+// bytes: CuTe's Swizzle<3, 4, 3> of the K-major SW128 atom, the stage 1024-byte aligned), and
+// each thread's cp.async.mbarrier.arrive makes the stage's full barrier wait for its copies. B is
+// the leader's TMA as in load_task, armed and issued as soon as the stage is free.
+// NOTE: lane l of warp w copies chunk l % 8 of rows 32 w + 4 j + l / 8, j = 0..7: each copy
+// instruction of a warp reads 4 whole 128-byte rows. A row per thread (the first cp.async build,
+// ba4fee4, not run) read 32 rows' 16 bytes per instruction, half of each 32-byte sector, and the
+// next chunk's instruction the same sectors again (cp.async.cg does not keep them in L1): twice
+// A's L2 bytes, in a mainloop bound by the L2 (docs/perf_notes.md). The rows' tokens go through
+// shared memory (MegaComputeStorage::row_tokens) so that each thread can reach 8 rows.
+// NOTE: one 2D TMA box per row (built first, commit 10e9f45) issues 128 TMAs per k-tile, which
+// a warp sends one lane at a time (a TMA's coordinates are uniform registers): the L1 k-tile
+// then took 1300 ns against the pull's 680 on one H200 (megakernel_trace_h200_fefeac9_*.json).
+constexpr int kRowLoaderThreads = 128;  // the producer warpgroup
+static_assert(kRowLoaderThreads == layout::kBlockM, "the row loaders write one token each");
+constexpr int kBlockK = cute::size<2>(MegaTileShape{});
+constexpr int kRowChunks = kBlockK * static_cast<int>(sizeof(Element)) / 16;  // 16-byte chunks
+constexpr int kRowsPerCopy = 32 / kRowChunks;  // whole rows one warp instruction copies
+constexpr int kCopiesPerThread = layout::kBlockM * kRowChunks / kRowLoaderThreads;
+using MegaSmemLayoutA = typename MegaMainloop::SmemLayoutA;
+static_assert(std::is_same_v<typename MegaMainloop::SmemLayoutAtomA,
+                             decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{})> &&
+                  kRowChunks == 8 && cute::size<0>(MegaSmemLayoutA{}) == layout::kBlockM &&
+                  cute::size<1>(MegaSmemLayoutA{}) == kBlockK,
+              "rows in place: a stage of A is 128 K-major rows of one 128-byte swizzle atom's "
+              "width (8 chunks of 16 bytes, chunk c of row r at c ^ (r % 8)), 128 bytes apart");
+constexpr int kStageAElems = layout::kBlockM * kBlockK;
+static_assert(cute::cosize_v<MegaSmemLayoutA> == kStageAElems * MegaMainloop::DispatchPolicy::Stages &&
+                  kStageAElems * sizeof(Element) % 1024 == 0,
+              "rows in place: the stages of A are consecutive, each 1024-byte aligned");
+constexpr auto kALayout = cute::get_nonswizzle_portion(MegaSmemLayoutA{});
+static_assert(kALayout(1, 0, 0) == kBlockK && kALayout(8, 0, 0) == 8 * kBlockK &&
+                  kALayout(0, 1, 0) == 1 && kALayout(0, 0, 1) == kStageAElems &&
+                  std::is_same_v<decltype(cute::get_swizzle_portion(MegaSmemLayoutA{})),
+                                 cute::Swizzle<3, 4, 3>>,
+              "rows in place: row r at r * 128 bytes, stages consecutive, SW128 on byte addresses");
+constexpr uint32_t kStageBBytes = layout::kBlockN * kBlockK * sizeof(Element);
+static_assert(kStageAElems * sizeof(Element) + kStageBBytes == MegaMainloop::TmaTransactionBytes,
+              "rows in place: the stage's TMA bytes are B's alone");
+
+// Producer thread (one of the warpgroup's 128; lane 0 of each warp waits for the stages): one L1
+// task's k-tiles from `state` on (the caller advances its state by k_tiles) with A's rows read in
+// place. `row` (the thread's index in the warpgroup) and `token`: one row of the tile and its
+// token row (-1: a row past the tile or a padding row, zeros as the ring's zero rows gave), put
+// in `row_tokens` (shared) for every thread to read. Columns past H (a last k-tile in part) are
+// zeros too. `sync`: the warpgroup's named barrier, after the tokens are written and, every
+// k-tile, after the copies and their tracked arrival; then the leader (thread 0), which armed B's
+// bytes before its own copies, adds its arrival: the stage completes when both have landed.
+template <class Mainloop, class Sync>
+CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop::Params const& mp,
+                                   MegaPipeline& pipeline, MegaPipelineState state,
+                                   typename Mainloop::TensorStorage& smem, const MegaLoad& load,
+                                   int row, int32_t token, int32_t* row_tokens, Sync sync) {
+  using namespace cute;
+  static_assert(std::is_same_v<typename Mainloop::SmemLayoutA, MegaSmemLayoutA>,
+                "rows in place: the forward's A stages");
+  const bool waits = threadIdx.x % 32 == 0, leader = threadIdx.x == 0;
+  Tensor mB = mp.tma_load_b.get_tma_tensor(make_shape(load.n_size, load.k_size, load.num_experts));
+  Tensor gB = local_tile(mB(_, _, load.expert), select<1, 2>(MegaTileShape{}),
+                         make_coord(load.n_tile, _));  // (BLK_N, BLK_K, k)
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
+  auto block_tma_b = mp.tma_load_b.get_slice(0);
+  Tensor tBgB = block_tma_b.partition_S(gB);
+  Tensor tBsB = block_tma_b.partition_D(sB);
+  row_tokens[row] = token;
+  sync();  // every row's token is in shared memory
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int chunk = lane % kRowChunks;
+  const int first_row = row / 32 * 32 + lane / kRowChunks;  // copy j: row first_row + 4 j
+  const Element* rows = reinterpret_cast<const Element*>(p.rows);
+  // Copy j's place in a stage: row r = first_row + 4 j at r * 128 bytes, its chunk at
+  // chunk ^ (r % 8) = chunk ^ (first_row % 8) ^ 4 (j % 2): the even copies' offset plus 512 j,
+  // the odd copies' with bit 6 flipped (immediate offsets from two registers, not 8 live ones).
+  static_assert(kRowsPerCopy == 4 && kBlockK * sizeof(Element) == 128, "the offsets below");
+  const uint32_t even = cast_smem_ptr_to_uint(smem.smem_A.data()) +
+                        static_cast<uint32_t>(first_row * 128) +
+                        ((static_cast<uint32_t>(chunk) ^ static_cast<uint32_t>(first_row % 8)) << 4);
+  const uint32_t odd = even ^ 64u;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < load.k_tiles; ++k) {
+    if (waits) wait_slot(p, pipeline, state, load.round);
+    __syncwarp();  // the stage is free before any lane writes it
+    uint64_t* full = pipeline.producer_get_barrier(state);
+    if (leader) {
+      cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, kStageBBytes);
+      copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
+    }
+    const uint32_t stage = static_cast<uint32_t>(state.index() * kStageAElems * sizeof(Element));
+    const int col = k * kBlockK + chunk * 8;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCopiesPerThread; ++j) {
+      const int32_t t = row_tokens[first_row + kRowsPerCopy * j];
+      const bool live = t >= 0 && col < load.k_size;
+      const uint32_t dst = (j % 2 ? odd : even) + stage + static_cast<uint32_t>(512 * j);
+      ptx::cp_async_16_zfill(dst, live ? rows + static_cast<int64_t>(t) * p.hidden + col : rows,
+                             live ? 16 : 0);
+    }
+    cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies
+    sync();
+    if (leader) cutlass::arch::ClusterBarrier::arrive(full);
     ++state;
   }
 }

@@ -55,6 +55,10 @@ struct MegaParams {
   int l1_done_word;            // counter word of l1_done[0]
   int num_ctas;
   int num_comm_ctas;
+  int rows_in_place;           // 1: the forward's L1 tasks read their rows from the token rows
+                               // (one rank, gemm::load_task_rows) and no CTA pulls
+  const __nv_bfloat16* rows;   // rows in place: the token rows [T, H] (x, or this rank's tokens
+                               // region where they were staged)
   int stall_minibatch;
   int stall_l2_cta;            // fault injection (tests): this CTA's consumers stop at their
                                // first second-GEMM task (-1: none)
