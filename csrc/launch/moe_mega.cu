@@ -98,6 +98,9 @@ void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float*
   MOK_HOST_CHECK(lay.slot_rows == 1, "the workspace has no slot_rows region");
   moe_barrier(comm, static_cast<int>(comm::Phase::kSlotRowsPushed), stream);
   if (num_tokens == 0) return;
+  MOK_HOST_CHECK(int64_t{num_tokens} * (lay.hidden / 8) <= INT32_MAX,
+                 "moe_reduce_slot_rows: %d tokens of hidden=%lld are more than its 32-bit "
+                 "indices reach; split the call", num_tokens, static_cast<long long>(lay.hidden));
   roles::reduce_slot_rows<<<grid_for(num_tokens * lay.hidden / 8), kThreads, 0, stream>>>(
       lay, comm.my_base, topk, weights, num_experts,
       static_cast<const __nv_bfloat16*>(shared_out), static_cast<__nv_bfloat16*>(out),
