@@ -79,6 +79,11 @@ MOK_DEVICE void cp_async_4_zfill(uint32_t smem_dst, const void* src, int src_byt
 // Waits for all of this thread's cp.async copies.
 MOK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// A hint: the 128-byte line holding ptr into L2 (no register held, nothing waits).
+MOK_DEVICE void prefetch_global_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
 // Named barrier `id` over `threads` threads of the CTA (id 0 is __syncthreads's).
 MOK_DEVICE void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -170,6 +170,37 @@ MOK_DEVICE int32_t row_token(const MegaParams& p, int round, const MegaTile& til
   return src < 0 ? -1 : static_cast<int32_t>(src);
 }
 
+// Producer warp (all 32 lanes), the backward's first GEMM: the lines of act and h that the task's
+// epilogue (gemm::dswiglu_epilogue) reads, into L2, once the task's last k-tile is issued: its
+// consumers are then at most the pipeline's stages from that epilogue, which otherwise waits on
+// HBM for 192 KB per task (a, g and u of 128 rows x 256 columns), batch after batch: 21% of
+// qwen3-30b-a3b's backward CTA time at 15fe76a, 13 us per task (docs/perf_notes.md). Rows in the
+// order the epilogue takes them: each warp's rows 16 w + 0..7 (its first row half), then
+// 16 w + 8..15.
+MOK_DEVICE void prefetch_dswiglu_rows(const MegaParams& p, const MegaTile& tile, int n_tile) {
+  const int rows = tile.row_end - tile.row_begin;
+  const int col0 = n_tile * layout::kBlockN;
+  const int cols = min(layout::kBlockN, p.inter - col0);
+  if (cols <= 0) return;  // a cluster's tile past the last n-tile
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const auto lines = [](const __nv_bfloat16* first, int count) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{127};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(first + count);
+    for (uintptr_t line = begin; line < end; line += 128) {
+      ptx::prefetch_global_l2(reinterpret_cast<const void*>(line));
+    }
+  };
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int i = lane; i < layout::kBlockM; i += 32) {
+    const int half = i / (layout::kBlockM / 2), j = i % (layout::kBlockM / 2);
+    const int row = (j / 8) * 16 + half * 8 + j % 8;
+    if (row >= rows) continue;
+    const int64_t ring_row = tile.row_begin + row;
+    lines(p.act_ring + ring_row * p.inter + col0, cols);
+    lines(p.h_ring + ring_row * 2 * p.inter + 2 * col0, 2 * cols);
+  }
+}
+
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
 // `task` is this CTA's (cta_task); `slot` its trace record.
 template <bool kBackward, int kCluster, bool kFp8>
@@ -218,6 +249,10 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
       }
     }
     state.advance(p.l1_ktiles);
+    if constexpr (kBackward) {
+      __syncwarp();  // after the leader's last k-tile: see prefetch_dswiglu_rows
+      prefetch_dswiglu_rows(p, tile, task.n);
+    }
   } else {
     // The consumers read their rows' destinations (gemm::l2_row_dsts) as the task begins: the
     // plan's row_dst entries of the tile's rows, brought into this SM's L1 now. The FP8 consumers
