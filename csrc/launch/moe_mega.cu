@@ -96,11 +96,16 @@ void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float*
                           cudaStream_t stream) {
   const auto& lay = comm.lay;
   MOK_HOST_CHECK(lay.slot_rows == 1, "the workspace has no slot_rows region");
-  moe_barrier(comm, static_cast<int>(comm::Phase::kSlotRowsPushed), stream);
-  if (num_tokens == 0) return;
+  // NOTE: checked before the barrier, as every refusal here (nothing enqueued that peers wait on).
+  // The kernel reads every slot row of its tokens, kept or not: they must lie in slot_rows.
+  MOK_HOST_CHECK(num_tokens >= 0 && num_tokens <= lay.max_tokens,
+                 "moe_reduce_slot_rows: %d tokens, the workspace's slot_rows hold %lld",
+                 num_tokens, static_cast<long long>(lay.max_tokens));
   MOK_HOST_CHECK(int64_t{num_tokens} * (lay.hidden / 8) <= INT32_MAX,
                  "moe_reduce_slot_rows: %d tokens of hidden=%lld are more than its 32-bit "
                  "indices reach; split the call", num_tokens, static_cast<long long>(lay.hidden));
+  moe_barrier(comm, static_cast<int>(comm::Phase::kSlotRowsPushed), stream);
+  if (num_tokens == 0) return;
   roles::reduce_slot_rows<<<grid_for(num_tokens * lay.hidden / 8), kThreads, 0, stream>>>(
       lay, comm.my_base, topk, weights, num_experts,
       static_cast<const __nv_bfloat16*>(shared_out), static_cast<__nv_bfloat16*>(out),

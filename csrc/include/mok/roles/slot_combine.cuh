@@ -28,10 +28,11 @@ constexpr int kSlotBatch = 8;
 
 // Grid-stride over [T, H / 8]: out[t] = bf16(sum_k w[t, k] * slot_rows[t, k] + shared[t]) over
 // the slots k with an expert id in [0, num_experts); weights null: unweighted (the backward's
-// d_x, whose rows carry the router weight already). The host checks T * H / 8 < 2^31.
+// d_x, whose rows carry the router weight already). The host checks T <= T_max and
+// T * H / 8 < 2^31, and grid_for caps the grid at 4096 blocks: i + stride stays below 2^32.
 // NOTE: each thread loads a batch of kSlotBatch slots' ids, weights and 16-byte row pieces
 // before it adds any, the row pieces unconditionally (slot_rows holds every (t, k) of t < T_max,
-// so a skipped slot's piece is read and not used), then adds the kept ones in slot order: the
+// so a skipped slot's piece, which nothing wrote, is read and not used), then adds the kept ones in slot order: the
 // same sum, step for step, as one slot at a time. One slot at a time (a dependent load of the id,
 // then of the row, per slot) kept about one load per thread in flight: 93 us of qwen3-30b-a3b's
 // 8192-token forward, 315 of deepseek-v3's (profile_moe_h200_ep1_0d9dae0.json), against about
