@@ -7,9 +7,10 @@
 # .devcarry carried, before each process that should load variant NAME:
 #   bash scripts/extension_variants.sh use NAME    # .devcarry/so/NAME.so.gz -> mok_megatron/
 # `use` names the file for the interpreter that will import it, $PYTHON (default python3: the
-# device's); `pack` takes the one extension the build left. A variant's Python must be the
-# checked-out tree's: variants whose commits change the op schema or mok_megatron/ cannot share
-# one call.
+# device's); `pack` takes the one extension the build left. A variant's Python must match its
+# build (the op schema): for variants on commits whose Python differs, carry each commit's tree,
+#   bash scripts/extension_variants.sh tree REV NAME  # git archive REV (no csrc/, docs/) -> .devcarry/trees/NAME
+# and on the device `cd .devcarry/trees/NAME`, `use` there (PYTHONPATH=$PWD), for each variant.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 case "${1:-}" in
@@ -32,11 +33,20 @@ case "${1:-}" in
   use)
     so=$("${PYTHON:-python3}" -c \
       "import sysconfig; print('mok_megatron/_C' + sysconfig.get_config_var('EXT_SUFFIX'))")
-    gunzip -c ".devcarry/so/$2.so.gz" > "$so"
+    packed=".devcarry/so/$2.so.gz"
+    [[ -f "$packed" ]] || packed="../../so/$2.so.gz"  # inside .devcarry/trees/NAME
+    gunzip -c "$packed" > "$so"
     echo "extension: $2"
     ;;
+  tree)
+    rm -rf ".devcarry/trees/$3"
+    mkdir -p ".devcarry/trees/$3"
+    git archive "$2" -- . ':!csrc' ':!docs' | tar -x -C ".devcarry/trees/$3"
+    cp scripts/extension_variants.sh ".devcarry/trees/$3/scripts/"
+    echo "tree of $(git rev-parse --short "$2") as .devcarry/trees/$3 ($(du -sh ".devcarry/trees/$3" | cut -f1))"
+    ;;
   *)
-    echo "usage: $0 pack NAME | use NAME" >&2
+    echo "usage: $0 pack NAME | use NAME | tree REV NAME" >&2
     exit 2
     ;;
 esac

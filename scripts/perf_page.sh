@@ -7,6 +7,7 @@ R=docs/results
 PY="${PYTHON:-python3}"
 records=(
   bench_moe_h200_ep1_graph_25c52a9.json
+  bench_moe_h100_ep1_rows_qwen3_f92b268.json
   bench_moe_h200_ep1_ceiling_0d9dae0.json
   bench_moe_h200_ep1_ceiling_f94e43d.json
   bench_moe_h200_ep1_cluster2_efe26e3.json
@@ -22,6 +23,11 @@ records=(
   bench_moe_h200_ep1_deepseek_fc524bd.json
 )
 compares=(  # BEFORE AFTER pairs
+  bench_moe_h100_ep1_fwdgraph_527358d_1.json bench_moe_h100_ep1_fwdgraph_f92b268_1.json
+  bench_moe_h100_ep1_fwdgraph_527358d_2.json bench_moe_h100_ep1_fwdgraph_f92b268_2.json
+  bench_moe_h100_ep1_maingrad_527358d_1.json bench_moe_h100_ep1_maingrad_f92b268_1.json
+  bench_moe_h100_ep1_maingrad_527358d_2.json bench_moe_h100_ep1_maingrad_f92b268_2.json
+  bench_moe_h100_ep1_maingrad_527358d_3.json bench_moe_h100_ep1_maingrad_f92b268_3.json
   bench_moe_h200_ep1_graph_ed574ac.json bench_moe_h200_ep1_graph_2defa24.json
   bench_moe_h200_ep1_graph_62ca1f1.json bench_moe_h200_ep1_graph_05618ca.json
   bench_moe_h200_ep1_bwd_15fe76a.json bench_moe_h200_ep1_bwd_4a24211.json
@@ -30,6 +36,10 @@ compares=(  # BEFORE AFTER pairs
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_h100_f92b268_fp8_pull.json
+  megakernel_trace_h100_f92b268_fp8_in_place.json
+  megakernel_trace_bwd_h100_527358d_ab.json
+  megakernel_trace_bwd_h100_f92b268_ab.json
   megakernel_trace_h200_ed574ac_keep.json
   megakernel_trace_bwd_h200_ed574ac.json
   megakernel_trace_h200_e05a227_keep.json
@@ -93,6 +103,6 @@ args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_1c8cc70.json")
 args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
   "$R/profile_host_h200_ep1_fefeac9.json")
-args+=(--profile "$R/profile_moe_h200_ep1_0d9dae0.json" "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
+args+=(--profile "$R/profile_moe_h100_ep1_f92b268_ab.json" "$R/profile_moe_h100_ep1_527358d_ab.json" "$R/profile_moe_h200_ep1_0d9dae0.json" "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
   "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
 exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png

@@ -192,7 +192,7 @@ CLUSTER2_HEAD = (
 PULL_HEAD = (
     "## The forward megakernel's rows in place against pulled (one rank)\n\n"
     "The MoK layer as above (the megakernel's forward with the default `fwd_rows='auto'`: at one "
-    "rank its L1 tiles load their rows from the token rows, a row per producer thread, and "
+    "rank its L1 tiles load their rows from the token rows, the producer warpgroup copying them, and "
     "no SM pulls) against the same layer with `fwd_rows='pull'` (the comm SMs pull every routed "
     "row into the ring first, as at several ranks), same process (`bench_moe.py --mok-pull`); "
     "'fwd (graph)': both forwards replayed from CUDA graphs (`--mok-graph`). Ratio > 1: the rows "
