@@ -10,7 +10,8 @@
 # device's); `pack` takes the one extension the build left. A variant's Python must match its
 # build (the op schema): for variants on commits whose Python differs, carry each commit's tree,
 #   bash scripts/extension_variants.sh tree REV NAME  # git archive REV (no csrc/, docs/) -> .devcarry/trees/NAME
-# and on the device `cd .devcarry/trees/NAME`, `use` there (PYTHONPATH=$PWD), for each variant.
+# and on the device `cd .devcarry/trees/NAME`, `use` there (PYTHONPATH=$PWD), for each variant
+# (scripts/device_ab.sh's `variant` does both).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 case "${1:-}" in
