@@ -23,13 +23,21 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, backend, fn, args, result_dir) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    else:
+        # NOTE: gloo (the CPU tests) meets in a file of the run's own directory, not on a port:
+        # free_port's port is free only until it returns, and another process on the machine
+        # (a second test run, say) can take it before rank 0 binds it. NCCL keeps the TCP store
+        # its GPU runs were made with.
+        store = os.path.join(result_dir, "rendezvous")
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                                world_size=world_size)  # fmt: skip
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": result}, os.path.join(result_dir, f"{rank}.pt"))
