@@ -174,6 +174,18 @@ def test_fp8_megakernel_repeat_bitwise(fp8_backward):
     _assert_repeats_bitwise(run, first, 4)
 
 
+def _forward_without_grad(run):
+    """``run``'s forward with save_for_backward=False, its workspace and the output's memory
+    poisoned first (the output must cover its poison): (out, context)."""
+    _poison_workspace(run.ws)
+    with poisoned_memory() as mem:
+        sched = run.schedule()
+        out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
+                             save_for_backward=False)  # fmt: skip
+    mem.assert_covers(out=out)
+    return out, ctx
+
+
 def test_fp8_megakernel_forward_without_grad_keeps_nothing_and_equals_the_saving_one():
     """Without a backward to follow, the FP8 forward stores no bf16 act (its L2 reads act's FP8
     copy): the same output, bitwise, as the forward that keeps the rings; its output comes from
@@ -181,12 +193,7 @@ def test_fp8_megakernel_forward_without_grad_keeps_nothing_and_equals_the_saving
     problem = _problem([300], FP8_SHAPES["qwen3-30b-a3b"], seed=13)
     run = Run(problem, "cuda", config=fp8_config(), form="fused_auto")
     _, saving = run()
-    _poison_workspace(run.ws)
-    with poisoned_memory() as mem:
-        sched = run.schedule()
-        out, ctx = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
-                             save_for_backward=False)  # fmt: skip
-    mem.assert_covers(out=out)
+    out, ctx = _forward_without_grad(run)
     assert ctx.saved is None and ctx.x_recv is None
     assert torch.equal(out, saving["out"])
 
@@ -236,13 +243,7 @@ def test_fp8_megakernel_rounds_without_grad_read_rows_in_place():
         config = fp8_config(fwd_rows=rows, minibatch_size=128, macrobatch_size=256)
         run = Run(problem, "cuda", config=config, form="fused_auto")
         assert run.ws.buffers.mega.num_rounds > 1
-        _poison_workspace(run.ws)
-        with poisoned_memory() as mem:
-            sched = run.schedule()
-            out, _ = F.forward(run.config, run.ws, sched, run.x, run.rw, *run.weights,
-                               save_for_backward=False)  # fmt: skip
-        mem.assert_covers(out=out)
-        outs[rows] = out
+        outs[rows], _ = _forward_without_grad(run)
     assert torch.equal(outs["in_place"].view(torch.uint8), outs["pull"].view(torch.uint8))
 
 
