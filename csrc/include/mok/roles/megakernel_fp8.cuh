@@ -301,18 +301,11 @@ CUTLASS_DEVICE void load_task_rows_fp8(const roles::MegaParams& p, const MegaFp8
   Tensor tBsB = tma_b.partition_D(sB);
   row_tokens[row] = token;
   sync();  // every row's token is in shared memory
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int chunk = lane % kRowChunks;
-  const int first_row = row / 32 * 32 + lane / kRowChunks;  // copy j: row first_row + 4 j
+  const RowCopies copies(cast_smem_ptr_to_uint(smem.smem_A.data()), row);  // as bf16's rows
   const uint8_t* rows = p.local_tokens;
   const int blocks = p.hidden / kFp8ScaleBlock;
   const float* scale = token >= 0 ? p.local_token_scales + static_cast<int64_t>(token) * blocks
                                   : p.local_token_scales;  // this thread's row's, or a dummy
-  // Offsets in a stage as gemm::load_task_rows' (rows of 128 bytes either way).
-  const uint32_t even = cast_smem_ptr_to_uint(smem.smem_A.data()) +
-                        static_cast<uint32_t>(first_row * 128) +
-                        ((static_cast<uint32_t>(chunk) ^ static_cast<uint32_t>(first_row % 8)) << 4);
-  const uint32_t odd = even ^ 64u;
   const uint32_t sfa = cast_smem_ptr_to_uint(smem.smem_SFA.data()) +
                        static_cast<uint32_t>(row * sizeof(float));
   CUTLASS_PRAGMA_NO_UNROLL
@@ -330,15 +323,8 @@ CUTLASS_DEVICE void load_task_rows_fp8(const roles::MegaParams& p, const MegaFp8
            tBsB(_, _, _, kMegaFp8Halves * stage + 1));
     }
     const uint32_t a_stage = static_cast<uint32_t>(stage * kMegaFp8StageABytes);
-    const int col = k * kFp8ScaleBlock + chunk * 16;  // bytes = e4m3 elements
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kCopiesPerThread; ++j) {
-      const int32_t t = row_tokens[first_row + kRowsPerCopy * j];
-      const bool live = t >= 0 && col < load.k_size;
-      const uint32_t dst = (j % 2 ? odd : even) + a_stage + static_cast<uint32_t>(512 * j);
-      ptx::cp_async_16_zfill(dst, live ? rows + static_cast<int64_t>(t) * p.hidden + col : rows,
-                             live ? 16 : 0);
-    }
+    copies.issue(p, rows, k * kFp8ScaleBlock + copies.chunk * 16, load.k_size, a_stage,
+                 row_tokens);  // columns in bytes = e4m3 elements
     ptx::cp_async_4_zfill(sfa + static_cast<uint32_t>(stage * kMegaFp8SfaBytes), scale + k,
                           token >= 0 ? 4 : 0);
     cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies

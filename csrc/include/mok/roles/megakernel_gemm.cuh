@@ -235,6 +235,51 @@ constexpr uint32_t kStageBBytes = layout::kBlockN * kBlockK * sizeof(Element);
 static_assert(kStageAElems * sizeof(Element) + kStageBBytes == MegaMainloop::TmaTransactionBytes,
               "rows in place: the stage's TMA bytes are B's alone");
 
+// One thread's share of a k-tile's 128 rows x 128 bytes, copied in place (both precisions: a
+// bf16 k-tile and an e4m3 K block are 128 bytes a row). Lane l of warp w copies chunk l % 8 of
+// rows first_row + 4 j, first_row = 32 w + l / 8, j = 0..7 (the NOTE above). In a stage, row r is
+// at r * 128 bytes and its chunk c at c ^ (r % 8); for copy j that is chunk ^ (first_row % 8) ^
+// 4 (j % 2): the even copies' offset plus 512 j, the odd copies' with bit 6 flipped (immediate
+// offsets from two registers, not 8 live ones).
+struct RowCopies {
+  int chunk;      // the thread's 16-byte chunk of each row
+  int first_row;  // the tile row of its first copy
+  uint32_t even;  // shared address of copy 0 in stage 0; copy j (even) at + 512 j
+  uint32_t odd;   // copy 1's, less 512
+
+  // `smem_a`: the shared address of A's first stage; `row`: the thread's index in the warpgroup.
+  CUTLASS_DEVICE RowCopies(uint32_t smem_a, int row) {
+    static_assert(kRowsPerCopy == 4 && kRowChunks == 8, "the offsets below");
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    chunk = lane % kRowChunks;
+    first_row = row / 32 * 32 + lane / kRowChunks;
+    even = smem_a + static_cast<uint32_t>(first_row * 128) +
+           ((static_cast<uint32_t>(chunk) ^ static_cast<uint32_t>(first_row % 8)) << 4);
+    odd = even ^ 64u;
+  }
+
+  // The copies into the stage at byte offset `stage` of the token rows `rows` (row t at
+  // t * p.hidden elements of T), from column `col` (this thread's chunk, in elements of T): zeros
+  // for a row whose token (`row_tokens`, shared) is -1 or a column at or past `k_size`.
+  // NOTE: p.hidden is read here, at the multiply, not passed in as a value: a value read once
+  // before the k loop made each row's offset a full 64-bit multiply (three IMADs and a shift),
+  // where the kernel parameter read beside it gives one IMAD.WIDE (88 instructions of the bf16
+  // forward kernel's SASS, 72 of the FP8's).
+  template <class T>
+  CUTLASS_DEVICE void issue(const roles::MegaParams& p, const T* rows, int col, int k_size,
+                            uint32_t stage, const int32_t* row_tokens) const {
+    static_assert(16 % sizeof(T) == 0, "16-byte chunks of whole elements");
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCopiesPerThread; ++j) {
+      const int32_t t = row_tokens[first_row + kRowsPerCopy * j];
+      const bool live = t >= 0 && col < k_size;
+      const uint32_t dst = (j % 2 ? odd : even) + stage + static_cast<uint32_t>(512 * j);
+      ptx::cp_async_16_zfill(dst, live ? rows + static_cast<int64_t>(t) * p.hidden + col : rows,
+                             live ? 16 : 0);
+    }
+  }
+};
+
 // Producer thread (one of the warpgroup's 128; lane 0 of each warp waits for the stages): one L1
 // task's k-tiles from `state` on (the caller advances its state by k_tiles) with A's rows read in
 // place. `row` (the thread's index in the warpgroup) and `token`: one row of the tile and its
@@ -261,18 +306,9 @@ CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop
   Tensor tBsB = block_tma_b.partition_D(sB);
   row_tokens[row] = token;
   sync();  // every row's token is in shared memory
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int chunk = lane % kRowChunks;
-  const int first_row = row / 32 * 32 + lane / kRowChunks;  // copy j: row first_row + 4 j
+  static_assert(kBlockK * sizeof(Element) == 128, "RowCopies: 128-byte rows");
+  const RowCopies copies(cast_smem_ptr_to_uint(smem.smem_A.data()), row);
   const Element* rows = reinterpret_cast<const Element*>(p.rows);
-  // Copy j's place in a stage: row r = first_row + 4 j at r * 128 bytes, its chunk at
-  // chunk ^ (r % 8) = chunk ^ (first_row % 8) ^ 4 (j % 2): the even copies' offset plus 512 j,
-  // the odd copies' with bit 6 flipped (immediate offsets from two registers, not 8 live ones).
-  static_assert(kRowsPerCopy == 4 && kBlockK * sizeof(Element) == 128, "the offsets below");
-  const uint32_t even = cast_smem_ptr_to_uint(smem.smem_A.data()) +
-                        static_cast<uint32_t>(first_row * 128) +
-                        ((static_cast<uint32_t>(chunk) ^ static_cast<uint32_t>(first_row % 8)) << 4);
-  const uint32_t odd = even ^ 64u;
   CUTLASS_PRAGMA_NO_UNROLL
   for (int k = 0; k < load.k_tiles; ++k) {
     if (waits) wait_slot(p, pipeline, state, load.round);
@@ -283,15 +319,7 @@ CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop
       copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
     }
     const uint32_t stage = static_cast<uint32_t>(state.index() * kStageAElems * sizeof(Element));
-    const int col = k * kBlockK + chunk * 8;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kCopiesPerThread; ++j) {
-      const int32_t t = row_tokens[first_row + kRowsPerCopy * j];
-      const bool live = t >= 0 && col < load.k_size;
-      const uint32_t dst = (j % 2 ? odd : even) + stage + static_cast<uint32_t>(512 * j);
-      ptx::cp_async_16_zfill(dst, live ? rows + static_cast<int64_t>(t) * p.hidden + col : rows,
-                             live ? 16 : 0);
-    }
+    copies.issue(p, rows, k * kBlockK + copies.chunk * 8, load.k_size, stage, row_tokens);
     cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies
     sync();
     if (leader) cutlass::arch::ClusterBarrier::arrive(full);
