@@ -3,6 +3,7 @@ choice of which of its GEMMs run on the expert GEMM engine (``MoKConfig.expert_g
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -69,13 +70,13 @@ class Experts:
 
     def __init__(self, routed, expert_gemm: str, device: torch.device, accumulate: bool = False,
                  precision: str = "bf16", fp8_backward: str = "bf16"):  # fmt: skip
-        from . import fp8
-
         self.routed = routed
         self.fused = isinstance(routed, FusedExpertWeights)
         self.fp8 = precision == "fp8_blockwise"
         self.fp8_dgrad = self.fp8 and fp8_backward == "dgrad"
         if self.fp8:
+            from . import fp8
+
             fp8.check_fp8_experts(routed, device)
         steps = engine_steps(expert_gemm, device, accumulate) if self.fused or accumulate else ()
         self.engine = steps if self.fused else ()
@@ -239,10 +240,24 @@ def not_hopper(device: torch.device | None) -> str | None:
     """Why ``device`` cannot run the sm_90a kernels (None when it can)."""
     if device is None or device.type != "cuda":
         return f"the device is {device}, not a CUDA GPU"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device)
+    if (major, minor) != (9, 0):
         return f"mok_megatron._C is built for sm_90a and this GPU is sm_{major}{minor}"
     return None
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, asked once per device index (it never
+    changes in a process; the query builds a device-properties object: 35 us of a forward's
+    host time under cProfile on an H200, where every forward builds an ``Experts``)."""
+    if device.index is None:  # the current device, which may change
+        return torch.cuda.get_device_capability(device)
+    return _capability_of_index(device.index)
+
+
+@functools.cache
+def _capability_of_index(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 _WARNED: set[str] = set()
