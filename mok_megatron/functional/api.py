@@ -381,6 +381,8 @@ def _is_quantized(w) -> bool:
 
 
 def _is_fp8_blocks(w) -> bool:
+    if not isinstance(w, tuple):  # a tensor (FP8BlockTensor is a NamedTuple): no import
+        return False
     from mok_megatron.ops.fp8_blockwise import FP8BlockTensor
 
     return isinstance(w, FP8BlockTensor)
@@ -389,14 +391,14 @@ def _is_fp8_blocks(w) -> bool:
 def _dequantize_if_quantized(w, dtype: torch.dtype):
     """A dense weight in ``dtype``. An FP8BlockTensor's dense form carries it as its FP8 copy
     (``fp8_weights.attach_fp8_weight``): an FP8 forward uses the caller's quantisation."""
+    if not _is_quantized(w):  # a dense weight (both quantised forms are tuples)
+        return w
     if _is_fp8_blocks(w):
         from mok_megatron.ops.fp8_blockwise import fp8_blockwise_dequantize
 
         from .fp8_weights import attach_fp8_weight
 
         return attach_fp8_weight(fp8_blockwise_dequantize(w, dtype).contiguous(), w)
-    if not _is_quantized(w):
-        return w
     from mok_megatron.ops import mxfp8_dequantize
     from mok_megatron.ops.mxfp8 import mxfp8_part
 
@@ -407,6 +409,8 @@ def _dequantize_if_quantized(w, dtype: torch.dtype):
 
 
 def _check_config(ws: MoKWorkspace, config: MoKConfig) -> None:
+    if config is ws.config or config is ws.given_config:  # no field-by-field compare
+        return
     if config != ws.config and config != ws.given_config:  # as resolved, or as given
         raise ValueError(
             f"config {config} differs from the one the workspace was made with ({ws.config}); "
@@ -418,6 +422,18 @@ def _check_tensor(name: str, t, ws: MoKWorkspace, *, dtypes, ndim: int, why: str
                   fix: str | None = None) -> None:  # fmt: skip
     """A tensor argument's type, dtype, dims, device, contiguity and alignment (``why`` and
     ``fix``: the alignment rule's reason and remedy, named in its error)."""
+    # NOTE: the good case of a plain tensor or parameter in one test (host time on every pass);
+    # the rules in the same order, so anything it lets by passes each of them, and anything else
+    # meets them one by one, with their errors.
+    if (type(t) in _PLAIN_TENSOR_TYPES and t.dtype in dtypes and t.dim() == ndim
+            and t.device == ws.device and t.is_contiguous()
+            and (t.data_ptr() % TENSOR_ALIGN_BYTES == 0 or not t.numel())):  # fmt: skip
+        return
+    _check_tensor_rules(name, t, ws, dtypes, ndim, why, fix)
+
+
+def _check_tensor_rules(name, t, ws, dtypes, ndim, why, fix) -> None:
+    """``_check_tensor``'s rules one by one, raising for the first that ``t`` breaks."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:

@@ -1,0 +1,129 @@
+"""The forward's host path, made cheaper, means the same: what it keeps between calls is never
+stale (each cache misses when what it stands for changes) and its checks' one-test good cases
+let by exactly what the rules do, so bad input raises as it did."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from mok_megatron.functional import MoKConfig, api
+from mok_megatron.functional.cuda import experts as cuda_experts
+
+SM90_WHY = None
+SM80_WHY = "mok_megatron._C is built for sm_90a and this GPU is sm_80"
+
+
+@pytest.fixture
+def capabilities(monkeypatch):
+    """A fake torch.cuda.get_device_capability (cuda:0 is sm_90, cuda:1 sm_80, the current
+    device sm_90); returns the list of devices it was asked about."""
+    asked = []
+    by_index = {0: (9, 0), 1: (8, 0), None: (9, 0)}
+
+    def capability(device=None):
+        index = device.index if isinstance(device, torch.device) else device
+        asked.append(index)
+        return by_index[index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    cuda_experts._capability_of_index.cache_clear()
+    yield asked
+    cuda_experts._capability_of_index.cache_clear()
+
+
+def test_device_capability_is_asked_once_per_device_index(capabilities):
+    for _ in range(3):
+        assert cuda_experts.not_hopper(torch.device("cuda", 0)) is SM90_WHY
+        assert cuda_experts.not_hopper(torch.device("cuda", 1)) == SM80_WHY
+    assert capabilities == [0, 1]
+
+
+def test_the_current_device_is_asked_every_time(capabilities):
+    """An index-less device is whichever is current, which may change: never cached."""
+    for _ in range(2):
+        assert cuda_experts.not_hopper(torch.device("cuda")) is SM90_WHY
+    assert capabilities == [None, None]
+
+
+def test_a_device_that_is_not_cuda_asks_nothing(capabilities):
+    assert cuda_experts.not_hopper(torch.device("cpu")) == "the device is cpu, not a CUDA GPU"
+    assert cuda_experts.not_hopper(None) == "the device is None, not a CUDA GPU"
+    assert capabilities == []
+
+
+def test_a_gpu_that_cannot_run_the_engine_still_raises_every_time(capabilities):
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"expert_gemm='engine' but the expert GEMM engine"):
+            cuda_experts.engine_steps("engine", torch.device("cuda", 1))
+
+
+# ------------------------------------------------------------------------- tensor checks
+WS = types.SimpleNamespace(device=torch.device("cpu"))
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass: not a plain tensor, so it meets the rules one by one."""
+
+
+def _misaligned(dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(9, dtype=dtype)[1:]  # 4 bytes past a 16-byte boundary (fp32)
+
+
+GOOD = {
+    "tensor": lambda: torch.zeros(4, 8),
+    "parameter": lambda: torch.nn.Parameter(torch.zeros(4, 8)),
+    "subclass": lambda: torch.zeros(4, 8).as_subclass(_Subclass),
+    "empty at an odd offset": lambda: _misaligned()[:0].view(0, 1).expand(0, 8),
+}
+BAD = {
+    "not a tensor": (lambda: [[0.0] * 8] * 4, TypeError, r"^t must be a torch\.Tensor, got list$"),
+    "dtype": (lambda: torch.zeros(4, 8, dtype=torch.float64), TypeError,
+              r"^t has dtype torch\.float64; expected one of \[torch\.float32\]$"),
+    "dims": (lambda: torch.zeros(32), ValueError, r"^t has 1 dims \(shape \(32,\)\); expected 2$"),
+    "device": (lambda: torch.zeros(4, 8, device="meta"), ValueError,
+               r"^t is on meta but the workspace is on cpu$"),
+    "not contiguous": (lambda: torch.zeros(8, 4).T, ValueError,
+                       r"^t must be contiguous \(call \.contiguous\(\) on it\)$"),
+    "misaligned": (lambda: _misaligned().view(1, 8), ValueError,
+                   r"^t starts at an address that is not 16-byte aligned \(why\); pass t\.clone\(\) "
+                   r"\(a fresh tensor\), or a view that starts at a multiple of 4 float32 elements$"),
+    "misaligned parameter": (lambda: torch.nn.Parameter(_misaligned().view(1, 8)), ValueError,
+                             r"^t starts at an address that is not 16-byte aligned"),
+    "misaligned subclass": (lambda: _misaligned().view(1, 8).as_subclass(_Subclass), ValueError,
+                            r"^t starts at an address that is not 16-byte aligned"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(GOOD))
+def test_a_good_tensor_passes(kind):
+    api._check_tensor("t", GOOD[kind](), WS, dtypes=(torch.float32,), ndim=2, why="why")
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_each_broken_rule_raises_its_own_error(kind):
+    make, error, pattern = BAD[kind]
+    with pytest.raises(error, match=pattern):
+        api._check_tensor("t", make(), WS, dtypes=(torch.float32,), ndim=2, why="why")
+
+
+def test_the_first_broken_rule_is_the_one_named():
+    """A tensor that breaks several rules gets the error of the first, as rule by rule."""
+    t = torch.zeros(8, 4, dtype=torch.float64, device="meta").T
+    with pytest.raises(TypeError, match="dtype"):
+        api._check_tensor("t", t, WS, dtypes=(torch.float32,), ndim=2)
+    with pytest.raises(ValueError, match="on meta"):
+        api._check_tensor("t", t, WS, dtypes=(torch.float64,), ndim=2)
+
+
+def test_a_config_is_checked_by_value_unless_it_is_the_workspaces_own():
+    given = MoKConfig()
+    ws = types.SimpleNamespace(config=dataclasses.replace(given, minibatch_size=128),
+                               given_config=given)  # fmt: skip
+    for config in (ws.config, given, MoKConfig(), dataclasses.replace(given, minibatch_size=128)):
+        api._check_config(ws, config)
+    with pytest.raises(ValueError, match="differs from the one the workspace was made with"):
+        api._check_config(ws, MoKConfig(minibatch_size=512))
