@@ -12,6 +12,7 @@ import torch
 
 from mok_megatron.functional import MoKConfig, api
 from mok_megatron.functional.cuda import experts as cuda_experts
+from mok_megatron.functional.schedule import MoKSchedule
 
 SM90_WHY = None
 SM80_WHY = "mok_megatron._C is built for sm_90a and this GPU is sm_80"
@@ -127,3 +128,38 @@ def test_a_config_is_checked_by_value_unless_it_is_the_workspaces_own():
         api._check_config(ws, config)
     with pytest.raises(ValueError, match="differs from the one the workspace was made with"):
         api._check_config(ws, MoKConfig(minibatch_size=512))
+
+
+# ------------------------------------------------------------------------ pending schedule
+SIZES = dict(rank=1, num_ranks=2, num_tokens=6, max_tokens=8, topk=2, num_local_experts=3,
+             row_capacity=128, token_capacity=16)  # fmt: skip
+
+
+def test_a_pending_schedule_holds_what_init_would_set_but_its_tensors():
+    sched = MoKSchedule.pending(build=lambda s: None, **SIZES)
+    made = MoKSchedule(**SIZES, **dict.fromkeys(MoKSchedule.INTEGER_FIELDS))
+    want = {k: v for k, v in vars(made).items() if k not in MoKSchedule.INTEGER_FIELDS}
+    assert {k: v for k, v in vars(sched).items() if k != "_build"} == want
+    assert sched.is_pending() and sched.global_weights is None and sched.weights_source is None
+
+
+def test_a_pending_schedule_builds_on_the_first_read_of_a_tensor():
+    built = []
+
+    def build(s):
+        built.append(s)
+        s.fill({name: torch.zeros(1) for name in MoKSchedule.INTEGER_FIELDS})
+
+    sched = MoKSchedule.pending(build=build, **SIZES)
+    assert sched.row_expert.shape == (1,) and built == [sched] and not sched.is_pending()
+
+
+@pytest.mark.parametrize("change", ["missing", "unknown"])
+def test_a_pending_schedule_with_other_sizes_raises_as_init_does(change):
+    sizes = dict(SIZES)
+    if change == "missing":
+        del sizes["topk"]
+    else:
+        sizes["num_experts"] = 3
+    with pytest.raises(TypeError, match="topk" if change == "missing" else "num_experts"):
+        MoKSchedule.pending(build=lambda s: None, **sizes)
