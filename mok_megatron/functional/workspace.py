@@ -29,6 +29,7 @@ __all__ = [
     "workspace_bytes",
     "row_capacity",
     "clear_workspace_cache",
+    "workspace_cache_generation",
     "poll_errors",
     "check_all_errors",
 ]
@@ -346,6 +347,8 @@ VIRTUAL_RANKS_RULE = (
 )
 
 _CACHE: dict[tuple, MoKWorkspace] = {}
+#: How many times ``clear_workspace_cache`` ran (``workspace_cache_generation``).
+_cache_generation = 0
 
 
 def get_workspace(config: MoKConfig, group: dist.ProcessGroup | None = None, **kwargs: Any):
@@ -359,7 +362,15 @@ def get_workspace(config: MoKConfig, group: dist.ProcessGroup | None = None, **k
 
 def clear_workspace_cache() -> None:
     """Forget cached workspaces (their buffers are freed once no layer holds them)."""
+    global _cache_generation
     _CACHE.clear()
+    _cache_generation += 1
+
+
+def workspace_cache_generation() -> int:
+    """Changes whenever ``clear_workspace_cache`` runs: a caller that keeps a workspace
+    ``get_workspace`` gave it may reuse it for the same arguments while this stays the same."""
+    return _cache_generation
 
 
 def workspace_bytes(

@@ -14,6 +14,7 @@ in Megatron's ``SharedExpertMLP`` (same checkpoint keys either way).
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+from mok_megatron import functional
+from mok_megatron.functional.workspace import workspace_cache_generation
 
 from .experts import MoKExperts
 from .token_dispatcher import MoKTokenDispatcher
@@ -98,6 +102,7 @@ class FusedRuntime:
         self.max_local_tokens = max_local_tokens
         self.shared_experts = shared_experts
         self.last_workspace = None  # the workspace of the latest call (benchmarks report it)
+        self._kept = None  # (key, workspace) of the latest workspace() call
 
     def run(self, x, topk_experts, router_weights, routed, wgrad_accumulators=None,
             accumulated_grad=None):  # fmt: skip
@@ -109,8 +114,6 @@ class FusedRuntime:
 
         Returns out: [T, H] = routed experts (+ the shared expert when fused), on local tokens.
         """
-        from mok_megatron import functional
-
         ws = self.last_workspace = self.workspace(x, topk_experts, routed)
         return functional.moe(
             x, topk_experts, router_weights, *routed, shared=self.shared_weights(),
@@ -127,20 +130,36 @@ class FusedRuntime:
         return gate, up, self.shared_experts.linear_fc2.weight
 
     def workspace(self, x, topk_experts, routed):
-        """The cached ``functional`` workspace for this shape (made once, collectively)."""
-        from mok_megatron import functional
+        """The cached ``functional`` workspace for this shape (made once, collectively).
 
-        shared = self.shared_weights()
+        The latest call's is kept and given again while ``get_workspace`` would give it: for
+        the same config, group, backend and shape, with no ``clear_workspace_cache()`` since
+        (its cache key was 12 us of host time per forward on a CPU)."""
+        shape = self._workspace_shape(x, topk_experts, routed)
+        key = (self.mok_config, self.ep_group, self.backend, shape, workspace_cache_generation())
+        if self._kept is None or self._kept[0] != key:
+            ws = functional.get_workspace(
+                self.mok_config, self.ep_group, **shape._asdict(), backend=self.backend
+            )
+            self._kept = (key, ws)
+        return self._kept[1]
+
+    def _workspace_shape(self, x, topk_experts, routed) -> _WorkspaceShape:
         gate_rows = routed[0].shape[1]  # I, or 2I in the fused form (routed[1] is None)
-        return functional.get_workspace(
-            self.mok_config, self.ep_group, device=x.device,
-            num_local_tokens=self._max_tokens(x), hidden_size=x.shape[1],
+        return _WorkspaceShape(
+            device=x.device, num_local_tokens=self._max_tokens(x), hidden_size=x.shape[1],
             topk=topk_experts.shape[1],
             num_experts=routed[0].shape[0] * mcore_utils.get_pg_size(self.ep_group),
             intermediate_size=gate_rows // 2 if routed[1] is None else gate_rows,
-            shared_intermediate_size=shared[0].shape[0] if shared else 0,
-            dtype=x.dtype, backend=self.backend,
+            shared_intermediate_size=self._shared_intermediate_size(), dtype=x.dtype,
         )  # fmt: skip
+
+    def _shared_intermediate_size(self) -> int:
+        """I_s, the rows of ``shared_weights()``' gate (0 without a fused shared expert), from
+        fc1's shape: no chunk of the weight (a view with an autograd node, 8 us on a CPU)."""
+        if self.shared_experts is None:
+            return 0
+        return (self.shared_experts.linear_fc1.weight.shape[0] + 1) // 2  # chunk(2)'s first
 
     def _max_tokens(self, x) -> int:
         if self.max_local_tokens is None:
@@ -152,6 +171,19 @@ class FusedRuntime:
                 "x micro-batch size / TP) to get_mok_moe_module_spec()"
             )
         return self.max_local_tokens
+
+
+class _WorkspaceShape(NamedTuple):
+    """``functional.get_workspace``'s shape arguments for one call of the fused layer."""
+
+    device: torch.device
+    num_local_tokens: int
+    hidden_size: int
+    topk: int
+    num_experts: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    dtype: torch.dtype
 
 
 def _max_over_group(value: int, group, device) -> int:
