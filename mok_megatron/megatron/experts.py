@@ -53,6 +53,7 @@ from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
 )
 
+from mok_megatron.functional.api import TENSOR_ALIGN_BYTES
 from mok_megatron.ops.grouped_gemm import (
     SWIGLU_INTERLEAVE,
     deinterleave_gate_up,
@@ -182,10 +183,10 @@ class MoKExperts(MegatronModule):
         """(weight_gate_up.main_grad, None, weight_down.main_grad) when the weight gradients go
         straight into them (gradient-accumulation fusion, module docstring), else None. Taken at
         the forward, as Megatron's linear layers take ``main_grad``."""
+        if not self.config.gradient_accumulation_fusion:
+            return None
         params = {"weight_gate_up": self.weight_gate_up, "weight_down": self.weight_down}
-        if not self.config.gradient_accumulation_fusion or not all(
-            hasattr(p, "main_grad") for p in params.values()
-        ):
+        if not all(hasattr(p, "main_grad") for p in params.values()):
             return None
         reasons = [why for name, p in params.items() if (why := _unusable_main_grad(name, p))]
         if reasons:
@@ -245,8 +246,6 @@ def main_grad_placeholder(weight: torch.Tensor, main_grad: torch.Tensor) -> torc
 
 def _unusable_main_grad(name: str, p: torch.Tensor) -> str | None:
     """Why MoK cannot add into ``p.main_grad`` (None: it can); functional.backward's rules."""
-    from mok_megatron.functional.api import TENSOR_ALIGN_BYTES
-
     grad = p.main_grad
     if grad.dtype != torch.float32:
         return (f"{name}.main_grad is {grad.dtype}; MoK accumulates into float32 only "

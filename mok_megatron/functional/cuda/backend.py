@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mok_megatron.ops import moe as mops
+
 from ..schedule import MoKSchedule
 from . import mega, stage1
 from .buffers import MAX_RANKS, CudaBuffers, allocate, allocate_virtual
@@ -27,7 +29,6 @@ class CudaBackend:
     @staticmethod
     def unsupported_reasons(ws: MoKWorkspace) -> list[str]:
         from mok_megatron.ops import extension_error, has_op
-        from mok_megatron.ops.moe import CUDA_OPS
 
         reasons = []
         if ws.device.type != "cuda":
@@ -44,7 +45,7 @@ class CudaBackend:
             reasons.append(
                 f"{ws.num_ranks} expert-parallel ranks; the barrier serves <= {MAX_RANKS}"
             )
-        missing = [op for op in CUDA_OPS if not has_op(op)]
+        missing = [op for op in mops.CUDA_OPS if not has_op(op)]
         if extension_error() is not None:
             reasons.append(f"mok_megatron._C did not load ({extension_error()})")
         elif missing:
@@ -56,7 +57,6 @@ class CudaBackend:
         """The layout's bytes; with the megakernel's regions when the config asks for it on
         the current CUDA device (``mega.wanted``)."""
         from mok_megatron.ops import extension_error
-        from mok_megatron.ops.moe import moe_workspace_layout
 
         if extension_error() is not None:
             raise RuntimeError(
@@ -72,7 +72,7 @@ class CudaBackend:
                 c, shape["row_capacity"], shape["num_experts"] // shape["num_ranks"],
                 shape["hidden_size"], shape["intermediate_size"],
             ).counter_words  # fmt: skip
-        return moe_workspace_layout(
+        return mops.moe_workspace_layout(
             shape["num_ranks"],
             shape["num_local_tokens"],
             shape["topk"],
@@ -115,8 +115,6 @@ class CudaBackend:
         """Gather the routing (and the router weights, when given: one gather for both) and
         plan this rank's rows on the device. On the megakernel path the schedule is pending:
         the forward's one op call makes it (or the first read of one of its tensors)."""
-        from mok_megatron.ops import moe as mops
-
         weights = router_weights
         if weights is None:  # gathered as zeros; forward gathers the weights it gets
             weights = torch.zeros(topk_experts.shape, dtype=torch.float32, device=ws.device)

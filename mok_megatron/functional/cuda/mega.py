@@ -25,10 +25,12 @@ from dataclasses import replace
 
 import torch
 
+from mok_megatron.ops import moe as mops
+
 from ..schedule import MoKSchedule
-from ..types import FusedExpertWeights
+from ..types import FusedExpertWeights, MoKGradients
 from . import stage1
-from .experts import ExpertRows, Experts
+from .experts import ExpertRows, Experts, not_hopper, weighted_rows
 from .plan import CudaPlan, Rounds, window_offs
 
 __all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "rows_in_place",
@@ -39,11 +41,8 @@ __all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "row
 def unsupported_reasons(device: torch.device | None) -> list[str]:
     """Why the megakernel cannot run on ``device`` (empty when it can)."""
     from mok_megatron.ops import has_op
-    from mok_megatron.ops.moe import MEGA_OPS
 
-    from .experts import not_hopper
-
-    reasons = [f"mok_megatron._C lacks {op}" for op in MEGA_OPS if not has_op(op)]
+    reasons = [f"mok_megatron._C lacks {op}" for op in mops.MEGA_OPS if not has_op(op)]
     return reasons + [r for r in (not_hopper(device),) if r]
 
 
@@ -70,9 +69,7 @@ def wanted(config, device: torch.device | None) -> bool:
 
 def mega_shape(config, row_capacity, num_local_experts, hidden, inter):
     """The megakernel's sizes for this shape and config (from the C++ layout header)."""
-    from mok_megatron.ops.moe import moe_mega_shape
-
-    return moe_mega_shape(row_capacity, num_local_experts, hidden, inter, config.minibatch_size,
+    return mops.moe_mega_shape(row_capacity, num_local_experts, hidden, inter, config.minibatch_size,
                           config.macrobatch_size)  # fmt: skip
 
 
@@ -121,8 +118,6 @@ def build_schedule(ws, topk_experts, weights, router_weights) -> MoKSchedule:
 
 
 def _plan_now(ws, sched: MoKSchedule) -> None:
-    from mok_megatron.ops import moe as mops
-
     topk, weights = sched.inputs
     plan = mops.moe_mega_plan(
         topk, weights, ws.buffers.comm, ws.num_experts, ws.row_capacity, ws.token_capacity,
@@ -141,15 +136,14 @@ def _fill(ws, sched: MoKSchedule, plan: dict) -> None:
 
 
 def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: bool = True):
-    from mok_megatron.ops import moe as mops
-
-    if not sched.is_pending() and not sched.gathered_weights_match(router_weights):
+    pending = sched.is_pending()  # until _fill below (nothing between reads its tensors)
+    if not pending and not sched.gathered_weights_match(router_weights):
         raise ValueError(
             "the megakernel forward needs the router weights given to build_schedule "
             "(build_schedule(..., router_weights=...), the same tensor, unchanged since)"
         )
     topk, weights = sched.inputs
-    if sched.is_pending() and router_weights is not None:
+    if pending and router_weights is not None:
         weights = router_weights.contiguous()
         sched.weights_source = (router_weights, router_weights._version)
     shared_out, shared_gu, shared_a = stage1.shared_forward(x, shared)
@@ -168,7 +162,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         scales = {"w_gate_up_scales": gu.scales, "w_down_scales": dn.scales}
     outs, plan = mops.moe_mega_forward(
         x, topk, weights, w_gate_up, w_down, shared_out,
-        None if sched.is_pending() else sched.device_plan, ws.buffers.comm,
+        None if pending else sched.device_plan, ws.buffers.comm,
         num_experts=ws.num_experts, row_capacity=ws.row_capacity,
         token_capacity=ws.token_capacity, minibatch=c.minibatch_size,
         macrobatch=c.macrobatch_size, num_comm_sms=c.fwd_num_comm_sms,
@@ -180,7 +174,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_trace = (outs["trace_ctas"], outs["trace_tasks"])
-    if sched.is_pending():
+    if pending:
         _fill(ws, sched, plan)
     return outs["out"], _context(ws, sched, plan, outs, save, shared_gu, shared_a)
 
@@ -239,8 +233,6 @@ def _routed_rows(ws, sched: MoKSchedule, ctx: stage1.CudaContext, x, window: sli
     itself by the plan's row_src (the row's source token s * T_max + t, with s = 0), with no
     dispatch: its staging copy and pull were 0.2 ms of deepseek-v3's 8192-token backward
     (profile_moe at edf94f1), and they give the same rows."""
-    from mok_megatron.ops import moe as mops
-
     if ws.num_ranks == 1:
         return mops.moe_gather_rows(x.contiguous(), ctx.mega_plan["row_src"][window])
     received = mops.moe_dispatch(x, sched.recv_token_src, ws.buffers.comm)
@@ -253,11 +245,6 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
     megakernel: step 1 runs it (and the shared expert's backward, whose d_x its slot sum adds)
     and the down weight's gradient from its d_rows; step 2 the gate/up weight gradient from its
     d_h and x dispatched again (as stage 1)."""
-    from mok_megatron.ops import moe as mops
-
-    from ..types import MoKGradients
-    from .experts import weighted_rows
-
     comm, plan, rounds, c = ws.buffers.comm, ctx.plan, ctx.rounds, ws.config
     act = replace(ctx.saved)  # our own references, dropped after each one's last use
     if consume:
