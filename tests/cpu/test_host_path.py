@@ -64,6 +64,19 @@ def test_a_gpu_that_cannot_run_the_engine_still_raises_every_time(capabilities):
             cuda_experts.engine_steps("engine", torch.device("cuda", 1))
 
 
+@pytest.mark.parametrize("accumulate", [False, True, None, 1])
+def test_engine_steps_name_the_same_steps(capabilities, monkeypatch, accumulate):
+    monkeypatch.setattr(cuda_experts.gg, "grouped_gemm_available", lambda: True)
+    sm90 = torch.device("cuda", 0)
+    auto = cuda_experts.AUTO_ENGINE_STEPS + (("wgrad",) if accumulate else ())
+    assert cuda_experts.engine_steps("auto", sm90, accumulate) == auto
+    assert cuda_experts.engine_steps("engine", sm90, accumulate) == cuda_experts.ENGINE_STEPS
+    assert cuda_experts.engine_steps("torch", sm90, accumulate) == ()
+    assert cuda_experts.engine_steps("l1+l2", sm90, accumulate) == ("l1", "l2")
+    with pytest.raises(ValueError, match="choose auto, torch, engine or a comma list"):
+        cuda_experts.engine_steps("l1,fp8", sm90, accumulate)
+
+
 # ------------------------------------------------------------------------- tensor checks
 WS = types.SimpleNamespace(device=torch.device("cpu"))
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mok_megatron.ops import grouped_gemm as gg
+from mok_megatron.ops import moe as mops
+
 from ..config import ENGINE_STEPS, engine_step_list
 from ..types import FusedExpertWeights
 
@@ -109,9 +112,6 @@ class Experts:
         """x_rows [M, H] → ExpertRows; the pre-activation is kept only when ``save_pre`` (the
         separate form always has it: it is the GEMMs' output). ``x_q``: FP8 experts only, the
         rows already quantised (``fp8.gather_rows``), x_rows None."""
-        from mok_megatron.ops import grouped_gemm as gg
-        from mok_megatron.ops import moe as mops
-
         w = self.routed
         g = u = h = None
         if self.fp8:
@@ -139,16 +139,12 @@ class Experts:
 
     def pre_grads_from_dy(self, dy, act: ExpertRows, offs) -> tuple[torch.Tensor, ...]:
         """dy = w * d_rows [M, H] → the pre-activation gradients (d_g, d_u) or (d_h,)."""
-        from mok_megatron.ops import grouped_gemm as gg
-
         if "dswiglu" in self.engine and not self.fp8_dgrad:  # the L2 dgrad + SwiGLU backward
             return (gg.grouped_gemm_dswiglu(dy, self.routed.down, act.h, offs)[0],)
         return self.pre_grads_from_da(self.mm_nn(dy, self.routed.down, offs), act)
 
     def pre_grads_from_da(self, da, act: ExpertRows) -> tuple[torch.Tensor, ...]:
         """da [M, I] (the gradient of the SwiGLU output) → (d_g, d_u) or (d_h,)."""
-        from mok_megatron.ops import moe as mops
-
         if self.fused:
             return (mops.moe_swiglu_interleaved_backward(da, act.h),)
         return mops.moe_swiglu_backward(da, act.g, act.u)
@@ -156,16 +152,12 @@ class Experts:
     # The plain GEMMs: the engine's (steps "l2", "dgrad", "wgrad") or torch._grouped_mm.
     def mm_nt(self, a, b, offs):
         """a [M, K], b [G, N, K] → a_g @ b[g]^T [M, N] (the L2 forward)."""
-        from mok_megatron.ops import grouped_gemm as gg
-
         if "l2" in self.engine:
             return gg.grouped_gemm_nt(a, b, offs)
         return grouped_mm(a, b.transpose(1, 2), offs)
 
     def mm_nn(self, a, b, offs):
         """a [M, K], b [G, K, N] → a_g @ b[g] [M, N] (the dgrads)."""
-        from mok_megatron.ops import grouped_gemm as gg
-
         if self.fp8_dgrad:
             from . import fp8
 
@@ -177,8 +169,6 @@ class Experts:
 
     def mm_tn(self, a, b, offs):
         """a [M, P], b [M, Q] → [G, P, Q], each group's a_g^T @ b_g (the weight gradients)."""
-        from mok_megatron.ops import grouped_gemm as gg
-
         if "wgrad" in self.engine:
             return gg.grouped_gemm_tn(a, b, offs)
         return grouped_mm(a.T, b, offs)
@@ -188,8 +178,6 @@ class Experts:
         without rows leaves acc[g] as it is. On the engine the GEMM's epilogue adds its fp32
         result; otherwise (the torch fallback) torch._grouped_mm's bf16 result is added in
         float32, the same as adding the gradient it would return, at one more pass over acc."""
-        from mok_megatron.ops import grouped_gemm as gg
-
         if self.accumulate_on_engine:
             gg.grouped_gemm_tn_accumulate(a, b, offs, acc)
             return
@@ -207,12 +195,10 @@ def engine_steps(
     for ``expert_gemm`` (MoKConfig.expert_gemm, validated there); "auto" is AUTO_ENGINE_STEPS
     (plus AUTO_ACCUMULATE_STEPS when the weight gradients are ``accumulate``d into caller
     buffers) where the engine can run, else none (with a warning that says why)."""
-    from mok_megatron.ops.grouped_gemm import grouped_gemm_available
-
-    auto = AUTO_ENGINE_STEPS + (AUTO_ACCUMULATE_STEPS if accumulate else ())
-    named = {"auto": auto, "torch": (), "engine": ENGINE_STEPS}
-    steps = named[expert_gemm] if expert_gemm in named else engine_step_list(expert_gemm)
-    if not set(steps) <= set(ENGINE_STEPS):
+    steps = _NAMED_STEPS.get((expert_gemm, bool(accumulate)))
+    if steps is None:
+        steps = engine_step_list(expert_gemm)
+    if not _ENGINE_STEP_SET.issuperset(steps):
         raise ValueError(
             f"MoKConfig.expert_gemm={expert_gemm!r}: choose auto, torch, engine or a comma list "
             f"of {ENGINE_STEPS}"
@@ -220,7 +206,7 @@ def engine_steps(
     if not steps:
         return ()
     why_not = not_hopper(device)
-    if not grouped_gemm_available():
+    if not gg.grouped_gemm_available():
         why_not = "mok_megatron._C lacks the grouped-GEMM ops"
     if why_not is None:
         return steps
@@ -234,6 +220,19 @@ def engine_steps(
         f"{why_not} (MoKConfig.expert_gemm='torch' chooses this without the warning)"
     )
     return ()
+
+
+#: engine_steps' named choices, by (expert_gemm, accumulate).
+_NAMED_STEPS = {
+    (name, accumulate): steps
+    for accumulate in (False, True)
+    for name, steps in (
+        ("auto", AUTO_ENGINE_STEPS + (AUTO_ACCUMULATE_STEPS if accumulate else ())),
+        ("torch", ()),
+        ("engine", ENGINE_STEPS),
+    )
+}
+_ENGINE_STEP_SET = frozenset(ENGINE_STEPS)
 
 
 def not_hopper(device: torch.device | None) -> str | None:
@@ -273,8 +272,6 @@ def accumulate(total, part: torch.Tensor, offs: torch.Tensor, rounds, r: int):
     """Add round r's weight gradient to the total, in round order, touching only the experts
     that need it (ops.moe.moe_accumulate_groups); round 0's output becomes the total. Experts
     with no rows get exact zeros (whatever an empty group GEMM leaves)."""
-    from mok_megatron.ops import moe as mops
-
     part = part.contiguous()
     total = part if total is None else total
     mops.moe_accumulate_groups(total, part, offs, rounds.first_round, r)
@@ -288,8 +285,6 @@ def weighted_rows(rows: torch.Tensor, w_rows: torch.Tensor, row_tok: torch.Tenso
     d_rows^T (w * a) = (w * d_rows)^T a. It is ``moe_row_grad``'s weighted output, one kernel
     (its row dot product and [M] float32 output unused), without the float32 [M, N] temporary
     of the torch expression."""
-    from mok_megatron.ops import moe as mops
-
     return mops.moe_row_grad(rows, rows, w_rows, row_tok)[1]
 
 

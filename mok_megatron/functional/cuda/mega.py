@@ -128,7 +128,7 @@ def _plan_now(ws, sched: MoKSchedule) -> None:
 
 def _fill(ws, sched: MoKSchedule, plan: dict) -> None:
     """The schedule's tensors from the plan op's, and its error flags to the monitor."""
-    sched.fill({name: plan[name] for name in MoKSchedule.INTEGER_FIELDS})
+    sched.fill(plan)  # its INTEGER_FIELDS
     if sched.weights_source is not None:
         sched.global_weights = plan["global_weights"]
     sched.device_plan = plan
