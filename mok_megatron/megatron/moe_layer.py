@@ -102,7 +102,8 @@ class FusedRuntime:
         self.max_local_tokens = max_local_tokens
         self.shared_experts = shared_experts
         self.last_workspace = None  # the workspace of the latest call (benchmarks report it)
-        self._kept = None  # (key, workspace) of the latest workspace() call
+        # (key, workspace, config) of the latest workspace() call; config: the object calls pass
+        self._kept = None
 
     def run(self, x, topk_experts, router_weights, routed, wgrad_accumulators=None,
             accumulated_grad=None):  # fmt: skip
@@ -117,7 +118,7 @@ class FusedRuntime:
         ws = self.last_workspace = self.workspace(x, topk_experts, routed)
         return functional.moe(
             x, topk_experts, router_weights, *routed, shared=self.shared_weights(),
-            config=self.mok_config, workspace=ws, wgrad_accumulators=wgrad_accumulators,
+            config=self._kept[2], workspace=ws, wgrad_accumulators=wgrad_accumulators,
             accumulated_grad=accumulated_grad if wgrad_accumulators is not None else None,
         )  # fmt: skip
 
@@ -141,7 +142,11 @@ class FusedRuntime:
             ws = functional.get_workspace(
                 self.mok_config, self.ep_group, **shape._asdict(), backend=self.backend
             )
-            self._kept = (key, ws)
+            # NOTE: calls pass the workspace's own config object where it equals ours (the
+            # cache keys by value: another layer's equal config made it), so the API's config
+            # checks take their identity test, not two field-by-field compares per call
+            same = ws.given_config == self.mok_config
+            self._kept = (key, ws, ws.given_config if same else self.mok_config)
         return self._kept[1]
 
     def _workspace_shape(self, x, topk_experts, routed) -> _WorkspaceShape:

@@ -207,7 +207,7 @@ def asked(monkeypatch):
 
     def get_workspace(config, group=None, **kwargs):
         calls.append((config, group, kwargs))
-        return object()
+        return types.SimpleNamespace(given_config=config)
 
     monkeypatch.setattr(functional, "get_workspace", get_workspace)
     return calls
@@ -312,5 +312,31 @@ def test_the_kept_workspace_is_the_one_get_workspace_gives():
         functional.clear_workspace_cache()
         again = runtime.workspace(*_layer_inputs())
         assert again is not ws and again is functional.get_workspace(MoKConfig(), None, **want)
+    finally:
+        functional.clear_workspace_cache()
+
+
+def test_layers_with_equal_configs_pass_the_workspaces_own_config(monkeypatch):
+    """Layers with equal (not the same) configs share a workspace; each passes the workspace's
+    config object, so the API's checks compare no fields, and computes what it did."""
+    runtimes = [FusedRuntime(MoKConfig(), "reference", None, None, None) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    x, topk_experts, routed = _layer_inputs()
+    x.normal_(generator=gen)
+    topk_experts.random_(0, 4, generator=gen)
+    routed = tuple(w if w is None else w.normal_(generator=gen) for w in routed)
+    router_weights = torch.rand(topk_experts.shape, generator=gen)
+    functional.clear_workspace_cache()
+    try:
+        want = runtimes[0].run(x, topk_experts, router_weights, routed)
+        compares = []
+        real_eq = MoKConfig.__eq__
+        monkeypatch.setattr(MoKConfig, "__eq__", lambda a, b: compares.append(1) or real_eq(a, b))
+        runtimes[1].workspace(x, topk_experts, routed)  # compares once, for the new workspace
+        compares.clear()
+        got = runtimes[1].run(x, topk_experts, router_weights, routed)
+        assert compares == [] and runtimes[1].last_workspace is runtimes[0].last_workspace
+        assert runtimes[1]._kept[2] is runtimes[0].mok_config
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         functional.clear_workspace_cache()
