@@ -69,8 +69,8 @@ def wanted(config, device: torch.device | None) -> bool:
 
 def mega_shape(config, row_capacity, num_local_experts, hidden, inter):
     """The megakernel's sizes for this shape and config (from the C++ layout header)."""
-    return mops.moe_mega_shape(row_capacity, num_local_experts, hidden, inter, config.minibatch_size,
-                          config.macrobatch_size)  # fmt: skip
+    return mops.moe_mega_shape(row_capacity, num_local_experts, hidden, inter,
+                               config.minibatch_size, config.macrobatch_size)  # fmt: skip
 
 
 def rows_in_place(ws, save: bool = False) -> bool:
