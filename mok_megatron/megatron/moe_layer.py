@@ -102,8 +102,7 @@ class FusedRuntime:
         self.max_local_tokens = max_local_tokens
         self.shared_experts = shared_experts
         self.last_workspace = None  # the workspace of the latest call (benchmarks report it)
-        # (key, workspace, config) of the latest workspace() call; config: the object calls pass
-        self._kept = None
+        self._kept: _KeptWorkspace | None = None  # the latest workspace() call's
 
     def run(self, x, topk_experts, router_weights, routed, wgrad_accumulators=None,
             accumulated_grad=None):  # fmt: skip
@@ -118,7 +117,7 @@ class FusedRuntime:
         ws = self.last_workspace = self.workspace(x, topk_experts, routed)
         return functional.moe(
             x, topk_experts, router_weights, *routed, shared=self.shared_weights(),
-            config=self._kept[2], workspace=ws, wgrad_accumulators=wgrad_accumulators,
+            config=self._kept.config, workspace=ws, wgrad_accumulators=wgrad_accumulators,
             accumulated_grad=accumulated_grad if wgrad_accumulators is not None else None,
         )  # fmt: skip
 
@@ -139,7 +138,7 @@ class FusedRuntime:
         expert; 4 and 6 now)."""
         shape = self._workspace_shape(x, topk_experts, routed)
         key = (self.mok_config, self.ep_group, self.backend, shape, workspace_cache_generation())
-        if self._kept is None or self._kept[0] != key:
+        if self._kept is None or self._kept.key != key:
             ws = functional.get_workspace(
                 self.mok_config, self.ep_group, **shape._asdict(), backend=self.backend
             )
@@ -147,8 +146,8 @@ class FusedRuntime:
             # cache keys by value: another layer's equal config made it), so the API's config
             # checks take their identity test, not two field-by-field compares per call
             same = ws.given_config == self.mok_config
-            self._kept = (key, ws, ws.given_config if same else self.mok_config)
-        return self._kept[1]
+            self._kept = _KeptWorkspace(key, ws, ws.given_config if same else self.mok_config)
+        return self._kept.workspace
 
     def _workspace_shape(self, x, topk_experts, routed) -> _WorkspaceShape:
         gate_rows = routed[0].shape[1]  # I, or 2I in the fused form (routed[1] is None)
@@ -177,6 +176,14 @@ class FusedRuntime:
                 "x micro-batch size / TP) to get_mok_moe_module_spec()"
             )
         return self.max_local_tokens
+
+
+class _KeptWorkspace(NamedTuple):
+    """``FusedRuntime.workspace``'s latest answer and what it was for."""
+
+    key: tuple  # (config, group, backend, _WorkspaceShape, workspace_cache_generation())
+    workspace: functional.MoKWorkspace
+    config: functional.MoKConfig  # the object calls pass: the workspace's own where it is equal
 
 
 class _WorkspaceShape(NamedTuple):

@@ -336,7 +336,7 @@ def test_layers_with_equal_configs_pass_the_workspaces_own_config(monkeypatch):
         compares.clear()
         got = runtimes[1].run(x, topk_experts, router_weights, routed)
         assert compares == [] and runtimes[1].last_workspace is runtimes[0].last_workspace
-        assert runtimes[1]._kept[2] is runtimes[0].mok_config
+        assert runtimes[1]._kept.config is runtimes[0].mok_config
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         functional.clear_workspace_cache()
