@@ -119,9 +119,25 @@ BAD = {
 }  # fmt: skip
 
 
+#: The good tensors of a plain type (tensor or parameter), which the one-test good case lets by.
+PLAIN_GOOD = ("tensor", "parameter", "empty at an odd offset")
+
+
 @pytest.mark.parametrize("kind", list(GOOD))
-def test_a_good_tensor_passes(kind):
+def test_a_good_tensor_passes(kind, monkeypatch):
+    """A plain one in the one-test good case (the rules one by one raise here if they run), a
+    subclass through the rules."""
+    ran, real_rules = [], api._check_tensor_rules
+
+    def rules(*args):
+        if kind in PLAIN_GOOD:
+            raise AssertionError(f"a good {kind} met the rules one by one: no fast path taken")
+        ran.append(args)
+        real_rules(*args)
+
+    monkeypatch.setattr(api, "_check_tensor_rules", rules)
     api._check_tensor("t", GOOD[kind](), WS, dtypes=(torch.float32,), ndim=2, why="why")
+    assert len(ran) == (kind not in PLAIN_GOOD)
 
 
 @pytest.mark.parametrize("kind", list(BAD))
