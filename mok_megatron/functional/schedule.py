@@ -150,6 +150,26 @@ _PENDING_DEFAULTS = {
 }
 
 
+def _check_init_only_sets_fields(cls) -> None:
+    """Raises unless ``cls.__init__`` does no more than set each field to its argument or its
+    default: what ``MoKSchedule.pending`` does without calling it."""
+    skipped = [f"{f.name} (init=False)" for f in dataclasses.fields(cls) if not f.init]
+    skipped += [f"{f.name} (default_factory)" for f in dataclasses.fields(cls)
+                if f.default_factory is not dataclasses.MISSING]  # fmt: skip
+    if hasattr(cls, "__post_init__"):
+        skipped.append("__post_init__")
+    if skipped:
+        raise TypeError(
+            f"{cls.__name__}.pending sets a schedule's fields without __init__, which would skip "
+            f"{', '.join(skipped)}; update pending (and _PENDING_DEFAULTS) to do what they do"
+        )
+
+
+# NOTE: pending() skips __init__ (host time on every forward): a __post_init__, an init=False
+# field or a default_factory field added to MoKSchedule must be handled there too.
+_check_init_only_sets_fields(MoKSchedule)
+
+
 def build_schedule_from_global(
     global_topk: torch.Tensor,
     *,

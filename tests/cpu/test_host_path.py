@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from mok_megatron.functional import MoKConfig, api
+from mok_megatron.functional import MoKConfig, api, schedule
 from mok_megatron.functional.cuda import experts as cuda_experts
 from mok_megatron.functional.schedule import MoKSchedule
 
@@ -198,3 +198,21 @@ def test_a_pending_schedule_with_other_sizes_raises_as_init_does(change):
         sizes["num_experts"] = 3
     with pytest.raises(TypeError, match="topk" if change == "missing" else "num_experts"):
         MoKSchedule.pending(build=lambda s: None, **sizes)
+
+
+def _schedule_with(addition):
+    """A dataclass with MoKSchedule's fields and ``addition``: a field or a __post_init__."""
+    namespace = {"__post_init__": lambda self: None} if addition == "__post_init__" else {}
+    extra = {"init=False": dataclasses.field(default=0, init=False),
+             "default_factory": dataclasses.field(default_factory=list)}  # fmt: skip
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(MoKSchedule)]
+    if addition in extra:
+        fields.append(("extra", int, extra[addition]))
+    return dataclasses.make_dataclass("Schedule", fields, namespace=namespace)
+
+
+def test_a_schedule_init_that_pending_would_skip_raises_on_import():
+    schedule._check_init_only_sets_fields(MoKSchedule)
+    for addition in ("__post_init__", "init=False", "default_factory"):
+        with pytest.raises(TypeError, match=re.escape(addition) + r"\)?; update pending"):
+            schedule._check_init_only_sets_fields(_schedule_with(addition))
