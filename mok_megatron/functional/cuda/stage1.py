@@ -41,6 +41,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mok_megatron.ops import moe as mops
+
 from .experts import ExpertRows, Experts, accumulate, grouped_mm, weighted_rows
 from .plan import CudaPlan, Rounds, make_rounds, padded_plan, round_accumulator, window_offs
 
@@ -71,8 +73,6 @@ def slot_weights_of(ws, sched, router_weights: torch.Tensor) -> torch.Tensor:
     """[W, T_max, K] float32: every rank's router weights. The ones ``build_schedule`` gathered
     with the routing when they are these weights (same tensor, unchanged since); otherwise they
     are gathered now (a second routing gather: pass router_weights to build_schedule)."""
-    from mok_megatron.ops import moe as mops
-
     if sched.gathered_weights_match(router_weights):
         return sched.global_weights
     mine = sched.global_topk[ws.rank, : sched.num_tokens].contiguous()
@@ -107,8 +107,6 @@ def _grad_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def shared_forward(x, shared):
     """The shared expert on the local tokens: (out [T, H], gu [T, 2I_s], a [T, I_s]), or Nones."""
-    from mok_megatron.ops import moe as mops
-
     if shared is None:
         return None, None, None
     gu = _rows_mm(x, torch.cat([shared.gate, shared.up], dim=0).T)
@@ -127,8 +125,6 @@ def dispatches_fp8_tokens(experts, save: bool, rounds) -> bool:
 
 def forward(ws, sched, x, router_weights, shared, routed, save: bool = True):
     """``save``: keep what the backward needs (nothing when False)."""
-    from mok_megatron.ops import moe as mops
-
     comm = ws.buffers.comm
     plan = padded_plan(sched)
     slot_weights = slot_weights_of(ws, sched, router_weights)
@@ -220,8 +216,6 @@ def backward_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared
 
 def _one_round_steps(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
                      wgrad_acc, consume: bool):  # fmt: skip
-    from mok_megatron.ops import moe as mops
-
     from ..types import MoKGradients
 
     comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
@@ -287,8 +281,6 @@ def _down_side(experts, act: ExpertRows, d_rows, w_rows, row_tok, offs):
     (float32, fixed order; 0 on padding), dy = w * d_rows, da None, operands (dy, a). Without:
     <d_rows, y> = <d_rows @ W_down, a> and d_a = w * (d_rows @ W_down), dy None, operands
     (d_rows, w * a)."""
-    from mok_megatron.ops import moe as mops
-
     if act.y is not None:
         d_row_w, dy = mops.moe_row_grad(d_rows, act.y, w_rows, row_tok)
         return d_row_w, dy, None, (dy, act.a)
@@ -320,8 +312,6 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
     <d_rows, y> = <d_rows @ W_down, a>, and d_a = w * (d_rows @ W_down); FP8 experts recompute
     y as well, whose router-weight gradient is <d_rows, y>); the weight gradients add up round
     after round."""
-    from mok_megatron.ops import moe as mops
-
     from ..types import MoKGradients
 
     comm, plan, rounds = ws.buffers.comm, ctx.plan, ctx.rounds
@@ -386,8 +376,6 @@ def _accumulator_slots(wgrad_acc):
 
 
 def _shared_backward(d_out, x, ctx: CudaContext, shared):
-    from mok_megatron.ops import moe as mops
-
     da = _rows_mm(d_out, shared.down)  # [T, I_s]
     inter = shared.gate.shape[0]
     gu = ctx.shared_gu
