@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from mok_megatron.ops import has_op
+from mok_megatron import ops
 from mok_megatron.ops import moe as ops_moe
 
 __all__ = ["MoKRouting", "MoKTokenDispatcher", "routing_to_topk", "routing_to_topk_torch"]
@@ -52,7 +52,7 @@ def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int) -
     pass); elsewhere the torch ops.
     """
     if (probs.is_cuda and probs.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and has_op("routing_to_topk")):  # fmt: skip
+            and ops.has_op("routing_to_topk")):  # fmt: skip
         topk_experts, router_weights = ops_moe.routing_to_topk(probs, routing_map, topk)
         return MoKRouting(topk_experts=topk_experts, router_weights=router_weights)
     return routing_to_topk_torch(probs, routing_map, topk)

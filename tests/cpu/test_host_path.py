@@ -14,6 +14,7 @@ import torch
 
 from mok_megatron.functional import MoKConfig, api, schedule
 from mok_megatron.functional.cuda import experts as cuda_experts
+from mok_megatron.functional.cuda import mega
 from mok_megatron.functional.schedule import MoKSchedule
 
 SM90_WHY = None
@@ -79,6 +80,12 @@ def test_engine_steps_name_the_same_steps(capabilities, monkeypatch, accumulate)
     assert cuda_experts.engine_steps("l1+l2", sm90, accumulate) == ("l1", "l2")
     with pytest.raises(ValueError, match="choose auto, torch, engine or a comma list"):
         cuda_experts.engine_steps("l1,fp8", sm90, accumulate)
+
+
+def test_the_megakernel_asks_the_experts_module_for_the_gpus_reason(monkeypatch):
+    """Through the module imported once, so a stub of ``experts.not_hopper`` reaches it."""
+    monkeypatch.setattr(cuda_experts, "not_hopper", lambda device: f"stubbed for {device}")
+    assert mega.unsupported_reasons(torch.device("cuda", 0))[-1] == "stubbed for cuda:0"
 
 
 # ------------------------------------------------------------------------- tensor checks

@@ -29,8 +29,9 @@ from mok_megatron.ops import moe as mops
 
 from ..schedule import MoKSchedule
 from ..types import FusedExpertWeights, MoKGradients
+from . import experts as cuda_experts
 from . import stage1
-from .experts import ExpertRows, Experts, not_hopper, weighted_rows
+from .experts import ExpertRows, Experts
 from .plan import CudaPlan, Rounds, window_offs
 
 __all__ = ["unsupported_reasons", "wanted", "mega_shape", "build_schedule", "rows_in_place",
@@ -43,7 +44,7 @@ def unsupported_reasons(device: torch.device | None) -> list[str]:
     from mok_megatron.ops import has_op
 
     reasons = [f"mok_megatron._C lacks {op}" for op in mops.MEGA_OPS if not has_op(op)]
-    return reasons + [r for r in (not_hopper(device),) if r]
+    return reasons + [r for r in (cuda_experts.not_hopper(device),) if r]
 
 
 def unavailable_here() -> str | None:
@@ -276,7 +277,7 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
         outs["d_row_w"], plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens,
         comm,
     )  # fmt: skip
-    down_rows = [(outs["d_rows"], weighted_rows(act.a, w_rows, row_tok))]
+    down_rows = [(outs["d_rows"], cuda_experts.weighted_rows(act.a, w_rows, row_tok))]
     del outs
     act = None
     # NOTE: yielded unnamed, its operands popped (as stage 1's step 1)
