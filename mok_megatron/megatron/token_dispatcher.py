@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from mok_megatron import ops
-from mok_megatron.ops import moe as ops_moe
+from mok_megatron.ops import moe as mops
 
 __all__ = ["MoKRouting", "MoKTokenDispatcher", "routing_to_topk", "routing_to_topk_torch"]
 
@@ -53,7 +53,7 @@ def routing_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int) -
     """
     if (probs.is_cuda and probs.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and ops.has_op("routing_to_topk")):  # fmt: skip
-        topk_experts, router_weights = ops_moe.routing_to_topk(probs, routing_map, topk)
+        topk_experts, router_weights = mops.routing_to_topk(probs, routing_map, topk)
         return MoKRouting(topk_experts=topk_experts, router_weights=router_weights)
     return routing_to_topk_torch(probs, routing_map, topk)
 
