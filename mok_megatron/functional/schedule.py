@@ -89,8 +89,8 @@ class MoKSchedule:
         """A schedule of these sizes whose INTEGER_FIELDS do not exist yet: reading one runs
         ``build(sched)``, which must ``fill`` them."""
         if sizes.keys() == _PENDING_SIZES:
-            # what __init__ would set, but the tensors: __init__ and 14 deletions after it were
-            # 7 us of host time per forward (on a CPU)
+            # what __init__ would set, but the tensors, without __init__ and its 14 deletions
+            # after (host time on every forward; see the NOTE at _check_init_only_sets_fields)
             sched = cls.__new__(cls)
             sched.__dict__.update(sizes, **_PENDING_DEFAULTS)
         else:  # missing or other sizes: the dataclass's own checks

@@ -134,8 +134,7 @@ class FusedRuntime:
 
         The latest call's is kept and given again while ``get_workspace`` would give it: for
         the same config, group, backend and shape, with no ``clear_workspace_cache()`` since
-        (asking get_workspace was 12 us of host time per forward on a CPU, 26 with a shared
-        expert; 4 and 6 now)."""
+        (get_workspace builds, sorts and hashes its key on every call: host time per forward)."""
         shape = self._workspace_shape(x, topk_experts, routed)
         key = (self.mok_config, self.ep_group, self.backend, shape, workspace_cache_generation())
         if self._kept is None or self._kept.key != key:
@@ -161,7 +160,7 @@ class FusedRuntime:
 
     def _shared_intermediate_size(self) -> int:
         """I_s, the rows of ``shared_weights()``' gate (0 without a fused shared expert), from
-        fc1's shape: no chunk of the weight (a view with an autograd node, 8 us on a CPU)."""
+        fc1's shape: no chunk of the weight (a view with an autograd node, on every forward)."""
         if self.shared_experts is None:
             return 0
         return (self.shared_experts.linear_fc1.weight.shape[0] + 1) // 2  # chunk(2)'s first

@@ -247,8 +247,8 @@ def not_hopper(device: torch.device | None) -> str | None:
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """``torch.cuda.get_device_capability(device)``, asked once per device index (it never
-    changes in a process; the query builds a device-properties object: 35 us of a forward's
-    host time under cProfile on an H200, where every forward builds an ``Experts``)."""
+    changes in a process; the query builds a device-properties object each time, and every
+    forward builds an ``Experts``)."""
     if device.index is None:  # the current device, which may change
         return torch.cuda.get_device_capability(device)
     return _capability_of_index(device.index)
