@@ -51,9 +51,11 @@ __global__ void count_chunks(ScheduleParams p) {
 // NOTE: the chunk counts are read kScanBatch at a time before any store and the experts' rows
 // are scanned by cub's BlockScan (thread 0 summed them one by one before): at 8192 tokens that
 // took deepseek-v3's 256 experts from 33 to 23 us and left qwen3-30b-a3b's 128 at 21 us
-// (profile_moe at 2defa24 and edf94f1). What remains is each thread's walk over the 256 chunks
-// (65536 slots / kChunk) with 128 or 256 of the 1024 threads busy. Integer sums: the same
-// values in any order.
+// (profile_moe at 2defa24 and edf94f1). What remained was each thread's walk over all 256 chunks
+// (65536 slots / kChunk) with 128 or 256 of the 1024 threads busy, and one thread's walk over
+// them for each rank's total. Now the threads not over an expert take the chunks in groups (see
+// scan_chunks), and a warp per rank sums that rank's column. Integer sums: the same values in any
+// order.
 // NOTE: a warp per expert with its lanes over the chunks was built (4cad4e2): right (the
 // schedule tests passed on the H200) and three to seven times slower (71 us on qwen3-30b-a3b,
 // 157 on deepseek-v3: profile_moe_h200_ep1_4cad4e2.json). Its lanes read chunk_expert_rows with
@@ -61,64 +63,102 @@ __global__ void count_chunks(ScheduleParams p) {
 // must stay over the experts (coalesced), with the warps splitting the chunks between them.
 constexpr int kScanBatch = 8;
 
-// count[j] = expert e's rows in chunk b0 + j of chunk_expert_rows [num_chunks, e_l] (0 past the
-// last chunk): kScanBatch loads issued before any is used.
-MOK_DEVICE void load_chunk_counts(const int* chunk_expert_rows, int num_chunks, int e_l, int b0,
-                                  int e, int (&count)[kScanBatch]) {
+// count[j] = expert e's rows in chunk b0 + j of chunk_expert_rows [num_chunks, e_l] (0 at or past
+// chunk `end`): kScanBatch loads issued before any is used.
+MOK_DEVICE void load_chunk_counts(const int* chunk_expert_rows, int end, int e_l, int b0, int e,
+                                  int (&count)[kScanBatch]) {
 #pragma unroll
   for (int j = 0; j < kScanBatch; ++j) {
-    count[j] = b0 + j < num_chunks ? chunk_expert_rows[(b0 + j) * e_l + e] : 0;
+    count[j] = b0 + j < end ? chunk_expert_rows[(b0 + j) * e_l + e] : 0;
   }
 }
+
+// The threads of scan_chunks over experts and chunks: `width` experts at a time (E_l rounded up
+// to whole warps, at most the block), the block's threads in `groups` of `width`, group g over
+// chunks [g * per_group, (g + 1) * per_group). qwen3-30b-a3b's 128 experts: 8 groups of 32 of
+// the 256 chunks at 8192 tokens; deepseek-v3's 256: 4 of 64; more than 1024 experts: one group,
+// the experts in passes of 1024.
+struct ScanGroups {
+  int width, groups, per_group;
+  MOK_DEVICE ScanGroups(int e_l, int num_chunks) {
+    const int warps = (e_l + 31) / 32;
+    width = warps * 32 < kTokenThreads ? warps * 32 : kTokenThreads;
+    groups = kTokenThreads / width;
+    per_group = (num_chunks + groups - 1) / groups;
+  }
+};
 
 __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
   using BlockScan = cub::BlockScan<int64_t, kTokenThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int s_flags;
+  __shared__ int s_part[kTokenThreads];     // [group][expert of the pass]: rows in its chunks
+  __shared__ int64_t s_start[kTokenThreads];  // [expert of the pass]: its first row
   const int num_chunks = p.num_chunks(), e_l = p.num_local_experts;
-  if (threadIdx.x == 0) s_flags = 0;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  if (tid == 0) s_flags = 0;
   __syncthreads();
-  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
+  for (int d = warp; d < p.num_ranks; d += kTokenThreads / 32) {  // a warp per rank's column
     int64_t total = 0;
-    for (int b = 0; b < num_chunks; ++b) total += p.chunk_rank_slots[b * p.num_ranks + d];
-    if (total > p.row_capacity) atomicOr(&s_flags, kErrRowOverflow);
+    for (int b = lane; b < num_chunks; b += 32) total += p.chunk_rank_slots[b * p.num_ranks + d];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (lane == 0 && total > p.row_capacity) atomicOr(&s_flags, kErrRowOverflow);
   }
-  for (int b = threadIdx.x; b < num_chunks; b += blockDim.x) {
+  for (int b = tid; b < num_chunks; b += kTokenThreads) {
     if (p.chunk_bad[b]) atomicOr(&s_flags, kErrExpertId);
   }
-  // Experts [base, base + blockDim.x) at a time: each thread's expert's rows (its chunk counts,
-  // read in batches), their exclusive scan over the block after the carry of the experts before,
-  // then each chunk's first row per expert (the counts turned into running starts in place).
+  // Experts [base, base + width) at a time. Thread (g, i) sums expert base + i's counts over
+  // group g's chunks (read in batches) into s_part; group 0's threads add their expert's parts,
+  // and the block scans them (the other groups' threads, after group 0's in thread order, give
+  // 0) after the carry of the experts before; then each thread turns its chunks' counts into
+  // running starts in place, from its expert's start plus the earlier groups' parts.
+  const ScanGroups sg(e_l, num_chunks);
+  const int g = tid / sg.width, i = tid % sg.width;
+  const int first = g * sg.per_group;
+  const int end = first + sg.per_group < num_chunks ? first + sg.per_group : num_chunks;
   int64_t carry = 0;
-  for (int base = 0; base < e_l; base += blockDim.x) {
-    const int e = base + static_cast<int>(threadIdx.x);
-    int64_t rows = 0;
-    if (e < e_l) {
-      for (int b0 = 0; b0 < num_chunks; b0 += kScanBatch) {
+  for (int base = 0; base < e_l; base += sg.width) {
+    const int e = base + i;
+    const bool mine = g < sg.groups && e < e_l;
+    int part = 0;  // int fits: rows <= W * T * K
+    if (mine) {
+      for (int b0 = first; b0 < end; b0 += kScanBatch) {
         int count[kScanBatch];
-        load_chunk_counts(p.chunk_expert_rows, num_chunks, e_l, b0, e, count);
+        load_chunk_counts(p.chunk_expert_rows, end, e_l, b0, e, count);
 #pragma unroll
-        for (int j = 0; j < kScanBatch; ++j) rows += count[j];
+        for (int j = 0; j < kScanBatch; ++j) part += count[j];
       }
+    }
+    if (g < sg.groups) s_part[tid] = part;
+    __syncthreads();
+    int64_t rows = 0;
+    if (g == 0 && e < e_l) {
+      for (int h = 0; h < sg.groups; ++h) rows += s_part[h * sg.width + i];
     }
     int64_t start, block_rows;
     BlockScan(scan_storage).ExclusiveSum(rows, start, block_rows);
     start += carry;
     carry += block_rows;
-    if (e < e_l) {
+    if (g == 0 && e < e_l) {
       p.expert_offsets[e] = start;  // uncapped for now
-      int running = static_cast<int>(start);  // int fits: rows <= W * T * K
-      for (int b0 = 0; b0 < num_chunks; b0 += kScanBatch) {
+      s_start[i] = start;
+    }
+    __syncthreads();
+    if (mine) {
+      int running = static_cast<int>(s_start[i]);  // int fits: rows <= W * T * K
+      for (int h = 0; h < g; ++h) running += s_part[h * sg.width + i];
+      for (int b0 = first; b0 < end; b0 += kScanBatch) {
         int count[kScanBatch];
-        load_chunk_counts(p.chunk_expert_rows, num_chunks, e_l, b0, e, count);
+        load_chunk_counts(p.chunk_expert_rows, end, e_l, b0, e, count);
 #pragma unroll
         for (int j = 0; j < kScanBatch; ++j) {
-          if (b0 + j < num_chunks) p.chunk_expert_rows[(b0 + j) * e_l + e] = running;
+          if (b0 + j < end) p.chunk_expert_rows[(b0 + j) * e_l + e] = running;
           running += count[j];
         }
       }
     }
-    __syncthreads();  // scan_storage is reused by the next experts' scan
+    __syncthreads();  // s_part, s_start and scan_storage are reused by the next experts
   }
   if (threadIdx.x == 0) {
     p.expert_offsets[e_l] = carry;
