@@ -437,6 +437,24 @@ def test_schedule_bitwise_many_routings():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", [96, 128, 256, 1100])
+def test_schedule_bitwise_many_experts_and_chunks(experts):
+    # scan_chunks splits the chunks between groups of threads as wide as E_l in whole warps: 96
+    # experts give 10 groups (and idle threads), 128 and 256 the benchmark shapes' 8 and 4, 1100
+    # one group in two passes of 1024 experts; 2048 tokens of top-8 are 64 chunks of slots.
+    routings = (("uniform", 0.0), ("skewed", 0.2), ("one_expert", 0.0))
+    for seed, (routing, empty) in enumerate(routings):
+        problem = _problem([2048], (64, 32, experts, 8, 0), seed=seed, routing=routing,
+                           empty_slot_fraction=empty)  # fmt: skip
+        run = Run(problem, "cuda")
+        _poison_workspace(run.ws)
+        with poisoned_memory() as mem:
+            sched = run.schedule().ensure_built()  # the megakernel path's is lazy
+        _assert_outputs_poisoned(mem, run.ws, sched, {})
+        _assert_schedule_equal(sched, problem, run.ws)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("form", FORMS)
 def test_bitwise_repeatable_over_10_runs(form):
     problem = _problem([211], SHAPES["deepseek-v3"], seed=3)
