@@ -23,6 +23,9 @@ records=(
   bench_moe_h200_ep1_deepseek_fc524bd.json
 )
 compares=(  # BEFORE AFTER pairs
+  bench_moe_h100_ep1_hostab_31d4a38_1.json bench_moe_h100_ep1_hostab_14bf0d4_1.json
+  bench_moe_h100_ep1_hostab_31d4a38_2.json bench_moe_h100_ep1_hostab_14bf0d4_2.json
+  bench_moe_h100_ep1_hostab_31d4a38_3.json bench_moe_h100_ep1_hostab_14bf0d4_3.json
   bench_moe_h100_ep1_fwdgraph_527358d_1.json bench_moe_h100_ep1_fwdgraph_f92b268_1.json
   bench_moe_h100_ep1_fwdgraph_527358d_2.json bench_moe_h100_ep1_fwdgraph_f92b268_2.json
   bench_moe_h100_ep1_maingrad_527358d_1.json bench_moe_h100_ep1_maingrad_f92b268_1.json
@@ -101,8 +104,10 @@ for n in ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_1c8cc70.json")
-args+=(--host "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
+args+=(--host "$R/profile_host_h100_ep1_31d4a38.json" "$R/profile_host_h100_ep1_14bf0d4.json" \
+  "$R/profile_host_h100_ep1_9f62ae1.json" "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
   "$R/profile_host_h200_ep1_fefeac9.json")
-args+=(--profile "$R/profile_moe_h100_ep1_f92b268_ab.json" "$R/profile_moe_h100_ep1_527358d_ab.json" "$R/profile_moe_h200_ep1_0d9dae0.json" "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
+args+=(--profile "$R/profile_moe_h100_ep1_9f62ae1_scan.json" "$R/profile_moe_h100_ep1_31d4a38_scan.json" \
+  "$R/profile_moe_h100_ep1_f92b268_ab.json" "$R/profile_moe_h100_ep1_527358d_ab.json" "$R/profile_moe_h200_ep1_0d9dae0.json" "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
   "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
 exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png
