@@ -449,7 +449,7 @@ def test_schedule_bitwise_many_experts_and_chunks(experts):
         run = Run(problem, "cuda")
         _poison_workspace(run.ws)
         with poisoned_memory() as mem:
-            sched = run.schedule().ensure_built()  # the megakernel path's is lazy
+            sched = run.schedule().ensure_built()  # stage 1's schedule: scan_chunks runs now
         _assert_outputs_poisoned(mem, run.ws, sched, {})
         _assert_schedule_equal(sched, problem, run.ws)
 

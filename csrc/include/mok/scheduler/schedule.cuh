@@ -76,12 +76,12 @@ MOK_DEVICE void load_chunk_counts(const int* chunk_expert_rows, int end, int e_l
 // The threads of scan_chunks over experts and chunks: `width` experts at a time (E_l rounded up
 // to whole warps, at most the block), the block's threads in `groups` of `width`, group g over
 // chunks [g * per_group, (g + 1) * per_group). qwen3-30b-a3b's 128 experts: 8 groups of 32 of
-// the 256 chunks at 8192 tokens; deepseek-v3's 256: 4 of 64; more than 1024 experts: one group,
-// the experts in passes of 1024.
+// the 256 chunks at 8192 tokens; deepseek-v3's 256: 4 of 64. From 513 experts the block is one
+// group (520: 544 wide, 480 threads idle); past 1024, one group over the experts in passes.
 struct ScanGroups {
   int width, groups, per_group;
   MOK_DEVICE ScanGroups(int e_l, int num_chunks) {
-    const int warps = (e_l + 31) / 32;
+    const int warps = (max(e_l, 1) + 31) / 32;  // no experts: one idle warp's width
     width = warps * 32 < kTokenThreads ? warps * 32 : kTokenThreads;
     groups = kTokenThreads / width;
     per_group = (num_chunks + groups - 1) / groups;
