@@ -47,6 +47,13 @@ def parse_args(argv=None):
         help="also profile the FP8 megakernel forward (expert_precision='fp8_blockwise', "
         "cuda_forward='megakernel') as mok_fp8_mega_fwd (with --host, its host side too)",
     )
+    p.add_argument(
+        "--main-grad",
+        action="store_true",
+        help="as bench_moe's --main-grad: fp32 main_grad buffers and DDP's accumulate hook on the "
+        "expert weights, gradient_accumulation_fusion on (MoK's weight-gradient GEMMs add into "
+        "main_grad; the baseline's hook adds .grad into it)",
+    )
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -195,8 +202,10 @@ def main(argv=None) -> None:
     record = {"environment": bench_moe.environment(bench_args), "args": vars(args), "cases": []}
     for name in args.shapes.split(","):
         shape = bench_moe.SHAPES[name]
-        config = bench_moe.transformer_config(shape, "cuda")
+        config = bench_moe.transformer_config(shape, "cuda", args.main_grad)
         base, layer = bench_moe.build_layers(config, "auto", args.tokens, args.mok_cuda_forward)
+        if args.main_grad:
+            bench_moe.attach_main_grads(base, layer)
         sets = bench_moe.make_inputs(2, args.tokens, shape, args.routing, "cuda",
                                      config.params_dtype, 1234, rank)  # fmt: skip
         case = {"shape": name, "tokens_per_rank": args.tokens, "routing": args.routing, "ep": world}
