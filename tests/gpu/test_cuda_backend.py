@@ -422,18 +422,26 @@ def test_edge_cases(case, form):
     assert not failures, failures
 
 
+# Routings the schedule tests run, with the fraction of slots set to -1.
+SCHEDULE_ROUTINGS = (("uniform", 0.0), ("skewed", 0.2), ("one_expert", 0.0))
+
+
+def _check_schedule(tokens, shape, seed, routing, empty, **run_kw) -> None:
+    """The device schedule from poisoned memory equals the Python one, every output written."""
+    problem = _problem(tokens, shape, seed=seed, routing=routing, empty_slot_fraction=empty)
+    run = Run(problem, "cuda", **run_kw)
+    _poison_workspace(run.ws)
+    with poisoned_memory() as mem:
+        sched = run.schedule().ensure_built()  # the megakernel path's is lazy
+    _assert_outputs_poisoned(mem, run.ws, sched, {})
+    _assert_schedule_equal(sched, problem, run.ws)
+
+
 @pytest.mark.gpu
 def test_schedule_bitwise_many_routings():
     for seed in range(6):
-        for routing, empty in (("uniform", 0.0), ("skewed", 0.2), ("one_expert", 0.0)):
-            problem = _problem([173], (64, 32, 24, 3, 0), seed=seed, routing=routing,
-                               empty_slot_fraction=empty)  # fmt: skip
-            run = Run(problem, "cuda", num_local_tokens=190)
-            _poison_workspace(run.ws)
-            with poisoned_memory() as mem:
-                sched = run.schedule().ensure_built()  # the megakernel path's is lazy
-            _assert_outputs_poisoned(mem, run.ws, sched, {})
-            _assert_schedule_equal(sched, problem, run.ws)
+        for routing, empty in SCHEDULE_ROUTINGS:
+            _check_schedule([173], (64, 32, 24, 3, 0), seed, routing, empty, num_local_tokens=190)
 
 
 @pytest.mark.gpu
@@ -442,16 +450,8 @@ def test_schedule_bitwise_many_experts_and_chunks(experts):
     # scan_chunks splits the chunks between groups of threads as wide as E_l in whole warps: 96
     # experts give 10 groups (and idle threads), 128 and 256 the benchmark shapes' 8 and 4, 1100
     # one group in two passes of 1024 experts; 2048 tokens of top-8 are 64 chunks of slots.
-    routings = (("uniform", 0.0), ("skewed", 0.2), ("one_expert", 0.0))
-    for seed, (routing, empty) in enumerate(routings):
-        problem = _problem([2048], (64, 32, experts, 8, 0), seed=seed, routing=routing,
-                           empty_slot_fraction=empty)  # fmt: skip
-        run = Run(problem, "cuda")
-        _poison_workspace(run.ws)
-        with poisoned_memory() as mem:
-            sched = run.schedule().ensure_built()  # stage 1's schedule: scan_chunks runs now
-        _assert_outputs_poisoned(mem, run.ws, sched, {})
-        _assert_schedule_equal(sched, problem, run.ws)
+    for seed, (routing, empty) in enumerate(SCHEDULE_ROUTINGS):
+        _check_schedule([2048], (64, 32, experts, 8, 0), seed, routing, empty)
 
 
 @pytest.mark.gpu
