@@ -18,9 +18,17 @@ table's BF16 entries, which it keeps: an ``fp8_blockwise:`` section (the forward
 geometric mean) and an ``fp8_blockwise:`` entry in each swept shape's. A layer with FP8 experts
 reads its forward knobs from those (MoKConfig.resolve), its other knobs as a BF16 layer does.
 
+The pair sweep pulls the rows (``fwd_rows='pull'``: at one rank rows read in place leave no SM
+to the pulls, so the comm SMs would change nothing). At one rank, ``--rows`` then times each
+shape's forward at its tuned knobs with the rows pulled and read in place, and writes the faster
+into its entry as ``fwd_rows`` (and the one faster on the geometric mean into ``mok:``; with
+``--fp8`` into the FP8 entries): MoKConfig's ``fwd_rows='auto'`` pulls where the table says
+'pull' (MoKConfig.resolve). A later pair sweep keeps these entries; run ``--rows`` again after it.
+
   python3 scripts/tune.py --out docs/results/tune_h200_ep1.json          # one GPU: EP 1
   torchrun --standalone --nproc-per-node 2 scripts/tune.py --out ...     # EP 2
   python3 scripts/tune.py --fp8 --out docs/results/tune_fp8_h200_ep1.json    # then FP8's
+  python3 scripts/tune.py --rows --out docs/results/tune_rows_h200_ep1.json  # then the rows (EP 1)
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,8 +51,12 @@ import bench_moe  # noqa: E402
 from mok_megatron.functional.config import (  # noqa: E402
     FORWARD_TUNED_KNOBS,
     LayerDims,
+    _tuned_knobs,
     tuned_table_path,
 )
+
+#: The forward rows --rows compares (MoKConfig.fwd_rows).
+ROWS = ("pull", "in_place")
 
 
 def parse_args(argv=None):
@@ -63,6 +76,12 @@ def parse_args(argv=None):
         help="sweep the FP8 megakernel's forward and add its knobs to the table (see above)",
     )
     p.add_argument(
+        "--rows",
+        action="store_true",
+        help="one rank: time each shape's forward (with --fp8 the FP8 megakernel's) at its tuned "
+        "knobs with fwd_rows 'pull' and 'in_place', and write the faster into the table",
+    )
+    p.add_argument(
         "--table", default=None, help="YAML table (default mok_megatron/tuned/<gpu>_ep<N>.yaml)"
     )
     return p.parse_args(argv)
@@ -74,26 +93,38 @@ def _pair(key: str) -> tuple[int, int]:
     return comm, mini
 
 
+def _shape_layer(name, args, rank):
+    """The megakernel layer of a benchmark shape and two sets of its inputs."""
+    shape = bench_moe.SHAPES[name]
+    config = bench_moe.transformer_config(shape, "cuda")
+    _, layer = bench_moe.build_layers(config, "cuda", args.tokens, "megakernel")
+    sets = bench_moe.make_inputs(2, args.tokens, shape, "uniform", "cuda", config.params_dtype,
+                                 1234, rank)  # fmt: skip
+    return layer, sets
+
+
+def _time_forward(layer, sets, args) -> float:
+    from mok_megatron.testing.timing import time_fn
+
+    with torch.no_grad():
+        t = time_fn(lambda i: bench_moe.run_layer(layer, sets[i % 2], backward=False),
+                    warmup=args.warmup, iters=args.iters, device="cuda")  # fmt: skip
+    bench_moe._release_memory()
+    return _slowest_rank(t.median_ms)
+
+
 def sweep_shape(name, args, points, rank) -> dict:
     from mok_megatron.testing.timing import time_fn
 
-    shape = bench_moe.SHAPES[name]
-    config = bench_moe.transformer_config(shape, "cuda")
-    base, layer = bench_moe.build_layers(config, "cuda", args.tokens, "megakernel")
-    sets = bench_moe.make_inputs(2, args.tokens, shape, "uniform", "cuda", config.params_dtype,
-                                 1234, rank)  # fmt: skip
+    layer, sets = _shape_layer(name, args, rank)
     runtime = layer.experts._layer_runtime
     default = runtime.mok_config
     knobs = bench_moe.MOK_FP8_MEGA_KNOBS if args.fp8 else {"cuda_forward": "megakernel"}
     times = {}
     for comm, mini in points:
         runtime.mok_config = dataclasses.replace(default, **knobs, fwd_num_comm_sms=comm,
-                                                 minibatch_size=mini)  # fmt: skip
-        with torch.no_grad():
-            t = time_fn(lambda i: bench_moe.run_layer(layer, sets[i % 2], backward=False),
-                        warmup=args.warmup, iters=args.iters, device="cuda")  # fmt: skip
-        times[f"{comm},{mini}"] = _slowest_rank(t.median_ms)
-        bench_moe._release_memory()
+                                                 minibatch_size=mini, fwd_rows="pull")  # fmt: skip
+        times[f"{comm},{mini}"] = _time_forward(layer, sets, args)
     best = min(times, key=times.get)
     comm, mini = _pair(best)
     if args.fp8:  # FP8's backward is stage 1's: no backward knob to sweep
@@ -114,6 +145,58 @@ def sweep_shape(name, args, points, rank) -> dict:
     runtime.mok_config = default
     return {"shape": name, "tokens_per_rank": args.tokens, "forward_ms": times, "best": best,
             "fwd_bwd_ms": bwd_times, "bwd_best": min(bwd_times, key=bwd_times.get)}  # fmt: skip
+
+
+def sweep_rows(name, args, rank, table) -> dict:
+    """The forward of shape ``name`` at the table's knobs for it, its rows pulled and in place."""
+    layer, sets = _shape_layer(name, args, rank)
+    runtime = layer.experts._layer_runtime
+    default = runtime.mok_config
+    precision = "fp8_blockwise" if args.fp8 else "bf16"
+    knobs = bench_moe.MOK_FP8_MEGA_KNOBS if args.fp8 else {"cuda_forward": "megakernel"}
+    tuned = _tuned_knobs(table, LayerDims(*bench_moe.SHAPES[name][:4]), precision)
+    times = {}
+    for rows in ROWS:
+        runtime.mok_config = dataclasses.replace(default, **knobs, **tuned, fwd_rows=rows)
+        times[rows] = _time_forward(layer, sets, args)
+    runtime.mok_config = default
+    return {"shape": name, "tokens_per_rank": args.tokens, "precision": precision,
+            "knobs": tuned, "fwd_rows_ms": times, "best": min(times, key=times.get)}  # fmt: skip
+
+
+def write_rows(path, record) -> None:
+    """Write the --rows sweep's choices into the table at ``path``: ``fwd_rows`` and the two
+    times in each swept shape's entry (with FP8 in its ``fp8_blockwise:`` entry), and the rows
+    faster on the geometric mean in ``mok:`` (FP8: ``fp8_blockwise:``). Every other entry is
+    kept as it is."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no tuned table to add fwd_rows to; run the pair sweep first")
+    with open(path) as f:
+        text = f.read()
+    head = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    table = yaml.safe_load(text) or {}
+    cases = record["cases"]
+    fp8 = any(c["precision"] == "fp8_blockwise" for c in cases)
+    shapes = table.get("shapes") or {}
+    for c in cases:
+        if c["shape"] not in shapes:
+            raise SystemExit(f"{path}: no entry for {c['shape']}; run the pair sweep of that "
+                             "shape first")  # fmt: skip
+        entry = shapes[c["shape"]]
+        if fp8:
+            entry = entry.setdefault("fp8_blockwise", {})
+        entry["fwd_rows"] = c["best"]
+        entry["fwd_rows_ms"] = {r: round(ms, 4) for r, ms in c["fwd_rows_ms"].items()}
+    section = table.setdefault("fp8_blockwise", {}) if fp8 else table.setdefault("mok", {})
+    section["fwd_rows"] = _geomean_best(cases, "fwd_rows_ms", ROWS)
+    env = record["environment"]
+    table["rows_tuned_on"] = {"commit": env["commit"], "utc": env["utc"],
+                              "record": os.path.basename(record["path"])}  # fmt: skip
+    with open(path, "w") as f:
+        f.write(head)
+        yaml.safe_dump(table, f, sort_keys=False)
 
 
 def _slowest_rank(ms: float) -> float:
@@ -189,15 +272,21 @@ def write_table(path, record, points) -> None:
         },
     }  # fmt: skip
     old = {}
-    if os.path.isfile(path):  # an FP8 sweep's entries (write_fp8_entries) stay
+    if os.path.isfile(path):
         with open(path) as f:
             old = yaml.safe_load(f) or {}
-    if "fp8_blockwise" in old:
-        table["fp8_blockwise"] = old["fp8_blockwise"]
+    # An FP8 sweep's entries (write_fp8_entries) and a rows sweep's (write_rows) stay.
+    kept = ("fwd_rows", "fwd_rows_ms", "fp8_blockwise")
+    if "fwd_rows" in old.get("mok", {}):
+        table["mok"]["fwd_rows"] = old["mok"]["fwd_rows"]
+    for name in ("fp8_blockwise", "rows_tuned_on"):
+        if name in old:
+            table[name] = old[name]
     for name, entry in (old.get("shapes") or {}).items():
-        if "fp8_blockwise" in entry:
-            table["shapes"].setdefault(name, dict(entry))
-            table["shapes"][name]["fp8_blockwise"] = entry["fp8_blockwise"]
+        for key in kept:
+            if key in entry:
+                table["shapes"].setdefault(name, dict(entry))
+                table["shapes"][name][key] = entry[key]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("# Written by scripts/tune.py: the megakernels' knobs on this GPU and EP size.\n"
@@ -215,7 +304,17 @@ def main(argv=None) -> None:
     points = [(int(c), int(m)) for c in args.comm_sms.split(",") for m in args.minibatch.split(",")]
     record = {"benchmark": "tune", "environment": bench_moe.environment(bench_moe.parse_args([])),
               "args": vars(args), "cases": [], "path": args.out}  # fmt: skip
+    table = args.table or str(tuned_table_path(torch.device("cuda"), world))
+    if args.rows and world != 1:
+        raise SystemExit("--rows compares the rows pulled and read in place, which only one rank "
+                         "can read: run it on one GPU")  # fmt: skip
     for name in args.shapes.split(","):
+        if args.rows:
+            case = sweep_rows(name, args, rank, Path(table))
+            record["cases"].append(case)
+            print(f"{name}: {case['precision']} forward at {case['knobs']}: "
+                  f"{case['fwd_rows_ms']} ms: {case['best']}", flush=True)  # fmt: skip
+            continue
         record["cases"].append(sweep_shape(name, args, points, rank))
         if rank == 0:
             case = record["cases"][-1]
@@ -232,8 +331,10 @@ def main(argv=None) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
-        table = args.table or str(tuned_table_path(torch.device("cuda"), world))
-        (write_fp8_entries if args.fp8 else write_table)(table, record, points)
+        if args.rows:
+            write_rows(table, record)
+        else:
+            (write_fp8_entries if args.fp8 else write_table)(table, record, points)
         print(f"wrote {args.out} and {table}")
     dist.destroy_process_group()
 

@@ -26,7 +26,7 @@ __all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARD
            "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS",
            "FP8_BACKWARDS", "FWD_ROWS", "MEGAKERNEL_CLUSTERS", "MOK_ROW_ALIGN", "KNOB_USERS", "LayerDims",
            "engine_step_list",
-           "tuned_table_path",
+           "tuned_fwd_rows", "tuned_table_path",
            "warn_ignored_knobs"]  # fmt: skip
 
 #: A knob left "auto" takes its value from the tuned table of the GPU and EP size the workspace
@@ -190,7 +190,9 @@ class MoKConfig:
         "'in_place' (one rank only, megakernel_cluster=1: each L1 tile loads its rows from the "
         "token rows themselves, x quantised in place with FP8 experts, the producer warpgroup "
         "copying them into each stage, and no SM pulls) "
-        "or 'auto' (in_place where it can run, else pull). Bitwise the same results.",
+        "or 'auto' (the GPU's tuned table's choice for the layer's shape and precision where "
+        "it names 'pull' (scripts/tune.py --rows: the rows were faster pulled there), else "
+        "in_place where it can run, else pull). Bitwise the same results.",
     )
 
     def __post_init__(self) -> None:
@@ -325,16 +327,25 @@ class MoKConfig:
         at this EP size (``tuned_table_path``) where there is one, else ``AUTO_FALLBACKS``. From
         the table, the knobs tuned for ``layer``'s shape where the table has that shape (its
         ``shapes:`` entries), else its ``mok:`` section (the best over all its shapes).
+        fwd_rows 'auto' becomes 'pull' where the table names 'pull' for the layer and its
+        precision (``tuned_fwd_rows``: scripts/tune.py --rows), and stays 'auto' otherwise.
 
         The workspace resolves its config when it is made; a config without "auto" knobs is
         returned as it is. Raises if the resolved knobs break a rule (macrobatch_size a multiple
         of minibatch_size)."""
         auto = [name for name in AUTO_FALLBACKS if getattr(self, name) == AUTO]
-        if not auto:
+        if not auto and self.fwd_rows != AUTO:
             return self
         path = tuned_table_path(device, num_ranks)
         table = _tuned_knobs(path, layer, self.expert_precision)
         values = {name: table.get(name, AUTO_FALLBACKS[name]) for name in auto}
+        # NOTE: fwd_rows 'auto' becomes 'pull' where the table says the rows were faster pulled;
+        # a table's 'in_place' leaves 'auto', which reads them in place only where that can run
+        # (one rank, no clusters, not FP8's staged rounds: functional/cuda/mega.rows_in_place).
+        if self.fwd_rows == AUTO and tuned_fwd_rows(path, layer, self.expert_precision) == "pull":
+            values["fwd_rows"] = "pull"
+        if not values:
+            return self
         try:
             return dataclasses.replace(self, **values)
         except ValueError as e:
@@ -450,30 +461,65 @@ def _tuned_knobs(
     from that shape entry's ``fp8_blockwise:`` where it has one (even in an entry without BF16
     knobs), else (no FP8 sweep of the shape) from the shape entry itself, else from the table's
     ``fp8_blockwise:`` section."""
-    if path is None or not path.is_file():
-        return {}
-    import yaml
-
-    with open(path) as f:
-        doc = yaml.safe_load(f) or {}
+    doc = _load_table(path)
     fp8 = precision == "fp8_blockwise"
     section = dict(doc.get("mok", {}))
     if fp8:
         section.update(_fp8_pair(doc.get("fp8_blockwise")))
-    for entry in (doc.get("shapes") or {}).values():
-        dims = [entry.get(name) for name in LayerDims._fields]
-        if layer is None or dims != list(layer):
-            continue
+    entry = _shape_entry(doc, layer)
+    if entry is not None:
         if all(n in entry for n in AUTO_FALLBACKS):  # the shape's BF16 sweep
             section = dict(entry)
         if fp8:  # its FP8 sweep (an entry may hold only that: tune.py --fp8 of a new shape)
             section.update(_fp8_pair(entry.get("fp8_blockwise")))
-        break
     knobs = {name: section[name] for name in AUTO_FALLBACKS if name in section}
     for name, value in knobs.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{path}: mok.{name}={value!r} must be an int; rerun scripts/tune.py")
     return knobs
+
+
+def tuned_fwd_rows(
+    path: Path | None, layer: LayerDims | None = None, precision: str = "bf16"
+) -> str | None:
+    """The tuned table's fwd_rows for ``layer`` and ``precision`` (scripts/tune.py --rows), or
+    None where it names none: BF16 from the shape's entry, else the ``mok:`` section; FP8
+    experts (``precision`` 'fp8_blockwise', whose rows in place are another kernel's) only from
+    the shape's ``fp8_blockwise:`` entry, else the table's ``fp8_blockwise:`` section."""
+    doc = _load_table(path)
+    entry = _shape_entry(doc, layer) or {}
+    if precision == "fp8_blockwise":
+        sections = (entry.get("fp8_blockwise") or {}, doc.get("fp8_blockwise") or {})
+    else:
+        sections = (entry, doc.get("mok") or {})
+    for section in sections:
+        if "fwd_rows" in section:
+            value = section["fwd_rows"]
+            if value not in ("in_place", "pull"):
+                raise ValueError(f"{path}: fwd_rows={value!r} must be 'in_place' or 'pull'; "
+                                 "rerun scripts/tune.py --rows")  # fmt: skip
+            return value
+    return None
+
+
+def _load_table(path: Path | None) -> dict:
+    """A tuned table's contents ({} where there is none)."""
+    if path is None or not path.is_file():
+        return {}
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def _shape_entry(doc: dict, layer: LayerDims | None) -> dict | None:
+    """The table's ``shapes:`` entry of ``layer`` (all four dimensions equal), or None."""
+    if layer is None:
+        return None
+    for entry in (doc.get("shapes") or {}).values():
+        if [entry.get(name) for name in LayerDims._fields] == list(layer):
+            return entry
+    return None
 
 
 _WARNED: set[tuple[str, str]] = set()

@@ -122,7 +122,13 @@ def test_auto_knobs_resolve_from_the_tuned_table_or_the_fallbacks(tmp_path, monk
 
 
 def test_the_shipped_tuned_tables_hold_valid_knobs():
-    from mok_megatron.functional.config import AUTO_FALLBACKS, TUNED_DIR, _tuned_knobs
+    from mok_megatron.functional.config import (
+        AUTO_FALLBACKS,
+        FORWARD_TUNED_KNOBS,
+        TUNED_DIR,
+        _tuned_knobs,
+        tuned_fwd_rows,
+    )
 
     tables = sorted(TUNED_DIR.glob("*_ep*.yaml"))
     assert tables, f"no tuned tables under {TUNED_DIR}"
@@ -140,10 +146,15 @@ def test_the_shipped_tuned_tables_hold_valid_knobs():
             # FP8 experts: the shape's FP8 forward pair where the table has one (tune.py --fp8)
             fp8 = {
                 **{k: entry[k] for k in AUTO_FALLBACKS},
-                **{k: v for k, v in entry.get("fp8_blockwise", {}).items() if k != "forward_ms"},
-            }
+                **{k: v for k, v in entry.get("fp8_blockwise", {}).items()
+                   if k in FORWARD_TUNED_KNOBS},
+            }  # fmt: skip
             assert _tuned_knobs(path, layer, "fp8_blockwise") == fp8, name
             MoKConfig(**fp8)  # validates
+            # its rows (tune.py --rows), where the table names them: valid knob values
+            for precision in ("bf16", "fp8_blockwise"):
+                rows = tuned_fwd_rows(path, layer, precision)
+                MoKConfig(fwd_rows=rows or "auto")
 
 
 def test_a_workspace_holds_its_resolved_config():

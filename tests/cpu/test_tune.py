@@ -4,6 +4,7 @@ the shapes (forward pair and backward comm SMs apart), per shape its own best, a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -150,3 +151,96 @@ def test_an_fp8_sweep_needs_the_bf16_table_first(tmp_path):
               "environment": {"commit": "c", "utc": "u"}}  # fmt: skip
     with pytest.raises(SystemExit, match="run the BF16 sweep first"):
         tune.write_fp8_entries(str(tmp_path / "missing.yaml"), record, [(8, 128)])
+
+
+def _rows_case(shape, pull, in_place, precision="bf16"):
+    times = {"pull": pull, "in_place": in_place}
+    return {"shape": shape, "tokens_per_rank": 8192, "precision": precision, "knobs": {},
+            "fwd_rows_ms": times, "best": min(times, key=times.get)}  # fmt: skip
+
+
+def _rows_record(tmp_path, cases):
+    return {"cases": cases, "path": str(tmp_path / "tune_rows_x.json"),
+            "environment": {"commit": "r0", "utc": "then"}}  # fmt: skip
+
+
+def test_a_rows_sweep_sets_fwd_rows_auto_per_shape(tmp_path, monkeypatch):
+    """tune.py --rows: each swept shape's faster rows in its entry, the geometric mean's in
+    mok:; fwd_rows='auto' resolves to 'pull' where the table says 'pull' and stays 'auto' (in
+    place where that can run) where it says 'in_place'; a knob given stays; the pair knobs are
+    untouched."""
+    from mok_megatron.functional import config as config_module
+    from mok_megatron.functional.config import LayerDims, tuned_fwd_rows
+
+    path = _sweep_table(tmp_path)
+    qwen3, deepseek = LayerDims(2048, 768, 128, 8), LayerDims(7168, 2048, 256, 8)
+    other = LayerDims(1024, 512, 64, 4)
+    assert tuned_fwd_rows(path, qwen3) is None  # no rows sweep yet
+    pairs_before = {layer: _tuned_knobs(path, layer) for layer in (qwen3, deepseek, other)}
+    # qwen3 a little faster in place, deepseek much faster pulled: the mean pulls
+    cases = [_rows_case("qwen3-30b-a3b", 1.1, 1.0), _rows_case("deepseek-v3", 10.0, 12.0)]
+    tune.write_rows(str(path), _rows_record(tmp_path, cases))
+    assert tuned_fwd_rows(path, qwen3) == "in_place"
+    assert tuned_fwd_rows(path, deepseek) == "pull"
+    assert tuned_fwd_rows(path, other) == "pull"  # mok:'s
+    assert tuned_fwd_rows(path, qwen3, "fp8_blockwise") is None  # FP8's rows are FP8's own
+    assert {layer: _tuned_knobs(path, layer) for layer in pairs_before} == pairs_before
+    import yaml
+
+    table = yaml.safe_load(path.read_text())
+    assert table["shapes"]["deepseek-v3"]["fwd_rows_ms"] == {"pull": 10.0, "in_place": 12.0}
+    assert table["rows_tuned_on"]["record"] == "tune_rows_x.json"
+    monkeypatch.setattr(config_module, "tuned_table_path", lambda device, num_ranks: path)
+    assert MoKConfig().resolve("cuda", 1, deepseek).fwd_rows == "pull"
+    assert MoKConfig().resolve("cuda", 1, qwen3).fwd_rows == "auto"
+    assert MoKConfig().resolve("cuda", 1, other).fwd_rows == "pull"
+    assert MoKConfig(fwd_rows="in_place").resolve("cuda", 1, deepseek).fwd_rows == "in_place"
+    # the pair knobs given too: only fwd_rows is left to resolve
+    given = MoKConfig(fwd_num_comm_sms=4, minibatch_size=128, bwd_num_comm_sms=8)
+    assert given.resolve("cuda", 1, deepseek) == dataclasses.replace(given, fwd_rows="pull")
+    assert given.resolve("cuda", 1, qwen3) is given
+    # A later pair sweep keeps the rows entries
+    cases = [_case("qwen3-30b-a3b", {"8,128": 2.0, "16,256": 1.0}, {"8": 3.0, "32": 2.0})]
+    tune.write_table(str(path), {**_rows_record(tmp_path, cases), "environment": {
+        "gpu": "NVIDIA H200", "world_size": 1, "commit": "abc", "utc": "now"}},
+        [(8, 128), (16, 256)])  # fmt: skip
+    assert (tuned_fwd_rows(path, qwen3), tuned_fwd_rows(path, deepseek)) == ("in_place", "pull")
+    assert tuned_fwd_rows(path, other) == "pull"
+    assert _tuned_knobs(path, qwen3)["fwd_num_comm_sms"] == 16  # the new sweep's
+
+
+def test_an_fp8_rows_sweep_sets_only_the_fp8_choice(tmp_path):
+    from mok_megatron.functional.config import LayerDims, tuned_fwd_rows
+
+    path = _sweep_table(tmp_path)
+    qwen3, deepseek = LayerDims(2048, 768, 128, 8), LayerDims(7168, 2048, 256, 8)
+    cases = [_rows_case("qwen3-30b-a3b", 2.0, 1.0, "fp8_blockwise")]
+    tune.write_rows(str(path), _rows_record(tmp_path, cases))
+    fp8 = "fp8_blockwise"
+    assert tuned_fwd_rows(path, qwen3, fp8) == "in_place"
+    assert tuned_fwd_rows(path, deepseek, fp8) == "in_place"  # the FP8 section's
+    assert tuned_fwd_rows(path, qwen3) is None and tuned_fwd_rows(path, deepseek) is None
+    # the FP8 pair of qwen3 (none swept: its BF16 entry's) is not changed by the rows entry
+    assert _tuned_knobs(path, qwen3, fp8) == _tuned_knobs(path, qwen3)
+
+
+def test_a_rows_sweep_needs_the_table_and_the_shape(tmp_path):
+    import pytest
+
+    record = _rows_record(tmp_path, [_rows_case("mixtral-8x7b", 1.0, 2.0)])
+    with pytest.raises(SystemExit, match="run the pair sweep first"):
+        tune.write_rows(str(tmp_path / "missing.yaml"), record)
+    path = _sweep_table(tmp_path)  # qwen3-30b-a3b and deepseek-v3
+    with pytest.raises(SystemExit, match="no entry for mixtral-8x7b; run the pair sweep"):
+        tune.write_rows(str(path), record)
+
+
+def test_a_table_with_unknown_rows_is_an_error(tmp_path):
+    import pytest
+
+    from mok_megatron.functional.config import tuned_fwd_rows
+
+    path = _sweep_table(tmp_path)
+    path.write_text(path.read_text().replace("mok:\n", "mok:\n  fwd_rows: gather\n", 1))
+    with pytest.raises(ValueError, match=r"fwd_rows='gather' must be 'in_place' or 'pull'; rerun"):
+        tuned_fwd_rows(path)
