@@ -6,6 +6,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_graph_82f068c.json
+  bench_moe_h200_ep1_fp8mega_deepseek_82f068c.json
   bench_moe_h200_ep1_graph_25c52a9.json
   bench_moe_h100_ep1_rows_qwen3_f92b268.json
   bench_moe_h200_ep1_ceiling_0d9dae0.json
@@ -23,6 +25,9 @@ records=(
   bench_moe_h200_ep1_deepseek_fc524bd.json
 )
 compares=(  # BEFORE AFTER pairs
+  bench_moe_h200_ep1_maingrad_deepseek_82f068c.json bench_moe_h200_ep1_maingrad_deepseek_f92b268.json
+  bench_moe_h200_ep1_hostab_82f068c_1.json bench_moe_h200_ep1_hostab_269f051_1.json
+  bench_moe_h200_ep1_hostab_82f068c_2.json bench_moe_h200_ep1_hostab_269f051_2.json
   bench_moe_h100_ep1_hostab_31d4a38_1.json bench_moe_h100_ep1_hostab_14bf0d4_1.json
   bench_moe_h100_ep1_hostab_31d4a38_2.json bench_moe_h100_ep1_hostab_14bf0d4_2.json
   bench_moe_h100_ep1_hostab_31d4a38_3.json bench_moe_h100_ep1_hostab_14bf0d4_3.json
@@ -39,6 +44,8 @@ compares=(  # BEFORE AFTER pairs
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_bwd_h200_527358d.json
+  megakernel_trace_bwd_h200_82f068c.json
   megakernel_trace_h100_f92b268_fp8_pull.json
   megakernel_trace_h100_f92b268_fp8_in_place.json
   megakernel_trace_bwd_h100_527358d_ab.json
@@ -104,10 +111,13 @@ for n in ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_1c8cc70.json")
-args+=(--host "$R/profile_host_h100_ep1_31d4a38.json" "$R/profile_host_h100_ep1_14bf0d4.json" \
+args+=(--host "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \
+  "$R/profile_host_h200_ep1_5ecc1bd_steps.json" "$R/profile_host_h100_ep1_31d4a38.json" "$R/profile_host_h100_ep1_14bf0d4.json" \
   "$R/profile_host_h100_ep1_9f62ae1.json" "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
   "$R/profile_host_h200_ep1_fefeac9.json")
-args+=(--profile "$R/profile_moe_h100_ep1_9f62ae1_scan.json" "$R/profile_moe_h100_ep1_31d4a38_scan.json" \
+args+=(--profile "$R/profile_moe_h200_ep1_82f068c_scan_deepseek.json" \
+  "$R/profile_moe_h200_ep1_527358d_scan_deepseek.json" "$R/profile_moe_h200_ep1_82f068c_maingrad.json" \
+  "$R/profile_moe_h100_ep1_9f62ae1_scan.json" "$R/profile_moe_h100_ep1_31d4a38_scan.json" \
   "$R/profile_moe_h100_ep1_f92b268_ab.json" "$R/profile_moe_h100_ep1_527358d_ab.json" "$R/profile_moe_h200_ep1_0d9dae0.json" "$R/profile_moe_h200_ep1_edf94f1.json" "$R/profile_moe_h200_ep1_2defa24.json" "$R/profile_moe_h200_ep1_ed574ac.json" \
   "$R/profile_moe_h200_ep1_0905465.json" --notes docs/perf_notes.md)
 exec "$PY" scripts/perf_report.py "${args[@]}" --md docs/PERF.md --png docs/perf.png
