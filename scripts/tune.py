@@ -298,6 +298,11 @@ def write_table(path, record, points) -> None:
         yaml.safe_dump(table, f, sort_keys=False)
 
 
+def _write_record(record) -> None:
+    with open(record["path"], "w") as f:
+        json.dump(record, f, indent=1)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world = bench_moe.init_distributed("cuda")
@@ -314,6 +319,7 @@ def main(argv=None) -> None:
             record["cases"].append(case)
             print(f"{name}: {case['precision']} forward at {case['knobs']}: "
                   f"{case['fwd_rows_ms']} ms: {case['best']}", flush=True)  # fmt: skip
+            _write_record(record)  # after each shape: a run cut short keeps what it timed
             continue
         record["cases"].append(sweep_shape(name, args, points, rank))
         if rank == 0:
@@ -329,8 +335,7 @@ def main(argv=None) -> None:
                   f"bwd_num_comm_sms = {case['bwd_best']}: forward + backward "
                   f"{case['fwd_bwd_ms'][case['bwd_best']]:.3f} ms", flush=True)  # fmt: skip
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        _write_record(record)
         if args.rows:
             write_rows(table, record)
         else:
