@@ -6,6 +6,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_graph_ac16e4f_rows.json
+  bench_moe_h200_ep1_fp8mega_deepseek_ac16e4f_rows.json
   bench_moe_h200_ep1_graph_82f068c.json
   bench_moe_h200_ep1_fp8mega_deepseek_82f068c.json
   bench_moe_h200_ep1_graph_25c52a9.json
@@ -25,6 +27,7 @@ records=(
   bench_moe_h200_ep1_deepseek_fc524bd.json
 )
 compares=(  # BEFORE AFTER pairs
+  bench_moe_h200_ep1_graph_82f068c.json bench_moe_h200_ep1_graph_ac16e4f_rows.json
   bench_moe_h200_ep1_maingrad_deepseek_82f068c.json bench_moe_h200_ep1_maingrad_deepseek_f92b268.json
   bench_moe_h200_ep1_hostab_82f068c_1.json bench_moe_h200_ep1_hostab_269f051_1.json
   bench_moe_h200_ep1_hostab_82f068c_2.json bench_moe_h200_ep1_hostab_269f051_2.json
