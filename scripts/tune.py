@@ -169,14 +169,7 @@ def write_rows(path, record) -> None:
     times in each swept shape's entry (with FP8 in its ``fp8_blockwise:`` entry), and the rows
     faster on the geometric mean in ``mok:`` (FP8: ``fp8_blockwise:``). Every other entry is
     kept as it is."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path}: no tuned table to add fwd_rows to; run the pair sweep first")
-    with open(path) as f:
-        text = f.read()
-    head = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
-    table = yaml.safe_load(text) or {}
+    head, table = _read_table(path, "fwd_rows", "the pair sweep")
     cases = record["cases"]
     fp8 = any(c["precision"] == "fp8_blockwise" for c in cases)
     shapes = table.get("shapes") or {}
@@ -194,6 +187,26 @@ def write_rows(path, record) -> None:
     env = record["environment"]
     table["rows_tuned_on"] = {"commit": env["commit"], "utc": env["utc"],
                               "record": os.path.basename(record["path"])}  # fmt: skip
+    _write_kept_head(path, head, table)
+
+
+def _read_table(path, what: str, first: str) -> tuple[str, dict]:
+    """A table another sweep wrote, to add ``what`` to: its comment lines and its contents; an
+    error naming the sweep to run ``first`` where there is none."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no tuned table to add {what} to; run {first} first")
+    with open(path) as f:
+        text = f.read()
+    head = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    return head, yaml.safe_load(text) or {}
+
+
+def _write_kept_head(path, head: str, table: dict) -> None:
+    """Write ``table`` to ``path`` under the comment lines it had (``_read_table``)."""
+    import yaml
+
     with open(path, "w") as f:
         f.write(head)
         yaml.safe_dump(table, f, sort_keys=False)
@@ -216,14 +229,7 @@ def write_fp8_entries(path, record, points) -> None:
     """Add the FP8 sweep's knobs to the table at ``path`` (written by a BF16 sweep first): an
     ``fp8_blockwise:`` section and one in each swept shape's entry (added if the table lacks the
     shape); every other entry is kept as it is."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise SystemExit(f"{path}: no tuned table to add FP8 knobs to; run the BF16 sweep first")
-    with open(path) as f:
-        text = f.read()
-    head = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
-    table = yaml.safe_load(text) or {}
+    head, table = _read_table(path, "FP8 knobs", "the BF16 sweep")
     cases = record["cases"]
     comm, mini = _pair(_geomean_best(cases, "forward_ms", [f"{c},{m}" for c, m in points]))
     env = record["environment"]
@@ -242,9 +248,7 @@ def write_fp8_entries(path, record, points) -> None:
             **dict(zip(FORWARD_TUNED_KNOBS, _pair(c["best"]))),
             "forward_ms": round(c["forward_ms"][c["best"]], 4),
         }  # fmt: skip
-    with open(path, "w") as f:
-        f.write(head)
-        yaml.safe_dump(table, f, sort_keys=False)
+    _write_kept_head(path, head, table)
 
 
 def write_table(path, record, points) -> None:
