@@ -64,6 +64,12 @@ def parse_args(argv=None):
         action="store_true",
         help="profile the FP8 forward megakernel (expert_precision='fp8_blockwise')",
     )
+    p.add_argument(
+        "--fwd-rows",
+        choices=("in_place", "pull"),
+        help="MoKConfig.fwd_rows of the profiled forward (default: the config's 'auto', which "
+        "follows the GPU's tuned table)",
+    )
     p.add_argument("--top", type=int, default=60, help="hot instructions kept")
     p.add_argument("--out", help="the record (JSON) to write")
     p.add_argument("--resummarise", metavar="RECORD", help="rebuild RECORD's summary (no run)")
@@ -83,7 +89,8 @@ def child(args) -> None:
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
                                  config.params_dtype, 1234, rank)  # fmt: skip
     grad = contextlib.nullcontext() if args.backward else torch.no_grad()
-    knobs = bench_moe.MOK_FP8_MEGA_KNOBS if args.fp8 else {}
+    knobs = dict(bench_moe.MOK_FP8_MEGA_KNOBS) if args.fp8 else {}
+    knobs["fwd_rows"] = args.fwd_rows  # None: unchanged
     with grad, bench_moe._mok_knobs(layer, **knobs):
         for _ in range(WARMUP_LAUNCHES + 1):
             bench_moe.run_layer(layer, sets[0], backward=args.backward)
@@ -220,7 +227,8 @@ def main(argv=None) -> None:
            sys.executable, os.path.abspath(__file__), "--child", "--shape", args.shape,
            "--tokens", str(args.tokens), "--routing", args.routing,
            *(["--backward"] if args.backward else []),
-           *(["--fp8"] if args.fp8 else [])]  # fmt: skip
+           *(["--fp8"] if args.fp8 else []),
+           *(["--fwd-rows", args.fwd_rows] if args.fwd_rows else [])]  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
     page, source = profile_pages(ncu, cmd, rep)
     metrics = details(read_csv(page))
