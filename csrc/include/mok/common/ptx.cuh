@@ -55,6 +55,13 @@ MOK_DEVICE void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// `count` arrivals at once on the shared-memory mbarrier at `smem_bar` (its current phase).
+MOK_DEVICE void mbarrier_arrive_count(uint32_t smem_bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_bar),
+               "r"(count)
+               : "memory");
+}
+
 // A hint: the 128-byte line holding ptr into this SM's L1 (no register held, nothing waits).
 MOK_DEVICE void prefetch_global_l1(const void* ptr) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));

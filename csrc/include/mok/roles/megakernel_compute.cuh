@@ -151,6 +151,17 @@ MOK_DEVICE void prefetch_row_lines(const int64_t* first, int count) {
 template <bool kBackward, int kCluster, bool kFp8>
 constexpr bool kRowsInPlace = !kBackward && kCluster == 1;
 
+// The arrivals each stage's full barrier counts beside the leader's arming one: the row loaders'
+// where the BF16 forward reads its rows in place (gemm::load_task_rows), else none. (The FP8
+// forward's copies in place arrive as its own loader says: gemm::load_task_rows_fp8.)
+template <bool kBackward, int kCluster, bool kFp8>
+MOK_DEVICE uint32_t row_arrivals(const MegaParams& p) {
+  if constexpr (kRowsInPlace<kBackward, kCluster, kFp8> && !kFp8) {
+    return p.rows_in_place ? gemm::kInPlaceRowArrivals : 0u;
+  }
+  return 0u;
+}
+
 // Producer thread (one of the warpgroup's 128), rows in place: one L1 task's loads, its `row`
 // of the tile and that row's token (row_token) its own to publish (gemm::load_task_rows, or the
 // FP8 forward's gemm::load_task_rows_fp8).
@@ -271,7 +282,8 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
       if constexpr (kFp8) {
         gemm::load_task_fp8(p, gp.l2, pipeline, state, smem, load, storage.scratch);
       } else {
-        gemm::load_task<Mainloop>(p, gp.l2, pipeline, state, smem, load);
+        gemm::load_task<Mainloop>(p, gp.l2, pipeline, state, smem, load,
+                                  row_arrivals<kBackward, kCluster, kFp8>(p));
       }
     }
     state.advance(p.l2_ktiles);
@@ -566,7 +578,7 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   pipe.role = pipeline_role<typename Pipeline::ThreadCategory>(warp_group, true);
   pipe.is_leader = threadIdx.x % 128 == 0;
   pipe.num_consumers = kMegaConsumerThreads;
-  pipe.num_producers = 1;
+  pipe.num_producers = 1 + row_arrivals<kBackward, kCluster, kFp8>(p);
   // NOTE: both GEMMs move full 128x64 + 256x64 bf16 boxes per stage (TMA counts zero-filled
   // bytes too), so one transaction size serves L1 and L2; FP8: 128x128 e4m3 boxes of A and of
   // both halves' B, and A's 128 scales.

@@ -152,10 +152,14 @@ CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
 // computed and discarded by the epilogue (an output row depends on its own A row only).
 // NOTE: the coordinate tensors are (rows, K) and (N, K, E) whatever the operands' majors: the
 // descriptors map them onto memory.
+// `row_arrivals`: arrivals added to each stage's full barrier beside the arming one, for a
+// pipeline whose full barriers also count the rows-in-place copies' (kInPlaceRowArrivals; 0
+// elsewhere): this task's A comes by TMA, so the leader gives them.
 template <class Mainloop>
 CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Params const& mp,
                               MegaPipeline& pipeline, MegaPipelineState state,
-                              typename Mainloop::TensorStorage& smem, const MegaLoad& load) {
+                              typename Mainloop::TensorStorage& smem, const MegaLoad& load,
+                              uint32_t row_arrivals = 0) {
   using namespace cute;
   // TMA coordinate tensors (their shapes only shape the tiling; the descriptors, made over the
   // whole ring and the whole weight, bound every access). A: the 128-row window at row_begin.
@@ -180,6 +184,7 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
   for (int k = 0; k < load.k_tiles; ++k) {
     acquire_slot(p, pipeline, state, load.round);  // arms the full barrier's bytes
     auto* full = pipeline.producer_get_barrier(state);
+    if (row_arrivals != 0) ptx::mbarrier_arrive_count(cute::cast_smem_ptr_to_uint(full), row_arrivals);
     const int stage = state.index();
     if constexpr (kCluster > 1) {
       constexpr auto kEveryCta = static_cast<uint16_t>((1u << kCluster) - 1);
@@ -232,6 +237,11 @@ static_assert(kALayout(1, 0, 0) == kBlockK && kALayout(8, 0, 0) == 8 * kBlockK &
                                  cute::Swizzle<3, 4, 3>>,
               "rows in place: row r at r * 128 bytes, stages consecutive, SW128 on byte addresses");
 constexpr uint32_t kStageBBytes = layout::kBlockN * kBlockK * sizeof(Element);
+// The BF16 forward with its rows in place: each stage's full barrier counts the leader's arming
+// arrival and one cp.async arrival (.noinc) of each row loader, made when that thread's copies
+// of the stage have landed (load_task_rows); a stage of an L2 task, all TMA, gets the loaders'
+// arrivals from the leader (load_task's row_arrivals).
+constexpr uint32_t kInPlaceRowArrivals = kRowLoaderThreads;
 static_assert(kStageAElems * sizeof(Element) + kStageBBytes == MegaMainloop::TmaTransactionBytes,
               "rows in place: the stage's TMA bytes are B's alone");
 
@@ -285,9 +295,11 @@ struct RowCopies {
 // place. `row` (the thread's index in the warpgroup) and `token`: one row of the tile and its
 // token row (-1: a row past the tile or a padding row, zeros as the ring's zero rows gave), put
 // in `row_tokens` (shared) for every thread to read. Columns past H (a last k-tile in part) are
-// zeros too. `sync`: the warpgroup's named barrier, after the tokens are written and, every
-// k-tile, after the copies and their tracked arrival; then the leader (thread 0), which armed B's
-// bytes before its own copies, adds its arrival: the stage completes when both have landed.
+// zeros too. `sync`: the warpgroup's named barrier, after the tokens are written. Every k-tile
+// the leader (thread 0) arms B's bytes with its arrival and loads B, and each thread's
+// cp.async.mbarrier.arrive.noinc arrives once its copies have landed: the stage's full barrier
+// counts 1 + kInPlaceRowArrivals, so it completes when all have, with no barrier between the
+// warps per k-tile (which the arrivals counted at their issue, without .noinc, needed).
 template <class Mainloop, class Sync>
 CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop::Params const& mp,
                                    MegaPipeline& pipeline, MegaPipelineState state,
@@ -315,14 +327,12 @@ CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop
     __syncwarp();  // the stage is free before any lane writes it
     uint64_t* full = pipeline.producer_get_barrier(state);
     if (leader) {
-      cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, kStageBBytes);
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kStageBBytes);
       copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
     }
     const uint32_t stage = static_cast<uint32_t>(state.index() * kStageAElems * sizeof(Element));
     copies.issue(p, rows, k * kBlockK + copies.chunk * 8, load.k_size, stage, row_tokens);
-    cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies
-    sync();
-    if (leader) cutlass::arch::ClusterBarrier::arrive(full);
+    cutlass::arch::cpasync_barrier_arrive_noinc(full);  // once these copies have landed
     ++state;
   }
 }
