@@ -143,6 +143,12 @@ void check_args(const MegaArgs& a) {
                    "use fwd_rows='pull'",
                    static_cast<int>(a.backward), a.cluster_ctas,
                    static_cast<long long>(lay.num_ranks));
+    // NOTE: the loaders hold each row's offset (token * hidden elements) in 32 bits
+    // (gemm::RowCopies::Rows).
+    MOK_HOST_CHECK(a.token_rows * lay.hidden <= int64_t{UINT32_MAX},
+                   "megakernel: rows in place address %lld token rows of hidden=%lld by 32-bit "
+                   "offsets; use fwd_rows='pull'",
+                   static_cast<long long>(a.token_rows), static_cast<long long>(lay.hidden));
     const void* rows = a.fp8 ? a.local_tokens : a.rows;  // FP8: x quantised in place
     MOK_HOST_CHECK(rows != nullptr && aligned16(rows) && a.token_rows >= 1 &&
                        fits_int32(a.token_rows) && a.token_rows <= lay.max_tokens,

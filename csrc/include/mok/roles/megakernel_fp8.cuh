@@ -302,6 +302,7 @@ CUTLASS_DEVICE void load_task_rows_fp8(const roles::MegaParams& p, const MegaFp8
   row_tokens[row] = token;
   sync();  // every row's token is in shared memory
   const RowCopies copies(cast_smem_ptr_to_uint(smem.smem_A.data()), row);  // as bf16's rows
+  const RowCopies::Rows task_rows = copies.rows_of(p, row_tokens);
   const uint8_t* rows = p.local_tokens;
   const int blocks = p.hidden / kFp8ScaleBlock;
   const float* scale = token >= 0 ? p.local_token_scales + static_cast<int64_t>(token) * blocks
@@ -323,8 +324,8 @@ CUTLASS_DEVICE void load_task_rows_fp8(const roles::MegaParams& p, const MegaFp8
            tBsB(_, _, _, kMegaFp8Halves * stage + 1));
     }
     const uint32_t a_stage = static_cast<uint32_t>(stage * kMegaFp8StageABytes);
-    copies.issue(p, rows, k * kFp8ScaleBlock + copies.chunk * 16, load.k_size, a_stage,
-                 row_tokens);  // columns in bytes = e4m3 elements
+    copies.issue(rows, task_rows, k * kFp8ScaleBlock + copies.chunk * 16, load.k_size,
+                 a_stage);  // columns in bytes = e4m3 elements
     ptx::cp_async_4_zfill(sfa + static_cast<uint32_t>(stage * kMegaFp8SfaBytes), scale + k,
                           token >= 0 ? 4 : 0);
     cutlass::arch::cpasync_barrier_arrive(full);  // the stage also waits for these copies

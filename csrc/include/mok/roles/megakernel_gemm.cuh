@@ -268,23 +268,47 @@ struct RowCopies {
     odd = even ^ 64u;
   }
 
-  // The copies into the stage at byte offset `stage` of the token rows `rows` (row t at
-  // t * p.hidden elements of T), from column `col` (this thread's chunk, in elements of T): zeros
-  // for a row whose token (`row_tokens`, shared) is -1 or a column at or past `k_size`.
-  // NOTE: p.hidden is read here, at the multiply, not passed in as a value: a value read once
-  // before the k loop made each row's offset a full 64-bit multiply (three IMADs and a shift),
-  // where the kernel parameter read beside it gives one IMAD.WIDE (88 instructions of the bf16
-  // forward kernel's SASS, 72 of the FP8's).
-  template <class T>
-  CUTLASS_DEVICE void issue(const roles::MegaParams& p, const T* rows, int col, int k_size,
-                            uint32_t stage, const int32_t* row_tokens) const {
-    static_assert(16 % sizeof(T) == 0, "16-byte chunks of whole elements");
+  // The thread's rows of one task (rows first_row + kRowsPerCopy * j, j < kCopiesPerThread):
+  // each one's element offset in the token rows (token * p.hidden, 32 bits: the host checks
+  // that every row's offset fits) and a bit per row that has a token (bit j; -1: zeros), read
+  // once per task from `row_tokens` (shared).
+  struct Rows {
+    uint32_t offset[kCopiesPerThread];
+    uint32_t live;
+  };
+
+  CUTLASS_DEVICE Rows rows_of(const roles::MegaParams& p, const int32_t* row_tokens) const {
+    Rows r;
+    r.live = 0u;
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kCopiesPerThread; ++j) {
       const int32_t t = row_tokens[first_row + kRowsPerCopy * j];
-      const bool live = t >= 0 && col < k_size;
+      r.offset[j] = t >= 0 ? static_cast<uint32_t>(t) * static_cast<uint32_t>(p.hidden) : 0u;
+      r.live |= static_cast<uint32_t>(t >= 0) << j;
+    }
+    return r;
+  }
+
+  // The copies into the stage at byte offset `stage` of the token rows `rows` (T elements), the
+  // task's rows `r`, from column `col` (this thread's chunk, in elements of T): zeros for a row
+  // without a token or a column at or past `k_size`.
+  // NOTE: each copy's source is one IMAD.WIDE from the row's offset held in a register. Before,
+  // every k-tile read each row's token from shared memory again and
+  // multiplied it by p.hidden, and the 40 registers of the producer warpgroup left the eight
+  // copies one dependent chain each (a shared load, a compare, the parameter reloaded, the
+  // multiply): Nsight Compute's warp samples of qwen3-30b-a3b's forward had the loaders issuing
+  // and the stage-free wait almost never taken, the consumers waiting for full stages (the
+  // L1 k-tile ~910 ns in place against ~670 pulled; docs/perf_notes.md, session 32).
+  template <class T>
+  CUTLASS_DEVICE void issue(const T* rows, const Rows& r, int col, int k_size,
+                            uint32_t stage) const {
+    static_assert(16 % sizeof(T) == 0, "16-byte chunks of whole elements");
+    const bool in_k = col < k_size;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCopiesPerThread; ++j) {
+      const bool live = in_k && ((r.live >> j) & 1u) != 0u;
       const uint32_t dst = (j % 2 ? odd : even) + stage + static_cast<uint32_t>(512 * j);
-      ptx::cp_async_16_zfill(dst, live ? rows + static_cast<int64_t>(t) * p.hidden + col : rows,
+      ptx::cp_async_16_zfill(dst, rows + (live ? r.offset[j] + static_cast<uint32_t>(col) : 0u),
                              live ? 16 : 0);
     }
   }
@@ -320,6 +344,7 @@ CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop
   sync();  // every row's token is in shared memory
   static_assert(kBlockK * sizeof(Element) == 128, "RowCopies: 128-byte rows");
   const RowCopies copies(cast_smem_ptr_to_uint(smem.smem_A.data()), row);
+  const RowCopies::Rows task_rows = copies.rows_of(p, row_tokens);
   const Element* rows = reinterpret_cast<const Element*>(p.rows);
   CUTLASS_PRAGMA_NO_UNROLL
   for (int k = 0; k < load.k_tiles; ++k) {
@@ -331,7 +356,7 @@ CUTLASS_DEVICE void load_task_rows(const roles::MegaParams& p, typename Mainloop
       copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, state.index()));
     }
     const uint32_t stage = static_cast<uint32_t>(state.index() * kStageAElems * sizeof(Element));
-    copies.issue(p, rows, k * kBlockK + copies.chunk * 8, load.k_size, stage, row_tokens);
+    copies.issue(rows, task_rows, k * kBlockK + copies.chunk * 8, load.k_size, stage);
     cutlass::arch::cpasync_barrier_arrive_noinc(full);  // once these copies have landed
     ++state;
   }
