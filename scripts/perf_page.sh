@@ -6,6 +6,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h200_ep1_graph_9edf5e4_rows_qwen3_fwdbwd.json
+  bench_moe_h200_ep1_graph_9edf5e4_rows_deepseek-v3_16384.json
+  bench_moe_h200_ep1_graph_9edf5e4_rows_qwen3-30b-a3b.json
+  bench_moe_h200_ep1_graph_9edf5e4_rows_deepseek-v3.json
+  bench_moe_h200_ep1_fp8mega_deepseek_d4c27b6.json
   bench_moe_h200_ep1_graph_ac16e4f_rows.json
   bench_moe_h200_ep1_fp8mega_deepseek_ac16e4f_rows.json
   bench_moe_h200_ep1_graph_82f068c.json
@@ -47,6 +52,11 @@ compares=(  # BEFORE AFTER pairs
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_h200_6011da7_rows_in_place_off.json
+  megakernel_trace_h200_8fdbd6b_rows_in_place_ab.json
+  megakernel_trace_h200_82f068c_rows_in_place_ab.json
+  megakernel_trace_h200_d4c27b6_rows_pull.json
+  megakernel_trace_h200_d4c27b6_rows_in_place.json
   megakernel_trace_bwd_h200_527358d.json
   megakernel_trace_bwd_h200_82f068c.json
   megakernel_trace_h100_f92b268_fp8_pull.json
@@ -106,7 +116,8 @@ done
 args+=(--trace)
 for t in "${traces[@]}"; do args+=("$R/$t"); done
 args+=(--ncu)
-for n in ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.json \
+for n in ncu_megakernel_h200_369bd08_qwen3_in_place.json ncu_megakernel_h200_369bd08_qwen3_pull.json \
+  ncu_megakernel_h200_0599c9f.json ncu_megakernel_h200_7098afa_qwen3_bwd.json \
   ncu_megakernel_h200_7098afa_deepseek.json ncu_megakernel_h200_7098afa_deepseek_bwd.json \
   ncu_megakernel_h200_7098afa_mixtral.json ncu_megakernel_h200_3bf75fe_fp8.json \
   ncu_megakernel_h200_07a7f29_fp8.json; do

@@ -88,24 +88,38 @@ ISSUE_TARGETS = {
     "fwd_bwd": ("14", {"qwen3-30b-a3b": 0.55, "deepseek-v3": 0.65, "mixtral-8x7b": 0.65}),
 }
 
+#: The tokens per rank the targets are set at.
+TARGET_TOKENS = (8192, 16384)
+
 
 def _verdict(value: float, target: float) -> str:
     """Judged on the unrounded fraction (shown to three decimals beside it)."""
     return "met" if value >= target else f"missed ({value / target:.1%} of it)"
 
 
-def target_rows(path, record):
-    """Issues 13 and 14's targets against one record's uniform EP-1 cases: the layer as timed
-    (each call from an idle GPU) and, for the forward, replayed from a CUDA graph where the
-    record has it (the kernels without the host's work before them)."""
+def target_rows(records):
+    """Issues 13 and 14's targets against the uniform EP-1 cases of the layer benchmark: each
+    (shape, tokens, pass) from the first record of ``records`` (newest first) that has it: the
+    layer as timed (each call from an idle GPU) and, for the forward, replayed from a CUDA graph
+    where the record has it (the kernels without the host's work before them)."""
+    seen = set()
+    for path, record in records:
+        yield from _target_rows_of(path, record, seen)
+
+
+def _target_rows_of(path, record, seen: set):
+    """``target_rows``' rows of one record, for the cases not in ``seen`` (which it adds to)."""
     name = os.path.basename(path)
     for case in record["cases"]:
-        if case.get("ep") != 1 or case.get("routing") != "uniform" or "skipped" in case:
+        if (case.get("ep") != 1 or case.get("routing") != "uniform" or "skipped" in case
+                or case.get("tokens_per_rank") not in TARGET_TOKENS):  # fmt: skip
             continue
         for label, (issue, targets) in ISSUE_TARGETS.items():
             r, target = case.get(label), targets.get(case["shape"])
-            if r is None or target is None:
+            key = (case["shape"], case["tokens_per_rank"], label)
+            if r is None or target is None or key in seen:
                 continue
+            seen.add(key)
             timed = r["mok"]["fraction_of_floor"]
             graph = r.get("mok_graph", {}).get("fraction_of_floor")
             yield (
@@ -118,7 +132,8 @@ def target_rows(path, record):
 
 TARGET_HEAD = (
     "## Where issues 13 and 14's targets stand\n\n"
-    "From the first record of the list above (the newest of the layer benchmark), EP 1, uniform "
+    "Each case from the first record of the list above that has it (the list is newest first; "
+    "the record column names it), EP 1, uniform "
     "routing: MoK's fraction of the floor against the target, as the results table times the "
     "layer (each call from an idle GPU, the host's work before the launches included) and, for "
     "the forward, replayed from a CUDA graph (the graph table). Where a target is missed, the "
@@ -707,7 +722,8 @@ def ncu_pass(args: dict) -> str:
     """The pass an ncu_megakernel.py record profiled."""
     if args.get("backward"):
         return "backward"
-    return "forward (FP8)" if args.get("fp8") else "forward"
+    rows = {"in_place": ", rows in place", "pull": ", rows pulled"}.get(args.get("fwd_rows"), "")
+    return ("forward (FP8)" if args.get("fp8") else "forward") + rows
 
 
 def ncu_table(paths):
@@ -800,7 +816,7 @@ def main(argv=None) -> None:
     records = load(args.records)
     parts = [HEADER, "## Records\n", *[env_line(p, r) for p, r in records], ""]
     parts += [f"![speedup and fraction of floor]({os.path.basename(args.png)})", ""]
-    standing = list(target_rows(*records[0]))
+    standing = list(target_rows(records))
     if standing:
         parts += [TARGET_HEAD, *standing, ""]
     parts += ["## Results\n", TABLE_HEAD]

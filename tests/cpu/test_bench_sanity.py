@@ -558,7 +558,7 @@ def test_target_rows_judge_the_unrounded_fraction():
     record = {"cases": [case("mixtral-8x7b", 0.7496, 0.65, graph=0.76),
                         case("qwen3-30b-a3b", 0.61, 0.2, routing="skewed"),
                         case("deepseek-v3", 0.1, 0.1, ep=2), case("tiny", 1.0, 1.0)]}  # fmt: skip
-    rows = list(report.target_rows("x/rec.json", record))
+    rows = list(report.target_rows([("x/rec.json", record)]))
     assert len(rows) == 2
     assert (
         "| 13 | mixtral-8x7b | 8192 | fwd | 0.75 | 0.750 | missed (99.9% of it) | 0.760 | met |"
@@ -568,6 +568,32 @@ def test_target_rows_judge_the_unrounded_fraction():
         "| 14 | mixtral-8x7b | 8192 | fwd+bwd | 0.65 | 0.650 | met | - | - | `rec.json` |"
         in rows[1]
     )
+
+
+def test_target_rows_take_each_case_from_the_newest_record_that_has_it():
+    """Records newest first: a case (shape, tokens, pass) comes from the first record with it,
+    named in the row; an older record fills only the cases the newer ones lack."""
+    report = _script("perf_report")
+
+    def case(shape, tokens, fwd, fwd_bwd=None):
+        c = {"shape": shape, "ep": 1, "tokens_per_rank": tokens, "routing": "uniform",
+             "fwd": {"mok": {"fraction_of_floor": fwd}}}  # fmt: skip
+        if fwd_bwd is not None:
+            c["fwd_bwd"] = {"mok": {"fraction_of_floor": fwd_bwd}}
+        return c
+
+    new = {"cases": [case("qwen3-30b-a3b", 8192, 0.61)]}
+    old = {"cases": [case("qwen3-30b-a3b", 8192, 0.40, 0.30), case("mixtral-8x7b", 8192, 0.7, 0.6),
+                     case("mixtral-8x7b", 4096, 0.9, 0.9)]}  # fmt: skip
+    rows = list(report.target_rows([("r/new.json", new), ("r/old.json", old)]))
+    assert len(rows) == 4
+    assert "| 13 | qwen3-30b-a3b | 8192 | fwd | 0.60 | 0.610 | met |" in rows[0]
+    assert rows[0].endswith("`new.json` |")
+    assert "| 14 | qwen3-30b-a3b | 8192 | fwd+bwd | 0.55 | 0.300 |" in rows[1]
+    assert rows[1].endswith("`old.json` |")
+    assert not any("| 0.400 |" in row for row in rows), "the older record's forward was used"
+    assert all(row.endswith("`old.json` |") for row in rows[2:])
+    assert not any("| 4096 |" in row for row in rows), "the targets are set at 8192 and 16384"
 
 
 def test_fill_markdown_table_replaces_between_its_markers_and_names_missing_ones(tmp_path):

@@ -65,9 +65,10 @@ pytestmark = [
 ]
 
 MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8)
-# MEGA's forward takes its rows as fwd_rows='auto' does on this GPU (the tuned table's choice:
-# pulled on an H200, whose table says so; elsewhere in place at one rank); MEGA_IN_PLACE reads
-# them in place, and MEGA_PULL's comm CTAs pull them into the ring, as at several ranks.
+# MEGA's forward takes its rows as fwd_rows='auto' does on this GPU (the tuned table's choice for
+# shapes it does not name: in place on an H200 since 9edf5e4, pulled where a table says 'pull';
+# in place at one rank where there is none); MEGA_IN_PLACE reads them in place, and MEGA_PULL's
+# comm CTAs pull them into the ring, as at several ranks.
 MEGA_IN_PLACE = dataclasses.replace(MEGA, fwd_rows="in_place")
 MEGA_PULL = dataclasses.replace(MEGA, fwd_rows="pull")
 MEGA_STAGE1_BWD = F.MoKConfig(cuda_forward="megakernel", cuda_backward="stage1",
