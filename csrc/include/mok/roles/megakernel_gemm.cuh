@@ -292,13 +292,14 @@ struct RowCopies {
   // The copies into the stage at byte offset `stage` of the token rows `rows` (T elements), the
   // task's rows `r`, from column `col` (this thread's chunk, in elements of T): zeros for a row
   // without a token or a column at or past `k_size`.
-  // NOTE: each copy's source is one IMAD.WIDE from the row's offset held in a register. Before,
-  // every k-tile read each row's token from shared memory again and
-  // multiplied it by p.hidden, and the 40 registers of the producer warpgroup left the eight
-  // copies one dependent chain each (a shared load, a compare, the parameter reloaded, the
+  // NOTE: each copy's source is an add and a shift from the row's offset, held across the task's
+  // k-tiles (ptxas keeps five of the eight in registers and three, with the stage addresses, in
+  // local memory: 6011da7's SASS). Before, every k-tile read each row's token from shared memory
+  // again and multiplied it by p.hidden, and the 40 registers of the producer warpgroup left the
+  // eight copies one dependent chain each (a shared load, a compare, the parameter reloaded, the
   // multiply): Nsight Compute's warp samples of qwen3-30b-a3b's forward had the loaders issuing
-  // and the stage-free wait almost never taken, the consumers waiting for full stages (the
-  // L1 k-tile ~910 ns in place against ~670 pulled; docs/perf_notes.md, session 32).
+  // and the stage-free wait almost never taken, the consumers waiting for full stages (the L1
+  // k-tile ~910 ns in place against ~670 pulled; now ~710: docs/perf_notes.md, session 32).
   template <class T>
   CUTLASS_DEVICE void issue(const T* rows, const Rows& r, int col, int k_size,
                             uint32_t stage) const {
