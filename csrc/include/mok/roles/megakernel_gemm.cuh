@@ -137,12 +137,20 @@ CUTLASS_DEVICE void wait_slot(const roles::MegaParams& p, Pipeline& pipeline, co
   }
 }
 
+// `row_arrivals`: arrivals added beside the arming one, for a mainloop pipeline whose full
+// barriers also count the rows-in-place loaders' (kInPlaceRowArrivals) on a stage whose A comes
+// by TMA (an L2 task's); 0 elsewhere.
 template <class Pipeline, class State, class BeforeArm = NoArmHook>
 CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
-                                 const State& state, int round, BeforeArm before_arm = {}) {
+                                 const State& state, int round, BeforeArm before_arm = {},
+                                 uint32_t row_arrivals = 0) {
   wait_slot(p, pipeline, state, round);
   before_arm(static_cast<int>(state.index()));
   pipeline.producer_acquire(state, {cutlass::BarrierStatus::WaitDone});
+  if (row_arrivals != 0) {
+    ptx::mbarrier_arrive_count(cute::cast_smem_ptr_to_uint(pipeline.producer_get_barrier(state)),
+                               row_arrivals);
+  }
 }
 
 // Producer (one thread: warp 0's lane 0, the pipeline's leader): issues the k-tiles of one task
@@ -152,9 +160,7 @@ CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
 // computed and discarded by the epilogue (an output row depends on its own A row only).
 // NOTE: the coordinate tensors are (rows, K) and (N, K, E) whatever the operands' majors: the
 // descriptors map them onto memory.
-// `row_arrivals`: arrivals added to each stage's full barrier beside the arming one, for a
-// pipeline whose full barriers also count the rows-in-place copies' (kInPlaceRowArrivals; 0
-// elsewhere): this task's A comes by TMA, so the leader gives them.
+// `row_arrivals`: as acquire_slot's (the loaders' arrivals where the rows are read in place).
 template <class Mainloop>
 CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Params const& mp,
                               MegaPipeline& pipeline, MegaPipelineState state,
@@ -182,9 +188,8 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
   Tensor tBsB = block_tma_b.partition_D(sB);
   CUTLASS_PRAGMA_NO_UNROLL
   for (int k = 0; k < load.k_tiles; ++k) {
-    acquire_slot(p, pipeline, state, load.round);  // arms the full barrier's bytes
+    acquire_slot(p, pipeline, state, load.round, NoArmHook{}, row_arrivals);  // arms the bytes
     auto* full = pipeline.producer_get_barrier(state);
-    if (row_arrivals != 0) ptx::mbarrier_arrive_count(cute::cast_smem_ptr_to_uint(full), row_arrivals);
     const int stage = state.index();
     if constexpr (kCluster > 1) {
       constexpr auto kEveryCta = static_cast<uint16_t>((1u << kCluster) - 1);
