@@ -29,7 +29,10 @@ stamp="$venv/.mok-requirements.sha"
 want="$(sha256sum "$root/requirements/dev.txt" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing requirements/dev.txt (first time: a few minutes, torch is large)"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements/dev.txt"
+  # --no-cache-dir: torch's CUDA build and its nvidia-* wheels are several GB; a cached copy of
+  # them beside the installed one doubled what a first install needs on disk (CI once ran out).
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
+    -r "$root/requirements/dev.txt"
   echo "$want" > "$stamp"
 fi
 bridge_stamp="$venv/bridge_site/.mok-requirements.sha"
