@@ -2,8 +2,9 @@
 """Micro-benchmark of the grouped-GEMM engine (torch.ops.mok.grouped_gemm_*) against
 torch._grouped_mm on the same inputs, one GPU.
 
-Shapes: the three benchmark models at the EP-2 row count of 8192 tokens per rank (rows = 8192 *
-top-k, over E/2 local experts, balanced random routing) and a quarter of it. Ops:
+Shapes: the three benchmark models at the row count of 8192 tokens per rank at EP 2 (rows = 8192 *
+top-k, over E/2 local experts, balanced random routing; --ep 1: over all E experts, the layer
+bench's EP-1 problem) and a quarter of it. Ops:
 
   l1      ours: x @ w_gu^T with SwiGLU fused (act only; and +h saved for the backward)
           torch: _grouped_mm(x, [W_gate; W_up]^T) and then a separate SwiGLU (timed apart, too)
@@ -12,6 +13,9 @@ top-k, over E/2 local experts, balanced random routing) and a quarter of it. Ops
           SwiGLU backward in bf16 torch ops
   l1_dgrad  d_h @ [W_gate; W_up]
   wgrad_l1 / wgrad_l2  d_h^T @ x / d_y^T @ act per expert (torch: _grouped_mm with K offsets)
+  wgrad_l1_acc / wgrad_l2_acc  the same into an fp32 buffer (Megatron's main_grad): ours adds in
+          the epilogue (grouped_gemm_tn_accumulate, cooperative and pingpong); torch:
+          _grouped_mm, then the add (the backend's fallback). Every call adds into the buffer.
 
 Writes JSON (GPU, driver, torch, commit, per (shape, op, impl): ms median + spread, TFLOP/s).
   python scripts/bench_grouped_gemm.py --out $OUT/bench_grouped_gemm.json
@@ -42,9 +46,9 @@ MODELS = {  # name: (hidden, intermediate, experts, topk)
     "deepseek-v3": (7168, 2048, 256, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
 }
-TOKENS_PER_RANK, EP = 8192, 2
+TOKENS_PER_RANK = 8192
 PINGPONG_LESS = ("l1_swiglu", "l2_dgrad_dswiglu")  # the SwiGLU epilogues are cooperative-only
-SWEEP = [  # tile-order / schedule settings (gg.GemmTuning) tried by --sweep (EP-2 full rows only)
+SWEEP = [  # tile-order / schedule settings (gg.GemmTuning) tried by --sweep (full rows only)
     gg.GemmTuning(sch, r, sw)
     for sch in ("cooperative", "pingpong") for r in ("m", "n") for sw in (1, 4)
 ]  # fmt: skip
@@ -94,7 +98,7 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
     """Rows of every op x impl on one shape; ``tuning`` (gg.GemmTuning, None: the default) is
     the tile order ours run in, recorded in each row as its fields."""
     hidden, inter, experts, topk = MODELS[model]
-    groups = experts // EP
+    groups = experts // args.ep
     rows = int(TOKENS_PER_RANK * topk * scale)
     gen = torch.Generator().manual_seed(rows + groups)
     counts = torch.bincount(torch.randint(0, groups, (rows,), generator=gen), minlength=groups)
@@ -113,6 +117,13 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
     _, h = gg.grouped_gemm_l1_swiglu(x, w_gu, offs, save_h=True)
     t = tuning
     gate_t, up_t = h_cat[:, :inter], h_cat[:, inter:]
+    # The fp32 buffers of the _acc ops, only where one runs (deepseek-v3 at EP 1: 30 and 15 GB).
+    acc_l1 = acc_l2 = None
+    if not args.ops or "wgrad_l1_acc" in args.ops:
+        acc_l1 = torch.randn(groups, 2 * inter, hidden, device="cuda")
+    if not args.ops or "wgrad_l2_acc" in args.ops:
+        acc_l2 = torch.randn(groups, hidden, inter, device="cuda")
+    pingpong = gg.GemmTuning("pingpong")
 
     l1_flops = 2.0 * rows * hidden * 2 * inter
     l2_flops = 2.0 * rows * hidden * inter
@@ -155,6 +166,18 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
             "mok": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=t),
             "torch_gemm": lambda: torch_wgrad(d_y, act, offs),
         }),
+        "wgrad_l1_acc": (l1_flops, {
+            "mok": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t),
+            "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1,
+                                                                  tuning=pingpong),
+            "torch_gemm+add": lambda: acc_l1.add_(torch_wgrad(h_cat, x, offs)),
+        }),
+        "wgrad_l2_acc": (l2_flops, {
+            "mok": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t),
+            "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2,
+                                                                  tuning=pingpong),
+            "torch_gemm+add": lambda: acc_l2.add_(torch_wgrad(d_y, act, offs)),
+        }),
     }  # fmt: skip
     results = []
     for op, (flops, impls) in ops.items():
@@ -165,6 +188,8 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
                 continue
             if tuning and tuning.schedule == "pingpong" and op in PINGPONG_LESS:
                 continue  # the op would refuse it
+            if tuning and impl == "mok_pingpong":
+                continue  # its schedule is its own: the sweep's "mok" rows cover it
             row = {"tuning": dataclasses.asdict(tuning)} if tuning else {}
             row |= {"model": model, "scale": scale, "rows": rows, "groups": groups,
                    "hidden": hidden, "intermediate": inter, "op": op, "impl": impl}  # fmt: skip
@@ -186,6 +211,12 @@ def main() -> None:
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--scales", nargs="*", type=float, default=[1.0, 0.25])
     p.add_argument("--ops", nargs="*", default=None)
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=2,
+        help="E / EP experts get one rank's rows (1: the layer bench's EP-1 problem)",
+    )
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="also time ours under each SWEEP setting")
@@ -207,7 +238,7 @@ def main() -> None:
         "bench": "grouped_gemm", "gpu": props.name, "sm_count": props.multi_processor_count,
         "driver": driver(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "commit": commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "tokens_per_rank": TOKENS_PER_RANK, "ep": EP, "routing": "balanced random",
+        "tokens_per_rank": TOKENS_PER_RANK, "ep": args.ep, "routing": "balanced random",
         "timing": f"median of {args.samples} CUDA-event samples of {args.calls} calls each",
         "tuning_default": dataclasses.asdict(gg.GemmTuning()),  # what "results" ran under
         "wall_s": round(time.time() - t0, 1), "results": results, "sweep": sweep,

@@ -23,6 +23,10 @@ PAIRS = [
     ("l1_dgrad", "mok", "torch_gemm"),
     ("wgrad_l1", "mok", "torch_gemm"),
     ("wgrad_l2", "mok", "torch_gemm"),
+    ("wgrad_l1_acc", "mok", "torch_gemm+add"),
+    ("wgrad_l1_acc", "mok_pingpong", "torch_gemm+add"),
+    ("wgrad_l2_acc", "mok", "torch_gemm+add"),
+    ("wgrad_l2_acc", "mok_pingpong", "torch_gemm+add"),
 ]
 
 
