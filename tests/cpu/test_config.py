@@ -305,10 +305,10 @@ def test_fwd_rows_is_a_megakernel_knob_and_picks_in_place_only_where_it_runs():
     from mok_megatron.functional.config import warn_ignored_knobs
     from mok_megatron.functional.cuda.mega import rows_in_place
 
-    def ws(config, num_ranks, rounds=1):
+    def ws(config, num_ranks, rounds=1, tokens=8192, hidden=2048):
         mega = SimpleNamespace(num_rounds=rounds)
-        return SimpleNamespace(config=config, num_ranks=num_ranks,
-                               buffers=SimpleNamespace(mega=mega))  # fmt: skip
+        return SimpleNamespace(config=config, num_ranks=num_ranks, num_local_tokens=tokens,
+                               hidden_size=hidden, buffers=SimpleNamespace(mega=mega))  # fmt: skip
 
     fp8 = {"expert_precision": "fp8_blockwise"}
     assert MoKConfig().fwd_rows == "auto"
@@ -327,6 +327,17 @@ def test_fwd_rows_is_a_megakernel_knob_and_picks_in_place_only_where_it_runs():
     with pytest.raises(ValueError, match=r"FP8 rows in place read x quantised in place.*raise "
                        r"macrobatch_size"):  # fmt: skip
         rows_in_place(ws(MoKConfig(fwd_rows="in_place", **fp8), 1, rounds=2), save=True)
+    # The loaders hold each row's offset (token * hidden elements) in 32 bits: a workspace whose
+    # token rows reach past it pulls under 'auto', and 'in_place' says why it cannot run.
+    limit = 2**32 - 1
+    assert rows_in_place(ws(MoKConfig(), 1, tokens=limit // 7168, hidden=7168))
+    assert not rows_in_place(ws(MoKConfig(), 1, tokens=limit // 7168 + 1, hidden=7168))
+    assert not rows_in_place(ws(MoKConfig(**fp8), 1, tokens=2**20, hidden=8192))
+    with pytest.raises(ValueError, match=r"fwd_rows='in_place' cannot run: the workspace's "
+                       r"1048576 token rows of hidden=4096 are 4294967296 elements, more than "
+                       r"the loaders' 32-bit row offsets reach \(4294967295\).*'auto' or "
+                       r"'pull'"):  # fmt: skip
+        rows_in_place(ws(MoKConfig(fwd_rows="in_place"), 1, tokens=2**20, hidden=4096))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warn_ignored_knobs(MoKConfig(fwd_rows="pull"), "cuda/megakernel") == []

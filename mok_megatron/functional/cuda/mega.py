@@ -74,28 +74,41 @@ def mega_shape(config, row_capacity, num_local_experts, hidden, inter):
                                config.minibatch_size, config.macrobatch_size)  # fmt: skip
 
 
+#: Rows in place address each token row by a 32-bit element offset (token * hidden elements,
+#: gemm::RowCopies::Rows); the megakernel's host check refuses more (launch/moe_megakernel.cu).
+ROWS_IN_PLACE_MAX_ELEMENTS = 2**32 - 1
+
+
 def rows_in_place(ws, save: bool = False) -> bool:
     """Whether the forward megakernel's L1 tiles read their rows in place (MoKConfig.fwd_rows):
-    'auto' where it can run (one rank, no clusters; FP8 experts also not in a forward of several
-    macrobatch rounds that keeps its tokens for the backward, ``save``: those are staged),
-    'in_place' there or an error, 'pull' never."""
+    'auto' where it can run (one rank, no clusters, the workspace's token rows within the 32-bit
+    offsets the loaders hold; FP8 experts also not in a forward of several macrobatch rounds that
+    keeps its tokens for the backward, ``save``: those are staged), 'in_place' there or an error,
+    'pull' never."""
     c = ws.config
     choice = c.fwd_rows
     if choice == "pull":
         return False
+    elements = ws.num_local_tokens * ws.hidden_size
+    fits = elements <= ROWS_IN_PLACE_MAX_ELEMENTS
     can = ws.num_ranks == 1 and c.megakernel_cluster == 1
     staged = c.expert_precision != "bf16" and save and ws.buffers.mega.num_rounds > 1
-    if choice == "in_place" and not (can and not staged):
-        why = (
-            "FP8 rows in place read x quantised in place, and a forward of several macrobatch "
-            "rounds that keeps its tokens for the backward stages them (raise macrobatch_size)"
-            if can
-            else f"rows in place need one rank (this workspace has {ws.num_ranks}) and "
-            "megakernel_cluster=1: at several ranks the rows come from peers and are pulled"
-        )
+    if choice == "in_place" and not (can and fits and not staged):
+        if not can:
+            why = (f"rows in place need one rank (this workspace has {ws.num_ranks}) and "
+                   "megakernel_cluster=1: at several ranks the rows come from peers and are "
+                   "pulled")  # fmt: skip
+        elif not fits:
+            why = (f"the workspace's {ws.num_local_tokens} token rows of hidden="
+                   f"{ws.hidden_size} are {elements} elements, more than the loaders' 32-bit "
+                   f"row offsets reach ({ROWS_IN_PLACE_MAX_ELEMENTS})")  # fmt: skip
+        else:
+            why = ("FP8 rows in place read x quantised in place, and a forward of several "
+                   "macrobatch rounds that keeps its tokens for the backward stages them (raise "
+                   "macrobatch_size)")  # fmt: skip
         raise ValueError(f"MoKConfig.fwd_rows='in_place' cannot run: {why}; set "
                          "fwd_rows='auto' or 'pull'")  # fmt: skip
-    return can and not staged
+    return can and fits and not staged
 
 
 def can_run(routed) -> bool:
