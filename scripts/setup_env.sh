@@ -29,6 +29,12 @@ stamp="$venv/.mok-requirements.sha"
 want="$(sha256sum "$root/requirements/dev.txt" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing requirements/dev.txt (first time: a few minutes, torch is large)"
+  # The venv takes about 5.2 GB (torch's CUDA build and its nvidia-* wheels), and pip unpacks
+  # each wheel beside it while it installs: say so before pip fails with ENOSPC.
+  free_kb="$(df -Pk "$venv" | awk 'NR == 2 { print $4 }')"
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
+    log "WARNING: $((free_kb / 1024)) MB free under $venv; the first install needs about 8 GB"
+  fi
   # --no-cache-dir: torch's CUDA build and its nvidia-* wheels are several GB; a cached copy of
   # them beside the installed one doubled what a first install needs on disk (CI once ran out).
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
