@@ -160,10 +160,12 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
         }),
         "wgrad_l1": (l1_flops, {
             "mok": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=t),
+            "mok_pingpong": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=pingpong),
             "torch_gemm": lambda: torch_wgrad(h_cat, x, offs),
         }),
         "wgrad_l2": (l2_flops, {
             "mok": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=t),
+            "mok_pingpong": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=pingpong),
             "torch_gemm": lambda: torch_wgrad(d_y, act, offs),
         }),
         "wgrad_l1_acc": (l1_flops, {
