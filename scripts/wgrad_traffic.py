@@ -13,12 +13,17 @@ without clearing the gradients in between, so both layers do:
   weight-gradient GEMMs read and write fp32 ``main_grad`` (8 bytes per expert weight instead of
   the 2 of a bf16 gradient the floor counts). Those GEMMs then take at least the longer of their
   FLOPs at the floor's rate (a third of the forward + backward's) and that traffic at the HBM
-  ceiling.
+  ceiling. A GEMM whose warpgroups run each tile's mainloop and then its epilogue together
+  (the engine's cooperative kernel) overlaps the two only across SMs, not within one: at EP 1's
+  short K (a few k-tiles per tile against 256 KB of main_grad per 128 x 256 tile) it takes
+  about their sum ('serial'); the pingpong kernel, one warpgroup's epilogue beside the other's
+  mainloop, aims at the longer of the two.
 
 For each benchmark shape at EP 1 this writes the traffic, its time at the HBM ceiling of the
 floor model, and the most of the floor a forward + backward could reach with everything else at
 the floor: ``floor / (floor + add pass)`` for ``grad``; ``floor / (2/3 floor + max(1/3 floor,
-main_grad traffic))`` for ``main_grad``. A model computed on the CPU, not a measurement.
+main_grad traffic))`` for ``main_grad``, and ``floor / (floor + main_grad traffic)`` for
+``main_grad`` in serial. A model computed on the CPU, not a measurement.
 
     python3 scripts/wgrad_traffic.py --out docs/results/wgrad_traffic_<commit>.json
 """
@@ -53,6 +58,8 @@ def case(shape_name: str, tokens: int) -> dict:
         "grad_bound": floor / (floor + add_ms), "main_grad_bytes": params * MAIN_GRAD_BYTES,
         "main_grad_ms": main_ms,
         "main_grad_bound": floor / (2 * floor / 3 + max(floor / 3, main_ms)),
+        "main_grad_serial_ms": floor / 3 + main_ms,
+        "main_grad_serial_bound": floor / (floor + main_ms),
     }  # fmt: skip
 
 
@@ -70,7 +77,9 @@ def main(argv=None) -> None:
     for c in cases:
         print(f"{c['shape']} T={c['tokens_per_rank']}: floor {c['floor_ms']:.2f} ms; .grad add "
               f"{c['grad_add_ms']:.2f} ms (bound {c['grad_bound']:.2f}); main_grad "
-              f"{c['main_grad_ms']:.2f} ms (bound {c['main_grad_bound']:.2f})")  # fmt: skip
+              f"{c['main_grad_ms']:.2f} ms (bound {c['main_grad_bound']:.2f}; in serial, "
+              f"weight-gradient GEMMs {c['main_grad_serial_ms']:.2f} ms, bound "
+              f"{c['main_grad_serial_bound']:.2f})")  # fmt: skip
     bench_moe.write_model_record("wgrad_traffic", args, cases, ceilings=vars(H200_CEILINGS))
 
 
