@@ -618,20 +618,23 @@ def wgrad_table(path):
         "`.grad` in a pass of its own (both layers); 'main_grad': `--main-grad`, the "
         "weight-gradient GEMMs reading and writing fp32 `main_grad`. 'bound': the most of the "
         "floor a forward + backward could reach with everything else at the floor (the script "
-        "says how). 'serial': the weight-gradient GEMMs with main_grad where each tile's "
-        "mainloop and epilogue do not overlap (their FLOPs at the floor's rate plus the "
-        "traffic), and the bound with them. A model, not a measurement.\n"
+        "says how). 'serial': the weight-gradient GEMMs where each tile's mainloop and epilogue "
+        "do not overlap (their FLOPs at the floor's rate plus the epilogue's traffic): 'plain' "
+        "storing the bf16 gradient ('.grad' mode, before the add pass), 'wgrad' with main_grad, "
+        "and the bound with the latter. A model, not a measurement.\n"
     )
     yield ("| shape | tokens/rank | expert weights (G) | floor ms | .grad add ms | .grad bound "
-           "| main_grad traffic ms | main_grad bound | serial wgrad ms | serial bound |")  # fmt: skip
-    yield "|---|---|---|---|---|---|---|---|---|---|"
+           "| main_grad traffic ms | main_grad bound | serial plain ms | serial wgrad ms "
+           "| serial bound |")  # fmt: skip
+    yield "|---|---|---|---|---|---|---|---|---|---|---|"
     for c in record["cases"]:
-        serial = [c.get("main_grad_serial_ms"), c.get("main_grad_serial_bound")]
+        serial = [c.get(k) for k in ("plain_serial_ms", "main_grad_serial_ms",
+                                     "main_grad_serial_bound")]  # fmt: skip
         serial = ["-" if v is None else f"{v:.2f}" for v in serial]
         yield (
             f"| {c['shape']} | {c['tokens_per_rank']} | {c['expert_params'] / 1e9:.2f} | "
             f"{c['floor_ms']:.2f} | {c['grad_add_ms']:.2f} | {c['grad_bound']:.2f} | "
-            f"{c['main_grad_ms']:.2f} | {c['main_grad_bound']:.2f} | {serial[0]} | {serial[1]} |"
+            f"{c['main_grad_ms']:.2f} | {c['main_grad_bound']:.2f} | {' | '.join(serial)} |"
         )
     yield ""
 

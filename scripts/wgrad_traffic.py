@@ -17,7 +17,9 @@ without clearing the gradients in between, so both layers do:
   (the engine's cooperative kernel) overlaps the two only across SMs, not within one: at EP 1's
   short K (a few k-tiles per tile against 256 KB of main_grad per 128 x 256 tile) it takes
   about their sum ('serial'); the pingpong kernel, one warpgroup's epilogue beside the other's
-  mainloop, aims at the longer of the two.
+  mainloop, aims at the longer of the two. The same holds for the plain weight gradients of
+  ``grad`` mode, whose epilogue stores the bf16 gradient (2 bytes per expert weight): in serial,
+  their FLOPs at the floor's rate plus that store at the HBM ceiling ('plain serial').
 
 For each benchmark shape at EP 1 this writes the traffic, its time at the HBM ceiling of the
 floor model, and the most of the floor a forward + backward could reach with everything else at
@@ -39,6 +41,7 @@ import bench_moe  # noqa: E402
 
 from mok_megatron.testing.timing import H200_CEILINGS, moe_pass_cost  # noqa: E402
 
+PLAIN_STORE_BYTES = 2  # the bf16 weight gradient the plain GEMM's epilogue stores
 GRAD_ADD_BYTES = 3 * 2  # bf16: read the new gradient and .grad, write .grad
 MAIN_GRAD_BYTES = 2 * 4  # fp32 main_grad read and written by the weight-gradient GEMM
 
@@ -58,6 +61,7 @@ def case(shape_name: str, tokens: int) -> dict:
         "grad_bound": floor / (floor + add_ms), "main_grad_bytes": params * MAIN_GRAD_BYTES,
         "main_grad_ms": main_ms,
         "main_grad_bound": floor / (2 * floor / 3 + max(floor / 3, main_ms)),
+        "plain_serial_ms": floor / 3 + params * PLAIN_STORE_BYTES / hbm * 1e3,
         "main_grad_serial_ms": floor / 3 + main_ms,
         "main_grad_serial_bound": floor / (floor + main_ms),
     }  # fmt: skip
@@ -76,7 +80,8 @@ def main(argv=None) -> None:
     cases = [case(s, int(t)) for s in args.shapes.split(",") for t in args.tokens.split(",")]
     for c in cases:
         print(f"{c['shape']} T={c['tokens_per_rank']}: floor {c['floor_ms']:.2f} ms; .grad add "
-              f"{c['grad_add_ms']:.2f} ms (bound {c['grad_bound']:.2f}); main_grad "
+              f"{c['grad_add_ms']:.2f} ms (bound {c['grad_bound']:.2f}; plain weight-gradient "
+              f"GEMMs in serial {c['plain_serial_ms']:.2f} ms); main_grad "
               f"{c['main_grad_ms']:.2f} ms (bound {c['main_grad_bound']:.2f}; in serial, "
               f"weight-gradient GEMMs {c['main_grad_serial_ms']:.2f} ms, bound "
               f"{c['main_grad_serial_bound']:.2f})")  # fmt: skip
