@@ -55,14 +55,16 @@ def case(shape_name: str, tokens: int) -> dict:
     hbm = H200_CEILINGS.hbm_tbps * 1e12
     add_ms = params * GRAD_ADD_BYTES / hbm * 1e3
     main_ms = params * MAIN_GRAD_BYTES / hbm * 1e3
+    plain_ms = params * PLAIN_STORE_BYTES / hbm * 1e3
+    wgrad_flops_ms = floor / 3  # the weight-gradient GEMMs' FLOPs at the floor's rate
     return {
         "shape": shape_name, "tokens_per_rank": tokens, "ep": 1, "expert_params": params,
         "floor_ms": floor, "grad_add_bytes": params * GRAD_ADD_BYTES, "grad_add_ms": add_ms,
         "grad_bound": floor / (floor + add_ms), "main_grad_bytes": params * MAIN_GRAD_BYTES,
         "main_grad_ms": main_ms,
-        "main_grad_bound": floor / (2 * floor / 3 + max(floor / 3, main_ms)),
-        "plain_serial_ms": floor / 3 + params * PLAIN_STORE_BYTES / hbm * 1e3,
-        "main_grad_serial_ms": floor / 3 + main_ms,
+        "main_grad_bound": floor / (floor - wgrad_flops_ms + max(wgrad_flops_ms, main_ms)),
+        "plain_serial_ms": wgrad_flops_ms + plain_ms,
+        "main_grad_serial_ms": wgrad_flops_ms + main_ms,
         "main_grad_serial_bound": floor / (floor + main_ms),
     }  # fmt: skip
 
