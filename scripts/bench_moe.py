@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mok_megatron.functional.cuda.experts import AUTO_ENGINE_STEPS  # noqa: E402
+from mok_megatron.ops.grouped_gemm import GemmTuning  # noqa: E402
 from mok_megatron.testing.gpu_clocks import ClockSampler, cuda_reader  # noqa: E402
 from mok_megatron.testing.timing import moe_pass_cost, time_back_to_back, time_fn  # noqa: E402
 
@@ -101,6 +103,15 @@ def parse_args(argv=None):
         help="also time MoK with MoKConfig.megakernel_cluster=2 (the megakernels in clusters of "
         "two CTAs sharing each m-tile's A tile by TMA multicast), as 'mok_cluster2', in the same "
         "process, forward and forward + backward",
+    )
+    p.add_argument(
+        "--mok-wgrad-pingpong",
+        action="store_true",
+        help="also time MoK's forward + backward with the weight gradients on the expert GEMM "
+        "engine in its pingpong schedule (experts.WGRAD_TUNING; expert_gemm = the 'auto' steps "
+        "plus 'wgrad', which 'auto' has only when accumulating into main_grad), as "
+        "'mok_wgrad_pingpong', in the same process; --mok-expert-gemm with the same steps times "
+        "them in the default schedule",
     )
     p.add_argument(
         "--mok-fp8",
@@ -486,6 +497,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_pull", layer, {"fwd_rows": "pull"}))
         if args.mok_cluster2:
             contenders.append(("mok_cluster2", layer, {"megakernel_cluster": 2}))
+        if args.mok_wgrad_pingpong and backward:
+            contenders.append(("mok_wgrad_pingpong", layer, WGRAD_PINGPONG_KNOBS))
         if args.mok_fp8:
             contenders.append(("mok_fp8", layer, MOK_FP8_KNOBS))
             if backward:  # the forward is mok_fp8's
@@ -548,6 +561,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 result["pull_graph_speedup"] = _ratio(result, "mok_pull_graph", "mok_graph")
         if args.mok_cluster2:  # > 1: clusters of two beat the megakernels without clusters
             result["cluster2_speedup"] = _ratio(result, "mok", "mok_cluster2")
+        if "mok_wgrad_pingpong" in result:  # > 1: the pingpong weight gradients beat the default
+            result["wgrad_pingpong_speedup"] = _ratio(result, "mok", "mok_wgrad_pingpong")
         if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
             result["stage1_bwd_speedup"] = _ratio(result, "mok_stage1_bwd", "mok")
         # > 1: MoK's default expert GEMMs beat this setting
@@ -571,6 +586,13 @@ def _ratio(result: dict, slower: str, faster: str) -> float:
             / result[faster]["median_ms_all_ranks_max"])  # fmt: skip
 
 
+#: The 'mok_wgrad_pingpong' contender (``--mok-wgrad-pingpong``): the weight gradients on the
+#: engine (in '.grad' mode too, where 'auto' leaves them to torch) in the pingpong schedule.
+WGRAD_PINGPONG_KNOBS = {
+    "expert_gemm": ",".join((*AUTO_ENGINE_STEPS, "wgrad")),
+    "wgrad_tuning": GemmTuning(schedule="pingpong"),
+}
+
 #: The MoK knobs of the FP8-experts contenders: stage 1 (``--mok-fp8``; profile_moe.py's too)
 #: and the FP8 megakernel forward (``--mok-fp8-mega``).
 MOK_FP8_KNOBS = {"cuda_forward": "stage1", "expert_precision": "fp8_blockwise"}
@@ -578,20 +600,26 @@ MOK_FP8_MEGA_KNOBS = {"cuda_forward": "megakernel", "expert_precision": "fp8_blo
 
 
 @contextlib.contextmanager
-def _mok_knobs(layer, **knobs):
+def _mok_knobs(layer, wgrad_tuning=None, **knobs):
     """The MoK layer runs with its MoKConfig's fields set to ``knobs`` inside (None: unchanged),
-    e.g. cuda_forward="stage1" or expert_gemm="torch"."""
+    e.g. cuda_forward="stage1" or expert_gemm="torch"; ``wgrad_tuning`` (a GemmTuning, not a
+    MoKConfig knob) replaces the engine's weight-gradient tile order, experts.WGRAD_TUNING."""
+    from mok_megatron.functional.cuda import experts
+
     knobs = {k: v for k, v in knobs.items() if v is not None}
-    if not knobs:
+    if not knobs and wgrad_tuning is None:  # the baseline too: it has no MoK runtime
         yield
         return
     runtime = layer.experts._layer_runtime
-    old = runtime.mok_config
-    runtime.mok_config = dataclasses.replace(old, **knobs)
+    old, old_tuning = runtime.mok_config, experts.WGRAD_TUNING
+    if knobs:
+        runtime.mok_config = dataclasses.replace(old, **knobs)
+    if wgrad_tuning is not None:
+        experts.WGRAD_TUNING = wgrad_tuning
     try:
         yield
     finally:
-        runtime.mok_config = old
+        runtime.mok_config, experts.WGRAD_TUNING = old, old_tuning
 
 
 def _release_memory() -> None:

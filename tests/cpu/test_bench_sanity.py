@@ -88,6 +88,37 @@ def test_bench_with_main_grad_runs_on_cpu(tmp_path):
     assert case["fwd_bwd"]["mok"]["median_ms"] > 0 and case["fwd_bwd"]["baseline"]["median_ms"] > 0
 
 
+def test_bench_wgrad_pingpong_contender_times_the_backward_only(tmp_path):
+    """--mok-wgrad-pingpong: a forward + backward contender (the forward has no weight
+    gradients) with its ratio to the default; the engine's tile order is restored after it."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, *BENCH, "--main-grad", "--mok-wgrad-pingpong", "--routing",
+                    "uniform", "--out", str(out)], check=True, env=_env(), cwd=ROOT,
+                   timeout=600)  # fmt: skip
+    (case,) = json.loads(out.read_text())["cases"]
+    assert "mok_wgrad_pingpong" not in case["fwd"]
+    r = case["fwd_bwd"]
+    assert r["mok_wgrad_pingpong"]["median_ms"] > 0
+    assert r["wgrad_pingpong_speedup"] == pytest.approx(
+        r["mok"]["median_ms_all_ranks_max"] / r["mok_wgrad_pingpong"]["median_ms_all_ranks_max"]
+    )
+
+
+def test_mok_knobs_set_and_restore_the_wgrad_tuning():
+    from mok_megatron.functional import MoKConfig
+    from mok_megatron.functional.cuda import experts
+    from mok_megatron.ops.grouped_gemm import GemmTuning
+
+    bench = _script("bench_moe")
+    runtime = argparse.Namespace(mok_config=MoKConfig())
+    layer = argparse.Namespace(experts=argparse.Namespace(_layer_runtime=runtime))
+    default = experts.WGRAD_TUNING
+    with bench._mok_knobs(layer, **bench.WGRAD_PINGPONG_KNOBS):
+        assert experts.WGRAD_TUNING == GemmTuning(schedule="pingpong")
+        assert runtime.mok_config.expert_gemm == "l1,l2,wgrad"
+    assert experts.WGRAD_TUNING is default and runtime.mok_config == MoKConfig()
+
+
 def test_graph_rows_render_and_need_a_gpu(tmp_path):
     """--mok-graph refuses a CPU run by name; perf_report renders a case's 'mok' and 'mok_graph'
     timings (a synthetic record) into the graph table's row, and skips a case without them."""

@@ -244,6 +244,32 @@ def test_expert_gemm_setting_is_checked():
         engine_steps("l1+l2", torch.device("cpu"))  # asked for explicitly where it can't run
 
 
+def test_engine_weight_gradients_run_in_the_wgrad_tuning(monkeypatch):
+    """Both weight-gradient ops on the engine take experts.WGRAD_TUNING, read at the call (the
+    bench's pingpong contender replaces it), and no other GEMM step does."""
+    from mok_megatron.functional.cuda import experts as cuda_experts
+    from mok_megatron.functional.types import FusedExpertWeights
+    from mok_megatron.ops import grouped_gemm as gg
+
+    seen = []
+    monkeypatch.setattr(gg, "grouped_gemm_tn", lambda *a, tuning=None: seen.append(("tn", tuning)))
+    monkeypatch.setattr(gg, "grouped_gemm_tn_accumulate",
+                        lambda *a, tuning=None: seen.append(("acc", tuning)))  # fmt: skip
+    monkeypatch.setattr(gg, "grouped_gemm_nt", lambda *a, tuning=None: seen.append(("nt", tuning)))
+    gen = torch.Generator().manual_seed(3)
+    routed = FusedExpertWeights(torch.randn(2, 32, 16, generator=gen),
+                                torch.randn(2, 16, 16, generator=gen))  # fmt: skip
+    experts = cuda_experts.Experts(routed, "torch", torch.device("cpu"), accumulate=True)
+    experts.engine, experts.accumulate_on_engine = ("l2", "wgrad"), True  # as on Hopper
+    pingpong = gg.GemmTuning(schedule="pingpong")
+    monkeypatch.setattr(cuda_experts, "WGRAD_TUNING", pingpong)
+    a, b, offs = torch.randn(8, 16), torch.randn(8, 16), torch.tensor([3, 8], dtype=torch.int32)
+    experts.mm_tn(a, b, offs)
+    experts.mm_tn_accumulate(a, b, offs, torch.zeros(2, 16, 16))
+    experts.mm_nt(a, routed.down, offs)
+    assert seen == [("tn", pingpong), ("acc", pingpong), ("nt", None)]
+
+
 @pytest.mark.parametrize("hidden, inter", [(128, 64), (64, 128)])
 def test_backward_reads_y_only_for_the_fused_dswiglu(hidden, inter):
     """The forward keeps the L2 output rows y [M, H] only where the backward reads them: with

@@ -15,8 +15,9 @@ from mok_megatron.ops import moe as mops
 from ..config import ENGINE_STEPS, engine_step_list
 from ..types import FusedExpertWeights
 
-__all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "AUTO_ACCUMULATE_STEPS", "ExpertRows", "Experts",
-           "engine_steps", "grouped_mm", "accumulate", "weighted_rows", "not_hopper"]  # fmt: skip
+__all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "AUTO_ACCUMULATE_STEPS", "WGRAD_TUNING",
+           "ExpertRows", "Experts", "engine_steps", "grouped_mm", "accumulate", "weighted_rows",
+           "not_hopper"]  # fmt: skip
 
 #: What MoKConfig.expert_gemm="auto" picks on Hopper. "l2": its engine GEMM beat
 #: torch._grouped_mm on all six points of the same-process micro-benchmark (docs/GEMM.md). "l1"
@@ -32,6 +33,14 @@ AUTO_ENGINE_STEPS = ("l1", "l2")
 #: adds into the fp32 buffer in its epilogue, while torch._grouped_mm (bf16 output only) needs its
 #: bf16 result and a separate fp32 add pass over the buffer.
 AUTO_ACCUMULATE_STEPS = ("wgrad",)
+#: The engine's tile order for the weight gradients (its "wgrad" step, plain and accumulating):
+#: every GemmTuning gives bitwise the same result. At EP 1 a weight-gradient GEMM's K is an
+#: expert's rows, so each tile's epilogue (the bf16 store, or main_grad's fp32 read-modify-write)
+#: weighs about as much as its mainloop, and the cooperative schedule runs the two one after the
+#: other (scripts/wgrad_traffic.py's serial model); pingpong overlaps one warpgroup's epilogue
+#: with the other's mainloop. ``bench_moe.py --mok-wgrad-pingpong`` times the layer with it in
+#: the same process as this default.
+WGRAD_TUNING = gg.GemmTuning()
 
 
 @dataclass
@@ -170,7 +179,7 @@ class Experts:
     def mm_tn(self, a, b, offs):
         """a [M, P], b [M, Q] → [G, P, Q], each group's a_g^T @ b_g (the weight gradients)."""
         if "wgrad" in self.engine:
-            return gg.grouped_gemm_tn(a, b, offs)
+            return gg.grouped_gemm_tn(a, b, offs, tuning=WGRAD_TUNING)
         return grouped_mm(a.T, b, offs)
 
     def mm_tn_accumulate(self, a, b, offs, acc: torch.Tensor) -> None:
@@ -179,7 +188,7 @@ class Experts:
         result; otherwise (the torch fallback) torch._grouped_mm's bf16 result is added in
         float32, the same as adding the gradient it would return, at one more pass over acc."""
         if self.accumulate_on_engine:
-            gg.grouped_gemm_tn_accumulate(a, b, offs, acc)
+            gg.grouped_gemm_tn_accumulate(a, b, offs, acc, tuning=WGRAD_TUNING)
             return
         part = grouped_mm(a.T, b, offs)  # a group without rows holds anything: masked below
         rows = torch.diff(offs, prepend=offs.new_zeros(1))
