@@ -701,6 +701,8 @@ def _report(case, name, tokens, routing) -> None:
         f", default vs expert_gemm={v}: fwd {x:.2f}x fwd+bwd {fb['default_gemm_speedup'][v]:.2f}x"
         for v, x in case["fwd"].get("default_gemm_speedup", {}).items()
     )
+    if "wgrad_pingpong_speedup" in fb:
+        engine += f", pingpong weight gradients: fwd+bwd {fb['wgrad_pingpong_speedup']:.2f}x"
     stage1 = ""
     if "stage1_speedup" in case["fwd"]:
         stage1 = (f", vs stage 1: fwd {case['fwd']['stage1_speedup']:.2f}x fwd+bwd "

@@ -8,6 +8,12 @@
 #   profile     scripts/profile_moe.py at EP 2 (2 GPUs) or EP 1 (one GPU)
 #   fp8         scripts/bench_moe.py --mok-fp8 (BF16, FP8, FP8 with FP8 data gradients) and
 #               scripts/fp8_accuracy.py --shapes scaled, at EP 1 (not in the default steps)
+#   wgrad       the weight-gradient study at EP 1 (not in the default steps): the engine's
+#               weight-gradient GEMMs, plain and into fp32 main_grad, cooperative / pingpong /
+#               torch (scripts/bench_grouped_gemm.py), then the layer's forward + backward with
+#               --mok-wgrad-pingpong, into main_grad and in .grad mode (there beside the same
+#               engine steps in the default schedule); deepseek-v3 only where the GPU has the
+#               memory for its fp32 main_grad (WGRAD_SHAPES overrides the layer's shapes)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
 # BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
 # BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
@@ -52,6 +58,25 @@ if step fp8; then
   timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/fp8_accuracy.py --shapes scaled \
     --out "$OUT/fp8_accuracy.json" > "$OUT/fp8_accuracy.log" 2>&1
   echo "[device_run] fp8_accuracy exit $?"; grep -E "d_x=|Error" "$OUT/fp8_accuracy.log" | tail -8
+fi
+if step wgrad; then
+  big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+  models="qwen3-30b-a3b mixtral-8x7b"; [[ $big == 1 ]] && models="qwen3-30b-a3b deepseek-v3 mixtral-8x7b"
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_grouped_gemm.py --ep 1 --models $models \
+    --scales 1.0 --ops wgrad_l1 wgrad_l2 wgrad_l1_acc wgrad_l2_acc \
+    --out "$OUT/bench_grouped_gemm_wgrad.json" > "$OUT/bench_grouped_gemm_wgrad.log" 2>&1
+  echo "[device_run] wgrad GEMMs exit $?"; grep -E "wgrad|Error" "$OUT/bench_grouped_gemm_wgrad.log" | tail -24
+  shapes="${WGRAD_SHAPES:-qwen3-30b-a3b $([[ $big == 1 ]] && echo deepseek-v3 || echo mixtral-8x7b)}"
+  for shape in $shapes; do
+    for mode in main_grad grad; do
+      extra="--main-grad"; [[ $mode == grad ]] && extra="--mok-expert-gemm l1+l2+wgrad"
+      timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --shapes "$shape" --tokens 8192 \
+        --routing uniform --mok-cuda-forward megakernel --mok-wgrad-pingpong $extra \
+        --out "$OUT/bench_wgrad_${mode}_$shape.json" > "$OUT/bench_wgrad_${mode}_$shape.log" 2>&1
+      echo "[device_run] layer $shape $mode exit $?"
+      grep -E "speedup|Error" "$OUT/bench_wgrad_${mode}_$shape.log" | tail -3
+    done
+  done
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.
