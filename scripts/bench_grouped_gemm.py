@@ -196,10 +196,11 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
             row |= {"model": model, "scale": scale, "rows": rows, "groups": groups,
                    "hidden": hidden, "intermediate": inter, "op": op, "impl": impl}  # fmt: skip
             try:
-                t = time_ms(fn, samples=args.samples, calls=args.calls)
-                row.update(t)
+                # NOTE: not `t`, the tuning the impls' lambdas read when they are called
+                timing = time_ms(fn, samples=args.samples, calls=args.calls)
+                row.update(timing)
                 if impl != "torch_swiglu_only":
-                    row["tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+                    row["tflops"] = flops / (timing["median_ms"] * 1e-3) / 1e12
             except Exception as exc:  # noqa: BLE001 - record and go on
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps(row), flush=True)
