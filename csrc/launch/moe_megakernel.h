@@ -93,7 +93,8 @@ struct MegaArgs {
   // one launch (the forward, and a backward of one round)
   int round = -1;
 
-  // ---- fault injection (tests only): the comm role never releases this minibatch of round 0;
+  // ---- fault injection (tests only): the comm role never releases this minibatch of the launch's
+  // first round (a backward in rounds: of every round's launch);
   // this CTA's consumers stop at their first second-GEMM task (its producer's stage wait times out)
   int stall_minibatch = -1;
   int stall_l2_cta = -1;

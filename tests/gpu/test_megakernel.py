@@ -6,12 +6,14 @@ Bitwise: at EP 1 in one round the megakernel computes what stage 1 computes, in 
 (the same 128x256x64 wgmma tiles, the same SwiGLU, the same slot-ordered float32 sum), so its
 output and the gradients of stage 1's backward on its context (MoKConfig.cuda_backward='stage1')
 are bitwise equal to stage 1's (fused gate/up form, MoKConfig.expert_gemm='auto'). The default
-backward after a one-round megakernel forward is the backward megakernel
-(tests/gpu/test_megakernel_backward.py): its gradients agree with stage 1's within rounding
-(other GEMM tiles, other partial sums), and with the oracle as tightly as stage 1's. Where stage 1 sums a token's slots in another
-order the output agrees within tolerance only (the gradients stay bitwise): in macrobatch rounds
-it sums round by round, with several ranks rank by rank; the megakernel always in slot order. Run
-to run, everything is bitwise equal.
+backward after a megakernel forward, in one round or in macrobatch rounds (then one launch per
+round, the last first), is the backward megakernel (tests/gpu/test_megakernel_backward.py): its
+gradients agree with stage 1's within rounding (other GEMM tiles, other partial sums, in rounds
+the weight gradients summed in the other round order), and with the oracle as tightly as stage
+1's. Where stage 1 sums a token's slots in another order the output agrees within tolerance only
+(stage 1's backward on the megakernel's context stays bitwise): in macrobatch rounds it sums
+round by round, with several ranks rank by rank; the megakernel always in slot order. Run to
+run, everything is bitwise equal.
 Outputs are poisoned before every run (``testing.poison``), the plan is checked integer for
 integer against stage 1's torch plan, and a stalled minibatch or rank times out with a record
 that names it instead of hanging.

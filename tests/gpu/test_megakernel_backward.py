@@ -1,5 +1,5 @@
-"""The backward megakernel (``MoKConfig.cuda_backward``, 'auto' after a one-round megakernel
-forward) on one GPU: that it is the path that runs, against the float64 oracle, the reference
+"""The backward megakernel (``MoKConfig.cuda_backward``, 'auto' after a megakernel forward that
+kept its activation rings: one round, or bf16 experts in macrobatch rounds) on one GPU: that it is the path that runs, against the float64 oracle, the reference
 backend and stage 1's backward on the same forward; bitwise run to run and across the knobs that
 only change the launch; accumulation into caller buffers (Megatron's main_grad); the clear
 errors where it cannot run; a stalled minibatch times out naming the backward's phase.
@@ -130,23 +130,29 @@ def test_knobs_change_the_launch_not_the_result(backward_calls):
         run()
 
 
-def test_passes_across_the_counters_wrap_repeat_bitwise(backward_calls):
+@pytest.mark.parametrize("in_rounds", [False, True], ids=["one_round", "rounds"])
+def test_passes_across_the_counters_wrap_repeat_bitwise(in_rounds, backward_calls):
     """The megakernels' flags hold gen = epoch * R + round and are never reset between passes;
     before a pass whose generations would pass INT32_MAX (signed compares would read every old
     flag as set) the epoch kernel zeroes them and restarts the epoch at 1 (launch/moe_mega.cu).
-    Forward and backward passes on both sides of that point give the first pass's results."""
+    Forward and backward passes on both sides of that point give the first pass's results. In
+    macrobatch rounds each backward launch (one per round) is a pass of its own with the stride
+    R, so there the wrap falls between the forward and the backward's first launch."""
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=13)
-    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    run = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS) if in_rounds else MEGA,
+              form="fused_auto")  # fmt: skip
     _, want = run()
     rounds = run.ws.buffers.mega.num_rounds
+    assert (rounds > 1) == in_rounds
     counters = run.ws.buffers.region("counters", torch.int32)
-    epoch = (2**31 - 1) // rounds - 2  # the next pass is the last before the wrap
+    epoch = (2**31 - 1) // rounds - 2  # the next bump is the last before the wrap
     counters[0] = epoch  # layout/mega.cuh's kEpoch
     for _ in range(3):
         _, got = run()
         assert not _bitwise_equal(want, got)
-    assert 1 <= int(counters[0]) <= 6, int(counters[0])  # wrapped (two bumps per run)
-    assert len(backward_calls) == 4
+    bumps = 1 + rounds  # per run: the forward's, and each backward launch's
+    assert 1 <= int(counters[0]) <= 3 * bumps, int(counters[0])  # wrapped
+    assert len(backward_calls) == 4 * rounds
 
 
 def test_wgrad_accumulation_into_caller_buffers(backward_calls):
@@ -257,18 +263,15 @@ def test_rounds_wgrad_accumulation_into_caller_buffers(backward_calls):
     assert not failures, failures
 
 
-def test_rounds_without_kept_rings_take_stage1_or_fail_clearly(backward_calls):
-    """FP8 experts' forward in rounds keeps only the received tokens: 'auto' runs stage 1's
-    backward, 'megakernel' says why it cannot."""
+def test_fp8_rounds_take_stage1(backward_calls):
+    """FP8 experts' forward in rounds keeps only the received tokens (no bf16 rings): 'auto'
+    runs stage 1's backward (cuda_backward='megakernel' with FP8 experts is refused by
+    MoKConfig itself: tests/cpu)."""
     problem = _problem([300], (128, 128, 8, 4, 0), seed=4)
-    fp8 = dict(ROUNDS, expert_precision="fp8_blockwise")
-    run = Run(problem, "cuda", config=F.MoKConfig(**fp8), form="fused_auto")
+    run = Run(problem, "cuda", config=F.MoKConfig(expert_precision="fp8_blockwise", **ROUNDS),
+              form="fused_auto")  # fmt: skip
     run()
     assert run.rounds > 1 and not backward_calls
-    strict = Run(problem, "cuda", config=F.MoKConfig(cuda_backward="megakernel", **fp8),
-                 form="fused_auto")  # fmt: skip
-    with pytest.raises(ValueError, match="cuda_backward='megakernel' cannot run: .*rounds"):
-        strict()
 
 
 def test_after_a_stage1_forward_megakernel_backward_fails_clearly():

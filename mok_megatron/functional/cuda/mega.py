@@ -227,6 +227,9 @@ def backward_unavailable(ws, ctx: stage1.CudaContext, routed) -> str | None:
     """Why the backward megakernel cannot take this context (None when it can)."""
     if ctx.mega_plan is None:
         return "the forward was stage 1's (the backward megakernel reads the megakernel's plan)"
+    if ws.config.expert_precision == "fp8_blockwise":
+        return ("FP8 experts: their backward is stage 1's (the router-weight gradient reads the "
+                "FP8 forward's y, the backward megakernel recomputes it from act in BF16)")  # fmt: skip
     act = ctx.saved if ctx.saved is not None else ctx.kept
     if act is None:
         return ("the forward ran in macrobatch rounds (more routed rows than macrobatch_size) "
@@ -236,9 +239,6 @@ def backward_unavailable(ws, ctx: stage1.CudaContext, routed) -> str | None:
         return "the forward did not keep its activation rings"
     if not can_run(routed) or routed.gate_up.dtype != torch.bfloat16:
         return "the backward megakernel takes the bf16 fused gate/up weights of MoKExperts"
-    if ws.config.expert_precision == "fp8_blockwise":
-        return ("FP8 experts: their backward is stage 1's (the router-weight gradient reads the "
-                "FP8 forward's y, the backward megakernel recomputes it from act in BF16)")  # fmt: skip
     return None
 
 
@@ -356,7 +356,7 @@ def _backward_rounds(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, 
     visits, held = rounds.last_first(plan)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
     d_w = [None, None, None]  # gate_up (the fused form's slot 0), -, down
-    d_out, d_x = d_out.contiguous(), None
+    d_out, d_x, traces = d_out.contiguous(), None, []
     for visit, r in enumerate(reversed(range(rounds.count))):
         window = rounds.window(r)
         offs = window_offs(plan, window)
@@ -372,8 +372,8 @@ def _backward_rounds(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, 
             stall_minibatch=ws.buffers.stall_minibatch, trace=ws.buffers.trace,
             cluster=c.megakernel_cluster, round=r,
         )  # fmt: skip
-        if ws.buffers.trace:
-            ws.buffers.last_backward_trace = (outs["trace_ctas"], outs["trace_tasks"])
+        if ws.buffers.trace:  # each round's launch: its CTAs, and its round of the tasks
+            traces.insert(0, (outs["trace_ctas"], outs["trace_tasks"][r]))
         d_row_w[window] = outs["d_row_w"]
         parts = ((outs["d_h"], x_rows),
                  (outs["d_rows"], cuda_experts.weighted_rows(rings.a, w_rows, row_tok)))  # fmt: skip
@@ -388,6 +388,8 @@ def _backward_rounds(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, 
             d_x = outs["d_x"]
         del outs
     del rings, shared_dx
+    if traces:  # per round, in round order: ([R, CTAs, words], [R, tasks, words])
+        ws.buffers.last_backward_trace = tuple(torch.stack(t) for t in zip(*traces))
     d_rw = mops.moe_combine_slots(
         d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
     )
