@@ -229,6 +229,11 @@ def trace_case(name, args, rank) -> dict:
             bench_moe.run_layer(layer, sets[0], backward=args.backward)
             torch.cuda.synchronize()
             trace = ws.buffers.last_backward_trace if args.backward else ws.buffers.last_trace
+            if trace[0].dim() == 3:  # a backward in rounds: one launch per round
+                raise SystemExit(
+                    "megakernel_trace: the backward ran in macrobatch rounds, one "
+                    "launch each; trace a one-round pass (raise macrobatch_size)"
+                )
             ctas, tasks = decode(*trace)
             passes.append(summarise(ctas, tasks, *ks))
             layer.zero_grad(set_to_none=True)

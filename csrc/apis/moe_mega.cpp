@@ -4,6 +4,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 
@@ -248,7 +249,7 @@ std::vector<at::Tensor> moe_mega_forward(
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
     const std::optional<at::Tensor>& w_gate_up_scales,
-    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place) {
+    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place, bool keep_rings) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   const bool fp8 = w_gate_up_scales.has_value();
@@ -331,6 +332,9 @@ std::vector<at::Tensor> moe_mega_forward(
   const auto bf16 = x.options();
   std::vector<at::Tensor> out(kForwardNumFields);
   const bool keep_rows = save && rounds == 1, keep_tokens = save && rounds > 1;
+  TORCH_CHECK(!keep_rings || (keep_tokens && !fp8), "mok::moe_mega_forward: keep_rings keeps "
+              "the last round's act and h rings of a bf16 forward of several macrobatch rounds "
+              "that saves for a backward (save=", save, ", rounds=", rounds, ", fp8=", fp8, ")");
   if (keep_rows) {
     // NOTE: one allocation each, not an arena: the backward lets each ring go after its last
     // read (y and act in its first step, h and x_rows in its second), which lowers its peak.
@@ -338,11 +342,14 @@ std::vector<at::Tensor> moe_mega_forward(
     out[kForward_act_ring] = at::empty({ring, inter}, bf16);
     out[kForward_h_ring] = at::empty({ring, 2 * inter}, bf16);
     out[kForward_y_rows] = at::empty({keep_y ? ring : 0, lay.hidden}, bf16);
-  } else {  // x_ring and act_ring are dropped after the pass: not in one storage with x_recv
+  } else {  // x_ring (and act_ring unless kept) are dropped after the pass: not in one
+            // storage with x_recv
     out[kForward_x_ring] = at::empty({fp8 || rows_in_place ? 0 : ring, lay.hidden}, bf16);
     // FP8: the L2 reads act's FP8 copy; the bf16 act is for a backward only, so none here.
     out[kForward_act_ring] = at::empty({fp8 ? 0 : ring, inter}, bf16);
-    out[kForward_h_ring] = at::empty({0, 2 * inter}, bf16);
+    // keep_rings: every round's L1 epilogue stores h as well, so both rings end holding the
+    // last round that has rows, which the backward in rounds then needs not recompute.
+    out[kForward_h_ring] = at::empty({keep_rings ? ring : 0, 2 * inter}, bf16);
     out[kForward_y_rows] = at::empty({0, lay.hidden}, bf16);
   }
   out[kForward_x_recv] = at::empty({keep_tokens ? token_capacity : 0, lay.hidden}, bf16);
@@ -398,7 +405,7 @@ std::vector<at::Tensor> moe_mega_forward(
     a.token_rows = staged ? lay.max_tokens : num_tokens;
   }
   a.act_ring = out[kForward_act_ring].numel() > 0 ? out[kForward_act_ring].data_ptr() : nullptr;
-  a.h_ring = keep_rows ? out[kForward_h_ring].data_ptr() : nullptr;
+  a.h_ring = keep_rows || keep_rings ? out[kForward_h_ring].data_ptr() : nullptr;
   a.y_rows = keep_rows && keep_y ? out[kForward_y_rows].data_ptr() : nullptr;
   std::vector<at::Tensor> rings;  // FP8: the rings and their M-major scales, for the launch only
   if (fp8) {
@@ -434,7 +441,7 @@ std::vector<at::Tensor> moe_mega_backward(
     const at::Tensor& w_down, const std::optional<at::Tensor>& shared_dx,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t minibatch,
     int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch,
-    bool trace, int64_t cluster) {
+    bool trace, int64_t cluster, int64_t round) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(d_out, "d_out", at::kBFloat16, 2);
@@ -454,12 +461,15 @@ std::vector<at::Tensor> moe_mega_backward(
               "mok::moe_mega_backward: w_gate_up ", w_gate_up.sizes(), " / w_down ",
               w_down.sizes(), " must be [E_l, 2I, H] / [E_l, H, I] with E_l=", e_l);
   const auto shape = mega_shape(comm, row_capacity, e_l, inter, minibatch, macrobatch);
-  TORCH_CHECK(shape.num_rounds() == 1,
-              "mok::moe_mega_backward: ", shape.num_rounds(), " macrobatch rounds (row_capacity=",
-              row_capacity, " > macrobatch_size=", macrobatch, "); the backward megakernel runs "
-              "one round: use stage 1's backward (MoKConfig.cuda_backward='stage1') or raise "
-              "macrobatch_size");
-  const int64_t ring = shape.ring_rows();
+  const int64_t rounds = shape.num_rounds();
+  TORCH_CHECK(rounds == 1 ? round == -1 || round == 0 : round >= 0 && round < rounds,
+              "mok::moe_mega_backward: round=", round, " of ", rounds, " macrobatch rounds "
+              "(row_capacity=", row_capacity, ", macrobatch_size=", macrobatch, "): one round "
+              "takes round -1 (or 0), several one call per round, the last round first");
+  // Several rounds: the calls take them last first (the forward's kept rings hold its last
+  // rows); the first call stages d_out, round 0's sums the slots every call filled.
+  const bool first_call = round == -1 || round == rounds - 1, last_call = round <= 0;
+  const int64_t ring = shape.ring_rows(), ring_base = std::max<int64_t>(round, 0) * ring;
   check(act_ring, "act_ring", at::kBFloat16, 2);
   check(h_ring, "h_ring", at::kBFloat16, 2);
   TORCH_CHECK(act_ring.size(0) == ring && act_ring.size(1) == inter && h_ring.size(0) == ring &&
@@ -494,12 +504,15 @@ std::vector<at::Tensor> moe_mega_backward(
       trace_buffers(d_out, trace, grid, shape);
   const int num_tokens = static_cast<int>(d_out.size(0));
   const void* in_place = tokens_in_place(comm, d_out);
-  if (in_place == nullptr) {
+  if (in_place == nullptr && first_call) {
     launch::moe_stage_tokens(comm, d_out.data_ptr(), num_tokens, comm.lay.hidden, stream);
   }
-  launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
-                                 plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
-  launch::moe_bump_epoch(comm, static_cast<int>(shape.num_rounds()), stream);
+  if (first_call) {
+    launch::moe_zero_dropped_slots(comm, plan[kPlan_global_topk].data_ptr<int64_t>(),
+                                   plan[kPlan_slot_row].data_ptr<int>(), e_l, stream);
+  }
+  // Each call a pass of its own for the counters, with the plan's stride (MegaParams::generation).
+  launch::moe_bump_epoch(comm, static_cast<int>(rounds), stream);
 
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kBackward_trace_ctas], out[kBackward_trace_tasks]);
@@ -513,14 +526,17 @@ std::vector<at::Tensor> moe_mega_backward(
   a.dh_ring = out[kBackward_d_h].data_ptr();
   a.w_rows = plan[kPlan_w_rows].data_ptr<float>();
   a.rw_partials = partials.data_ptr<float>();
+  a.round = rounds == 1 ? -1 : static_cast<int>(round);
   launch::moe_megakernel(a, stream);
 
-  out[kBackward_d_x] = at::empty({d_out.size(0), lay.hidden}, bf16);
-  launch::moe_reduce_slot_rows(comm, topk.data_ptr<int64_t>(), nullptr, num_experts,
-                               shared_dx ? shared_dx->data_ptr() : nullptr,
-                               out[kBackward_d_x].data_ptr(), num_tokens, stream);
+  out[kBackward_d_x] = at::empty({last_call ? d_out.size(0) : 0, lay.hidden}, bf16);
+  if (last_call) {
+    launch::moe_reduce_slot_rows(comm, topk.data_ptr<int64_t>(), nullptr, num_experts,
+                                 shared_dx ? shared_dx->data_ptr() : nullptr,
+                                 out[kBackward_d_x].data_ptr(), num_tokens, stream);
+  }
   launch::moe_sum_row_partials(partials.data_ptr<float>(), shape.dgrad_ntiles(),
-                               plan[kPlan_row_tok].data_ptr<int64_t>(),
+                               plan[kPlan_row_tok].data_ptr<int64_t>() + ring_base,
                                out[kBackward_d_row_w].data_ptr<float>(), ring, stream);
   return out;
 }

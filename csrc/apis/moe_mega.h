@@ -58,7 +58,9 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
 // given or neither); x is quantised in (1, 128) blocks here, the forward runs stage 1's FP8
 // arithmetic (x_ring is then [0, H]: the ring holds FP8 rows). `rows_in_place`
 // (MoKConfig.fwd_rows, one rank, bf16, cluster 1): the L1 tiles read their rows from the token
-// rows themselves and no CTA pulls; x_ring is then [0, H]. Collective.
+// rows themselves and no CTA pulls; x_ring is then [0, H]. `keep_rings` (bf16, `save` with
+// several macrobatch rounds): act_ring and h_ring are kept as well, holding the last round that
+// has rows (the backward in rounds takes it first, without recomputing it). Collective.
 std::vector<at::Tensor> moe_mega_forward(
     const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
     const at::Tensor& w_gate_up, const at::Tensor& w_down,
@@ -67,17 +69,22 @@ std::vector<at::Tensor> moe_mega_forward(
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
     const std::optional<at::Tensor>& w_gate_up_scales,
-    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place);
+    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place, bool keep_rings);
 
-// The data gradients of one forward pass (one round), from one call: staging d_out (at one rank
-// none: read in place), the backward megakernel, the unweighted slot sum (+ shared_dx [T, H] or none), the per-row router-weight
-// gradients. plan: the forward's (moe_mega_plan's tensors); act_ring / h_ring: the forward's kept
-// rings. -> MOK_MEGA_BACKWARD_FIELDS. Collective.
+// The data gradients of one forward pass, from one call per macrobatch round: staging d_out (at
+// one rank none: read in place), the backward megakernel, the unweighted slot sum (+ shared_dx
+// [T, H] or none), the per-row router-weight gradients. plan: the forward's (moe_mega_plan's
+// tensors); act_ring / h_ring: the round's activations (the forward's kept rings, or recomputed).
+// `round`: -1 for a plan of one round; with R > 1 rounds, one call per round, R - 1 first and 0
+// last: the first call stages d_out, every call pulls its round's d_out rows and stores their
+// d_x rows into the sources' slots, and round 0's sums the slots (d_x is [0, H] in the others).
+// -> MOK_MEGA_BACKWARD_FIELDS. Collective.
 std::vector<at::Tensor> moe_mega_backward(
     const at::Tensor& d_out, const at::Tensor& topk, at::TensorList plan,
     const at::Tensor& act_ring, const at::Tensor& h_ring, const at::Tensor& w_gate_up,
     const at::Tensor& w_down, const std::optional<at::Tensor>& shared_dx, at::IntArrayRef comm,
     int64_t num_experts, int64_t row_capacity, int64_t minibatch, int64_t macrobatch,
-    int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch, bool trace, int64_t cluster);
+    int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch, bool trace, int64_t cluster,
+    int64_t round);
 
 }  // namespace mok::apis

@@ -172,11 +172,13 @@ void check_args(const MegaArgs& a) {
                        a.rw_partials != nullptr && a.y_rows == nullptr,
                    "backward megakernel: h_ring, dh_ring, w_rows and rw_partials are required "
                    "and y_rows is the forward's only");
-    MOK_HOST_CHECK(s.num_rounds() == 1,
-                   "backward megakernel: %lld macrobatch rounds; it runs one round (the forward's "
-                   "kept activations): more rows than macrobatch_size take stage 1's backward",
-                   static_cast<long long>(s.num_rounds()));
+    MOK_HOST_CHECK(s.num_rounds() == 1 ? a.round <= 0 : a.round >= 0 && a.round < s.num_rounds(),
+                   "backward megakernel: round=%d of %lld macrobatch rounds; a backward of several "
+                   "rounds launches once per round, each naming its round",
+                   a.round, static_cast<long long>(s.num_rounds()));
   } else {
+    MOK_HOST_CHECK(a.round == -1, "forward megakernel: round=%d; the forward runs every round "
+                   "in one launch (round=-1)", a.round);
     MOK_HOST_CHECK(a.dh_ring == nullptr && a.w_rows == nullptr && a.rw_partials == nullptr,
                    "forward megakernel: dh_ring, w_rows and rw_partials are the backward's only");
   }
@@ -212,7 +214,11 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.slots_per_rank = to_int32(a.lay.max_tokens * a.lay.topk, "max_tokens * topk");
   p.ring_rows = to_int32(s.ring_rows(), "ring_rows");
   p.minibatch_rows = to_int32(s.minibatch_rows, "minibatch_rows");
-  p.num_rounds = to_int32(s.num_rounds(), "num_rounds");
+  // A backward round's launch: the plan from round `round` on, one round; else all of them.
+  const int64_t base = a.round < 0 ? 0 : a.round, ring_base = base * s.ring_rows();
+  p.num_rounds = a.round < 0 ? to_int32(s.num_rounds(), "num_rounds") : 1;
+  p.round_stride = to_int32(s.num_rounds(), "num_rounds");
+  p.round_base = static_cast<int>(base);
   p.max_tiles = to_int32(s.max_tiles(), "max_tiles");
   // The first GEMM's B rows and the second's K: forward (2I, I), backward (I, 2I).
   p.l1_n = a.backward ? p.inter : 2 * p.inter;
@@ -238,16 +244,18 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.h_ring = static_cast<__nv_bfloat16*>(a.h_ring);
   p.y_rows = static_cast<__nv_bfloat16*>(a.y_rows);
   p.dh_ring = static_cast<__nv_bfloat16*>(a.dh_ring);
-  p.w_rows = a.w_rows;
+  p.w_rows = a.w_rows == nullptr ? nullptr : a.w_rows + ring_base;
   p.rw_partials = a.rw_partials;
   p.rw_parts = p.l1_ntiles;
-  p.row_src = a.row_src;
-  p.row_dst = a.row_dst;
-  p.tile_count = a.tile_count;
-  p.tiles = a.tiles;
-  p.trace_ctas = a.trace_ctas;
-  p.trace_tasks = a.trace_tasks;
+  p.row_src = a.row_src + ring_base;
+  p.row_dst = a.row_dst + ring_base;
+  p.tile_count = a.tile_count + base;
+  p.tiles = a.tiles + base * s.max_tiles();
   p.max_tasks = to_int32(s.max_tasks(), "max_tasks");
+  p.trace_ctas = a.trace_ctas;
+  p.trace_tasks = a.trace_tasks == nullptr
+                      ? nullptr
+                      : a.trace_tasks + base * s.max_tasks() * layout::kTraceTaskWords;
   if (a.fp8) {
     p.x8_ring = static_cast<uint8_t*>(a.x8_ring);
     p.x_scales = a.x_scales;

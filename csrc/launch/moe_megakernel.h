@@ -87,7 +87,14 @@ struct MegaArgs {
   const int32_t* tile_count = nullptr;    // [R]: m-tiles of each round
   const layout::MegaTile* tiles = nullptr;  // [R, max_tiles], in row order
 
-  // ---- fault injection (tests only): the comm role never releases this minibatch of round 0;
+  // ---- a backward in macrobatch rounds: one launch per round, this one plan round `round` of
+  // shape.num_rounds() (its rows, m-tiles, router weights and trace records; a pass of its own
+  // for the counters, an epoch bumped with stride R before it); -1: every round of the plan in
+  // one launch (the forward, and a backward of one round)
+  int round = -1;
+
+  // ---- fault injection (tests only): the comm role never releases this minibatch of the launch's
+  // first round (a backward in rounds: of every round's launch);
   // this CTA's consumers stop at their first second-GEMM task (its producer's stage wait times out)
   int stall_minibatch = -1;
   int stall_l2_cta = -1;
@@ -109,8 +116,9 @@ int megakernel_resident_ctas(bool backward, int cluster, bool fp8 = false);
 // Enqueue the megakernel args.backward names, in clusters of args.cluster_ctas (all have one
 // shared-memory size and thread count). Checks the arguments and that every CTA can be resident
 // (num_ctas <= megakernel_resident_ctas(args.backward, args.cluster_ctas)); throws mok::Error
-// naming the rule otherwise. The backward runs one round only (shape.num_rounds() == 1: the
-// forward kept that round's activations).
+// naming the rule otherwise. The backward runs one round per launch: the plan's only one, or
+// with several rounds the one args.round names (its act and h rings the forward's kept ones or
+// recomputed).
 void moe_megakernel(const MegaArgs& args, cudaStream_t stream);
 
 }  // namespace mok::launch

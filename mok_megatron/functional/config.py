@@ -114,8 +114,9 @@ class MoKConfig:
     macrobatch_size: int = _knob(
         131072,
         "Routed rows in flight at once (the ring's capacity); a schedule with more rows runs in "
-        "further rounds, which bounds buffer memory (stage 1 then recomputes each round's "
-        "activations in the backward). Multiple of minibatch_size.",
+        "further rounds, which bounds buffer memory (the backward then recomputes each round's "
+        "activations: stage 1 all of them, the backward megakernel all but the last round's, "
+        "which the forward's rings still hold). Multiple of minibatch_size.",
     )
     schedule_capacity_multiplier: float = _knob(
         2.0,
@@ -133,10 +134,11 @@ class MoKConfig:
     cuda_backward: str = _knob(
         "auto",
         "The CUDA backend's backward after a megakernel forward: 'auto' (the backward megakernel "
-        "where the forward kept one round of activations, else stage 1), 'megakernel' (that, or "
-        "an error saying why it cannot run) or 'stage1' (the sequence of kernels). The weight "
-        "gradients are stage 1's grouped GEMMs either way; after a stage-1 forward the backward "
-        "is stage 1's.",
+        "where the forward kept its activation rings: one round, or bf16 experts in macrobatch "
+        "rounds, taken last round first, one launch each, earlier rounds recomputed; else stage "
+        "1), 'megakernel' (that, or an error saying why it cannot run) or 'stage1' (the "
+        "sequence of kernels). The weight gradients are stage 1's grouped GEMMs either way; "
+        "after a stage-1 forward the backward is stage 1's.",
     )
     expert_gemm: str = _knob(
         "auto",

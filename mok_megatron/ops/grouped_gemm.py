@@ -157,8 +157,18 @@ def grouped_gemm_l1_swiglu(
     schedule only."""
     act = x.new_empty(x.shape[0], w_gu.shape[1] // 2)
     h = x.new_empty(x.shape[0], w_gu.shape[1]) if save_h else None
-    torch.ops.mok.grouped_gemm_l1_swiglu_out(x, w_gu, offs, act, h, *_tuning_args(tuning))
+    grouped_gemm_l1_swiglu_into(x, w_gu, offs, act, h, tuning)
     return act, h
+
+
+def grouped_gemm_l1_swiglu_into(
+    x: torch.Tensor, w_gu: torch.Tensor, offs: torch.Tensor, act: torch.Tensor,
+    h: torch.Tensor | None = None, tuning: GemmTuning | None = None,
+) -> None:  # fmt: skip
+    """:func:`grouped_gemm_l1_swiglu` into the caller's ``act`` [R, I] (and ``h`` [R, 2I] or
+    None): only the rows of the groups (before ``offs[-1]``) are written; the others keep what
+    they held (the backward megakernel's rings in rounds, ``functional.cuda.mega``)."""
+    torch.ops.mok.grouped_gemm_l1_swiglu_out(x, w_gu, offs, act, h, *_tuning_args(tuning))
 
 
 def grouped_gemm_nt(

@@ -351,7 +351,7 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                      num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
                      trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
-                     w_down_scales=None, rows_in_place=False):  # fmt: skip
+                     w_down_scales=None, rows_in_place=False, keep_rings=False):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging (none at one rank: the megakernel reads x in place), the megakernel, the
     slot-ordered sum at the source. Collective.
@@ -361,7 +361,10 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     name (``mega_forward_fields``, ``mega_plan_fields``). ``save``: keep what a backward needs:
     in one round the rings (``x_ring``, ``act_ring``, ``h_ring``; the caller may drop
     ``x_ring``) and the L2 output rows ``y_rows`` when ``keep_y`` (else [0, H]: the L2 epilogue
-    stores each row only to its source slot); in more rounds, the received tokens ``x_recv``.
+    stores each row only to its source slot); in more rounds, the received tokens ``x_recv``,
+    and with ``keep_rings`` (bf16) also ``act_ring`` and ``h_ring``, which end holding the last
+    round that has rows (the backward in rounds takes that round first, without recomputing
+    it).
     ``stall_minibatch`` (tests only): the comm CTAs never release that minibatch of round 0, so
     its tiles time out; ``stall_l2_cta`` (tests only): that CTA's consumers stop at their first
     L2 task, so its producer's wait for a free pipeline stage times out. ``trace``
@@ -386,7 +389,7 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
         keep_y, stall_minibatch, trace, cluster, stall_l2_cta, w_gate_up_scales, w_down_scales,
-        rows_in_place,
+        rows_in_place, keep_rings,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -394,23 +397,27 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
 
 def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, *,
                       num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
-                      stall_minibatch=-1, trace=False, cluster=1):  # fmt: skip
-    """The data gradients of one forward pass (one round) in one op: staging d_out (none at one
-    rank: read in place), the backward megakernel (d_out rows pulled into the ring; the L2 dgrad
-    with the SwiGLU backward and the router-weight gradient in its epilogue; the L1 dgrad, its
-    rows stored into their sources' slots), the unweighted slot sum (+ ``shared_dx``), the rows'
-    router-weight gradients. Collective.
+                      stall_minibatch=-1, trace=False, cluster=1, round=-1):  # fmt: skip
+    """The data gradients of one forward pass in one op per macrobatch round: staging d_out
+    (none at one rank: read in place), the backward megakernel (d_out rows pulled into the ring;
+    the L2 dgrad with the SwiGLU backward and the router-weight gradient in its epilogue; the L1
+    dgrad, its rows stored into their sources' slots), the unweighted slot sum (+
+    ``shared_dx``), the rows' router-weight gradients. Collective.
 
     plan: the forward's ``moe_mega_plan`` dict; act_ring [ring, I] / h_ring [ring, 2I]: the
-    forward's kept rings. Returns a dict by name (``mega_backward_fields``): d_x [T, H], d_rows
-    [ring, H] and d_h [ring, 2I] (the weight gradients' rows), d_row_w [ring] float32 (0 on
-    padding), and the timeline and ``cluster`` as ``moe_mega_forward``'s.
+    round's activations (the forward's kept rings, or recomputed). ``round``: -1 for a plan of
+    one round; with R > 1 one call per round, R - 1 first and 0 last (the first call stages
+    d_out; round 0's sums the slots and adds ``shared_dx``). Returns a dict by name
+    (``mega_backward_fields``): d_x [T, H] ([0, H] but in the last call), d_rows [ring, H] and
+    d_h [ring, 2I] (the round's weight-gradient rows), d_row_w [ring] float32 (the round's; 0
+    on padding), and the timeline and ``cluster`` as ``moe_mega_forward``'s (a round's call
+    fills its round of ``trace_tasks``).
     """
     given = [plan[name] for name in mega_plan_fields()]
     values = torch.ops.mok.moe_mega_backward(
         d_out, topk, given, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, num_experts,
         row_capacity, minibatch, macrobatch, num_comm_sms, num_sms, stall_minibatch, trace,
-        cluster,
+        cluster, round,
     )  # fmt: skip
     return dict(zip(mega_backward_fields(), values))
 
@@ -451,7 +458,7 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                        num_comm_sms, num_sms, save, keep_y, stall_minibatch,
                        trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
-                       w_down_scales=None, rows_in_place=False):  # fmt: skip
+                       w_down_scales=None, rows_in_place=False, keep_rings=False):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring, one = shape.ring_rows, shape.num_rounds == 1
@@ -461,7 +468,7 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
         x.new_empty(x.shape),
         x.new_empty(0 if w_gate_up_scales is not None or rows_in_place else ring, hidden),
         x.new_empty(0 if w_gate_up_scales is not None and not (save and one) else ring, inter),
-        x.new_empty(ring if save and one else 0, 2 * inter),
+        x.new_empty(ring if (save and one) or keep_rings else 0, 2 * inter),
         x.new_empty(ring if save and one and keep_y else 0, hidden),
         x.new_empty(token_capacity if save and not one else 0, hidden),
     ]  # fmt: skip
@@ -476,11 +483,12 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
 
 def _mega_backward_fake(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm,
                         num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
-                        stall_minibatch, trace=False, cluster=1):  # fmt: skip
+                        stall_minibatch, trace=False, cluster=1, round=-1):  # fmt: skip
     inter, hidden = w_down.shape[2], d_out.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring = shape.ring_rows
-    out = [d_out.new_empty(d_out.shape), d_out.new_empty(ring, hidden),
+    out = [d_out.new_empty(d_out.shape[0] if round <= 0 else 0, hidden),
+           d_out.new_empty(ring, hidden),
            d_out.new_empty(ring, 2 * inter), d_out.new_empty(ring, dtype=torch.float32)]  # fmt: skip
     grid = _mega_grid(d_out, num_sms, cluster) if trace else 0
     i64 = lambda *s: d_out.new_empty(*s, dtype=torch.int64)  # noqa: E731

@@ -20,11 +20,14 @@ def _ws(choice: str):
     return SimpleNamespace(config=MoKConfig(cuda_forward="megakernel", cuda_backward=choice))
 
 
-def _ctx(plan=True, saved=True, h=True, a=True):
+def _ctx(plan=True, saved=True, h=True, a=True, kept=False):
+    """A forward's context: one round (``saved``), or rounds (``saved`` False) that kept the act
+    and h rings (``kept``) or only the received tokens."""
     rows = SimpleNamespace(h=torch.zeros(8, 16, dtype=BF16) if h else None,
                            a=torch.zeros(8, 8, dtype=BF16) if a else None)  # fmt: skip
     return SimpleNamespace(mega_plan={"row_tok": torch.zeros(8)} if plan else None,
-                           saved=rows if saved else None)  # fmt: skip
+                           saved=rows if saved else None,
+                           kept=rows if kept and not saved else None)  # fmt: skip
 
 
 FUSED = FusedExpertWeights(torch.zeros(1, 16, 8, dtype=BF16), torch.zeros(1, 8, 8, dtype=BF16))
@@ -32,8 +35,9 @@ FUSED = FusedExpertWeights(torch.zeros(1, 16, 8, dtype=BF16), torch.zeros(1, 8, 
 #: (context, weights) the backward megakernel cannot take, and the words of the reason.
 CANNOT = {
     "stage1_forward": (_ctx(plan=False), FUSED, "the forward was stage 1's"),
-    "rounds": (_ctx(saved=False), FUSED, "macrobatch rounds"),
+    "rounds_tokens_only": (_ctx(saved=False), FUSED, "macrobatch rounds"),
     "no_rings": (_ctx(h=False), FUSED, "activation rings"),
+    "rounds_no_rings": (_ctx(saved=False, kept=True, h=False), FUSED, "activation rings"),
     "split_weights": (
         _ctx(),
         ExpertWeights(*(torch.zeros(1, 8, 8, dtype=BF16) for _ in range(3))),
@@ -51,6 +55,14 @@ def test_auto_and_megakernel_run_it_where_the_forward_kept_one_round():
     assert mega.backward_unavailable(_ws("auto"), _ctx(), FUSED) is None
     assert mega.runs_backward(_ws("auto"), _ctx(), FUSED)
     assert mega.runs_backward(_ws("megakernel"), _ctx(), FUSED)
+
+
+def test_auto_runs_it_after_rounds_that_kept_their_rings():
+    """A forward of several macrobatch rounds that kept its act and h rings (the megakernel's,
+    bf16, cuda_backward not 'stage1') takes the backward megakernel in rounds."""
+    ctx = _ctx(saved=False, kept=True)
+    assert mega.backward_unavailable(_ws("auto"), ctx, FUSED) is None
+    assert mega.runs_backward(_ws("megakernel"), ctx, FUSED)
 
 
 def test_stage1_never_runs_it():

@@ -95,3 +95,51 @@ def test_forward_keeps_a_bf16_act_ring_where_something_reads_it(fp8, save):
     kept = not fp8 or save
     assert outs["act_ring"].shape == ((shape.ring_rows if kept else 0), inter)
     assert outs["x_ring"].shape[0] == (0 if fp8 else shape.ring_rows)
+
+
+def test_backward_in_rounds_returns_d_x_from_round_0s_call_only():
+    """A backward of several macrobatch rounds calls the op once per round, the last first; the
+    call of round 0 sums the slots into d_x, the others return it [0, H]; each returns its
+    round's rows and its round of the timeline."""
+    hidden, inter, experts, tokens, topk, capacity, macrobatch = 256, 128, 4, 64, 2, 512, 256
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    shape = mops.moe_mega_shape(capacity, experts, hidden, inter, 128, macrobatch)
+    assert shape.num_rounds == 2
+    ring = shape.ring_rows
+    for round_index, d_x_rows in ((1, 0), (0, tokens)):
+        outs = mops.moe_mega_backward(
+            torch.empty(tokens, hidden, **meta),
+            torch.empty(tokens, topk, dtype=torch.int64, device="meta"),
+            {name: torch.empty(1, device="meta") for name in mops.mega_plan_fields()},
+            torch.empty(ring, inter, **meta), torch.empty(ring, 2 * inter, **meta),
+            torch.empty(experts, 2 * inter, hidden, **meta),
+            torch.empty(experts, hidden, inter, **meta), None, [0] * len(mops.comm_fields()),
+            num_experts=experts, row_capacity=capacity, minibatch=128, macrobatch=macrobatch,
+            num_comm_sms=2, num_sms=8, round=round_index,
+        )  # fmt: skip
+        assert outs["d_x"].shape == (d_x_rows, hidden)
+        assert outs["d_rows"].shape == (ring, hidden) and outs["d_row_w"].shape == (ring,)
+
+
+@pytest.mark.parametrize("keep_rings", [False, True])
+def test_forward_in_rounds_keeps_its_rings_only_when_asked(keep_rings):
+    """A forward of several rounds that saves keeps the received tokens; with keep_rings also
+    its act and h rings (the backward megakernel in rounds)."""
+    hidden, inter, experts, tokens, topk, capacity, macrobatch = 256, 128, 4, 64, 2, 512, 256
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    shape = mops.moe_mega_shape(capacity, experts, hidden, inter, 128, macrobatch)
+    assert shape.num_rounds == 2
+    outs, _ = mops.moe_mega_forward(
+        torch.empty(tokens, hidden, **meta),
+        torch.empty(tokens, topk, dtype=torch.int64, device="meta"),
+        torch.empty(tokens, topk, dtype=torch.float32, device="meta"),
+        torch.empty(experts, 2 * inter, hidden, **meta),
+        torch.empty(experts, hidden, inter, **meta), None,
+        {name: torch.empty(1, device="meta") for name in mops.mega_plan_fields()},
+        [0] * len(mops.comm_fields()), num_experts=experts, row_capacity=capacity,
+        token_capacity=tokens, minibatch=128, macrobatch=macrobatch, num_comm_sms=2, num_sms=8,
+        save=True, keep_y=False, keep_rings=keep_rings,
+    )  # fmt: skip
+    assert outs["x_recv"].shape == (tokens, hidden)
+    assert outs["act_ring"].shape == (shape.ring_rows, inter)
+    assert outs["h_ring"].shape == ((shape.ring_rows if keep_rings else 0), 2 * inter)

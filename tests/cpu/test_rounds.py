@@ -74,3 +74,31 @@ def test_round_windows_cover_every_padded_row_once(routing, macrobatch):
         assert ((offs.to(torch.int64) - sizes) % GROUP_ALIGN == 0).all()
         covered += sizes
     assert torch.equal(covered, ends - starts)
+
+
+@pytest.mark.parametrize("routing", ["uniform", "one_expert"])
+@pytest.mark.parametrize("macrobatch,tokens", [(128, 150), (384, 150), (128, 20), (1 << 20, 150)])
+def test_rounds_last_first_name_each_experts_first_visit_and_the_held_round(
+    routing, macrobatch, tokens
+):
+    """The backward megakernel takes the rounds last first (functional/cuda/mega.py,
+    _backward_rounds): visit i is round count - 1 - i, each expert's ``first_round`` is the visit
+    that holds its first rows in that order (its last round), -1 without rows, and ``held`` is
+    the last round with any rows (the one the forward's rings end holding), -1 without rows.
+    With few tokens the last rounds are empty."""
+    torch.manual_seed(macrobatch + tokens)
+    world, t_max, k, e_l, cap = 2, tokens, 4, 6, 640
+    sched, weights = _schedule(world, t_max, k, e_l, cap, rank=0, routing=routing)
+    plan = padded_plan(sched)
+    rounds = make_rounds(macrobatch, sched, plan, weights)
+    visits, held = rounds.last_first(plan)
+    assert visits.count == rounds.count and visits.rows == rounds.rows
+    assert visits.row_tok is rounds.row_tok and visits.first_round.dtype == torch.int32
+    with_rows = [r for r in range(rounds.count)
+                 if int(window_offs(plan, rounds.window(r))[-1]) > 0]  # fmt: skip
+    assert int(held) == (max(with_rows) if with_rows else -1)
+    for e in range(e_l):
+        seen = [i for i, r in enumerate(reversed(range(rounds.count)))
+                if int(torch.diff(window_offs(plan, rounds.window(r)),
+                                  prepend=torch.zeros(1, dtype=torch.int32))[e]) > 0]  # fmt: skip
+        assert int(visits.first_round[e]) == (seen[0] if seen else -1), f"expert {e}"

@@ -1,5 +1,5 @@
-"""The backward megakernel (``MoKConfig.cuda_backward``, 'auto' after a one-round megakernel
-forward) on one GPU: that it is the path that runs, against the float64 oracle, the reference
+"""The backward megakernel (``MoKConfig.cuda_backward``, 'auto' after a megakernel forward that
+kept its activation rings: one round, or bf16 experts in macrobatch rounds) on one GPU: that it is the path that runs, against the float64 oracle, the reference
 backend and stage 1's backward on the same forward; bitwise run to run and across the knobs that
 only change the launch; accumulation into caller buffers (Megatron's main_grad); the clear
 errors where it cannot run; a stalled minibatch times out naming the backward's phase.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cuda_backend import (
+    ROUND_CASES,
     ROUTED,
     SHAPES,
     Run,
@@ -129,23 +130,29 @@ def test_knobs_change_the_launch_not_the_result(backward_calls):
         run()
 
 
-def test_passes_across_the_counters_wrap_repeat_bitwise(backward_calls):
+@pytest.mark.parametrize("in_rounds", [False, True], ids=["one_round", "rounds"])
+def test_passes_across_the_counters_wrap_repeat_bitwise(in_rounds, backward_calls):
     """The megakernels' flags hold gen = epoch * R + round and are never reset between passes;
     before a pass whose generations would pass INT32_MAX (signed compares would read every old
     flag as set) the epoch kernel zeroes them and restarts the epoch at 1 (launch/moe_mega.cu).
-    Forward and backward passes on both sides of that point give the first pass's results."""
+    Forward and backward passes on both sides of that point give the first pass's results. In
+    macrobatch rounds each backward launch (one per round) is a pass of its own with the stride
+    R, so there the wrap falls between the forward and the backward's first launch."""
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=13)
-    run = Run(problem, "cuda", config=MEGA, form="fused_auto")
+    run = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS) if in_rounds else MEGA,
+              form="fused_auto")  # fmt: skip
     _, want = run()
     rounds = run.ws.buffers.mega.num_rounds
+    assert (rounds > 1) == in_rounds
     counters = run.ws.buffers.region("counters", torch.int32)
-    epoch = (2**31 - 1) // rounds - 2  # the next pass is the last before the wrap
+    epoch = (2**31 - 1) // rounds - 2  # the next bump is the last before the wrap
     counters[0] = epoch  # layout/mega.cuh's kEpoch
     for _ in range(3):
         _, got = run()
         assert not _bitwise_equal(want, got)
-    assert 1 <= int(counters[0]) <= 6, int(counters[0])  # wrapped (two bumps per run)
-    assert len(backward_calls) == 4
+    bumps = 1 + rounds  # per run: the forward's, and each backward launch's
+    assert 1 <= int(counters[0]) <= 3 * bumps, int(counters[0])  # wrapped
+    assert len(backward_calls) == 4 * rounds
 
 
 def test_wgrad_accumulation_into_caller_buffers(backward_calls):
@@ -172,20 +179,99 @@ def test_wgrad_accumulation_into_caller_buffers(backward_calls):
     assert not failures, failures
 
 
-def test_rounds_take_stage1_or_fail_clearly(backward_calls):
-    """More routed rows than macrobatch_size: the forward keeps tokens, not one round's
-    activations; 'auto' runs stage 1's backward, 'megakernel' says why it cannot."""
-    problem = _problem([300], (128, 64, 8, 4, 0), seed=4)
-    rounds = dict(cuda_forward="megakernel", fwd_num_comm_sms=8, minibatch_size=128,
-                  macrobatch_size=256)  # fmt: skip
-    run = Run(problem, "cuda", config=F.MoKConfig(**rounds), form="fused_auto")
+ROUNDS = dict(cuda_forward="megakernel", fwd_num_comm_sms=8, bwd_num_comm_sms=8,
+              minibatch_size=128, macrobatch_size=256)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ROUND_CASES))
+def test_rounds_run_one_launch_each_against_oracle_reference_and_stage1(case, backward_calls):
+    """More routed rows than macrobatch_size: the forward keeps the received tokens and its act
+    and h rings; the backward launches the backward megakernel once per round, the last round
+    first (on the kept rings, the earlier ones recomputed into them). Against the float64
+    oracle, the reference backend and stage 1's backward of the same forward; bitwise run to
+    run."""
+    tokens, shape, kwargs = ROUND_CASES[case]
+    problem = _problem(tokens, shape, seed=23, **kwargs)
+    config = F.MoKConfig(**ROUNDS)
+    run = Run(problem, "cuda", config=config, form="fused_auto")
     _, got = run()
+    assert run.rounds > 1 and len(backward_calls) == run.rounds, (run.rounds, backward_calls)
+    failures = _check_accuracy(problem, got)
+    failures += _check_against_reference(problem, got, config, form="fused")
+    stage1 = F.MoKConfig(cuda_backward="stage1", **ROUNDS)
+    _, want = Run(problem, "cuda", config=stage1, form="fused_auto")()
+    assert len(backward_calls) == run.rounds, "cuda_backward='stage1' ran the backward megakernel"
+    assert torch.equal(got["out"], want["out"]), "the forward changed with the backward"
+    failures += _close(got, {n: want[n] for n in ("d_x", "d_router_weights", *ROUTED)}, 5e-3)
+    for i in range(2):
+        _, again = run()
+        failures += [f"repeat {i + 1} differs in {n}" for n in _bitwise_equal(got, again)]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("form", ["fused", "fused_torch"])
+def test_rounds_recompute_on_the_engine_or_on_torch(form, backward_calls):
+    """The rounds' recompute follows expert_gemm: the engine's L1 (it writes only the groups'
+    rows) or torch._grouped_mm (the groups' rows selected into the rings)."""
+    problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=17)
+    run = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS), form=form)
+    _, got = run()
+    assert run.rounds > 1 and len(backward_calls) == run.rounds
+    failures = _check_accuracy(problem, got)
+    assert not failures, failures
+
+
+def test_rounds_after_the_last_with_rows_are_empty(backward_calls):
+    """A workspace made for 8x the tokens: the rows fill the first rounds and the later ones are
+    empty, so the forward's rings end holding a round before the last (found on the device)."""
+    problem = _problem([150], (128, 64, 8, 4, 0), seed=5)
+    config = F.MoKConfig(**ROUNDS)
+    run = Run(problem, "cuda", config=config, form="fused_auto", num_local_tokens=1200)
+    _, got = run()
+    assert run.rounds >= 8 and len(backward_calls) == run.rounds
+    failures = _check_accuracy(problem, got)
+    _, again = run()
+    failures += [f"repeat differs in {n}" for n in _bitwise_equal(got, again)]
+    assert not failures, failures
+
+
+def test_rounds_wgrad_accumulation_into_caller_buffers(backward_calls):
+    """Megatron's main_grad in rounds: each round's weight gradients add into the caller's
+    float32 buffers (last round first), every other output as the plain pass's; from zeros the
+    buffers hold the gradients (against the oracle), and from the same old values the same bits
+    run to run."""
+    problem = _problem([300], SHAPES["deepseek-v3"], seed=11)
+    run = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS), form="fused")
+    _, plain = run()
+    assert run.rounds > 1
+    zeros = run.make_accumulators("zeros")
+    _, got = run(accumulators=zeros)
+    failures = [f"{n}: returned with accumulators" for n in ROUTED if got[n] is not None]
+    failures += [f"{n}: differs from the plain pass" for n in ("out", "d_x", "d_router_weights")
+                 if not torch.equal(got[n], plain[n])]  # fmt: skip
+    failures += _check_accuracy(problem, {**plain, **run.split_accumulators(zeros)})
+    old = run.make_accumulators("random", seed=3)
+    first, second = _clone(old), _clone(old)
+    run(accumulators=first)
+    run(accumulators=second)
+    failures += [f"accumulator {i}: differs run to run" for i, (a, b) in
+                 enumerate(zip(first, second)) if a is not None and not torch.equal(a, b)]  # fmt: skip
+    failures += [f"accumulator {i}: {relative_error(a - o, z):.2e} from the sum into zeros"
+                 for i, (a, o, z) in enumerate(zip(first, old, zeros))
+                 if a is not None and not relative_error(a - o, z) < 1e-3]  # fmt: skip
+    assert len(backward_calls) == 4 * run.rounds
+    assert not failures, failures
+
+
+def test_fp8_rounds_take_stage1(backward_calls):
+    """FP8 experts' forward in rounds keeps only the received tokens (no bf16 rings): 'auto'
+    runs stage 1's backward (cuda_backward='megakernel' with FP8 experts is refused by
+    MoKConfig itself: tests/cpu)."""
+    problem = _problem([300], (128, 128, 8, 4, 0), seed=4)
+    run = Run(problem, "cuda", config=F.MoKConfig(expert_precision="fp8_blockwise", **ROUNDS),
+              form="fused_auto")  # fmt: skip
+    run()
     assert run.rounds > 1 and not backward_calls
-    assert not _check_accuracy(problem, got)
-    strict = Run(problem, "cuda", config=F.MoKConfig(cuda_backward="megakernel", **rounds),
-                 form="fused_auto")  # fmt: skip
-    with pytest.raises(ValueError, match="cuda_backward='megakernel' cannot run: .*rounds"):
-        strict()
 
 
 def test_after_a_stage1_forward_megakernel_backward_fails_clearly():

@@ -42,7 +42,9 @@ class CudaBuffers:
     stall_l2_cta: int = -1  # fault injection (tests): a CTA whose consumers stop at an L2 task
     # diagnostics (scripts/megakernel_trace.py): record each megakernel pass's timeline into
     # last_trace = (trace_ctas, trace_tasks), ops.moe.moe_mega_forward's trace outputs, and the
-    # backward megakernel's into last_backward_trace (ops.moe.moe_mega_backward's)
+    # backward megakernel's into last_backward_trace (ops.moe.moe_mega_backward's; a backward in
+    # macrobatch rounds, one launch per round: each launch's CTAs and tasks stacked by round,
+    # [R, CTAs, words] and [R, tasks, words])
     trace: bool = False
     last_trace: Any = None
     last_backward_trace: Any = None

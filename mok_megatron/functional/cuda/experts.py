@@ -146,6 +146,20 @@ class Experts:
         y = self.mm_nt(a, w.down, offs) if with_down else None
         return ExpertRows(x_rows, a, y, g, u, h)
 
+    def l1_into(self, x_rows, offs, act: torch.Tensor, h: torch.Tensor) -> None:
+        """The fused form's L1 + SwiGLU of ``x_rows`` into the caller's ``act`` [M, I] and ``h``
+        [M, 2I]: the groups' rows (before ``offs[-1]``) are written, the others keep what they held
+        (the backward megakernel's rings in rounds, ``mega._backward_rounds``). On the engine
+        (step "l1") the GEMM writes only those rows; on torch._grouped_mm they are selected."""
+        w = self.routed.gate_up
+        if "l1" in self.engine:
+            gg.grouped_gemm_l1_swiglu_into(x_rows, w, offs, act, h)
+            return
+        new_h = grouped_mm(x_rows, w.transpose(1, 2), offs)  # rows past offs[-1]: undefined
+        rows = (torch.arange(h.shape[0], device=h.device) < offs[-1]).unsqueeze(1)
+        act.copy_(torch.where(rows, mops.moe_swiglu_interleaved(new_h), act))
+        h.copy_(torch.where(rows, new_h, h))
+
     def pre_grads_from_dy(self, dy, act: ExpertRows, offs) -> tuple[torch.Tensor, ...]:
         """dy = w * d_rows [M, H] → the pre-activation gradients (d_g, d_u) or (d_h,)."""
         if "dswiglu" in self.engine and not self.fp8_dgrad:  # the L2 dgrad + SwiGLU backward

@@ -10,13 +10,20 @@ slot_rows), and the source-side slot-ordered sum (+ the shared expert's output, 
 reading one before the forward builds them (gather, schedule, plan) and the forward then reuses
 them. The forward's context is stage 1's ``CudaContext`` with the plan added.
 
-The backward (``backward_steps``, where ``runs_backward``: MoKConfig.cuda_backward, and a forward
-of one round): ``ops.moe.moe_mega_backward`` runs the data gradients from one C++ entry (staging
-d_out; the backward megakernel: comm CTAs pull d_out rows into the ring, compute CTAs run L2-dgrad
-tiles with the SwiGLU backward and the router-weight gradient's partial sums in their epilogue,
-then L1-dgrad tiles whose rows go straight into their sources' slots; the unweighted slot sum
-with the shared expert's d_x; the rows' router-weight gradients), then the weight gradients run
-as stage 1's grouped GEMMs from the rows it returns, in stage 1's two autograd steps.
+The backward (``backward_steps``, where ``runs_backward``: MoKConfig.cuda_backward):
+``ops.moe.moe_mega_backward`` runs the data gradients from one C++ entry (staging d_out; the
+backward megakernel: comm CTAs pull d_out rows into the ring, compute CTAs run L2-dgrad tiles with
+the SwiGLU backward and the router-weight gradient's partial sums in their epilogue, then L1-dgrad
+tiles whose rows go straight into their sources' slots; the unweighted slot sum with the shared
+expert's d_x; the rows' router-weight gradients), then the weight gradients run as stage 1's
+grouped GEMMs from the rows it returns, in stage 1's two autograd steps.
+
+A forward of several macrobatch rounds keeps the received tokens and its act and h rings, which
+end holding the last round with rows. Its backward (``_backward_rounds``) takes the rounds last
+first, one backward megakernel launch each: the kept round as it is, every earlier one recomputed
+into the rings by the engine's L1 GEMM from the received tokens (MEGAKERNEL.md's
+reversed-macrobatch order: the rows the forward ended with need no recompute); the weight
+gradients add up in that order, and the last call (round 0) sums the slots every call filled.
 """
 
 from __future__ import annotations
@@ -166,7 +173,10 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
     # y: only for stage 1's backward where it reads y (FP8's always: backward_unavailable); the
     # backward megakernel never does. NOTE: Experts checks FP8 weights (check_fp8_experts).
     keep_y = Experts(routed, c.expert_gemm, x.device, precision=c.expert_precision).backward_reads_y
-    keep_y = keep_y and (fp8 or c.cuda_backward == "stage1" or ws.buffers.mega.num_rounds > 1)
+    rounds = ws.buffers.mega.num_rounds > 1
+    keep_y = keep_y and (fp8 or c.cuda_backward == "stage1" or rounds)
+    # in rounds, the act and h rings for the backward megakernel (not read by stage 1's)
+    keep_rings = save and rounds and not fp8 and c.cuda_backward != "stage1"
     w_gate_up, w_down, scales = routed.gate_up, routed.down, {}
     if fp8:  # the FP8 megakernel, on the weights' FP8 copies
         from ..fp8_weights import fp8_weight
@@ -183,7 +193,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         num_sms=ws.buffers.num_sms, save=save, keep_y=keep_y,
         stall_minibatch=ws.buffers.stall_minibatch, stall_l2_cta=ws.buffers.stall_l2_cta,
         trace=ws.buffers.trace, cluster=c.megakernel_cluster,
-        rows_in_place=rows_in_place(ws, save),
+        rows_in_place=rows_in_place(ws, save), keep_rings=keep_rings,
         **scales,
     )  # fmt: skip
     if ws.buffers.trace:
@@ -200,30 +210,35 @@ def _context(ws, sched, plan, outs, save, shared_gu, shared_a) -> stage1.CudaCon
                      plan["offs"], plan["expert_rows"], plan["prow"])  # fmt: skip
     rounds = Rounds(shape.num_rounds, shape.ring_rows, plan["row_tok"], plan["w_rows"],
                     plan["first_round"])  # fmt: skip
-    saved = x_recv = None
+    saved = x_recv = kept = None
     if save and shape.num_rounds == 1:
         y = outs["y_rows"] if outs["y_rows"].shape[0] else None  # not kept: [0, H]
         # not x_ring: the backward gathers x's rows again (_routed_rows), for the peak memory
         saved = ExpertRows(None, outs["act_ring"], y, h=outs["h_ring"])
     elif save:
         x_recv = outs["x_recv"]
-    return stage1.CudaContext(cplan, rounds, saved, x_recv, shared_gu, shared_a, mega_plan=plan)
+        if outs["h_ring"].shape[0]:  # keep_rings
+            kept = ExpertRows(None, outs["act_ring"], None, h=outs["h_ring"])
+    return stage1.CudaContext(cplan, rounds, saved, x_recv, shared_gu, shared_a, mega_plan=plan,
+                              kept=kept)  # fmt: skip
 
 
 def backward_unavailable(ws, ctx: stage1.CudaContext, routed) -> str | None:
     """Why the backward megakernel cannot take this context (None when it can)."""
     if ctx.mega_plan is None:
         return "the forward was stage 1's (the backward megakernel reads the megakernel's plan)"
-    if ctx.saved is None:
-        return ("the forward ran in macrobatch rounds (more routed rows than macrobatch_size) "
-                "and kept the received tokens, not one round's activations")  # fmt: skip
-    if ctx.saved.h is None or ctx.saved.a is None:
-        return "the forward did not keep its activation rings"
-    if not can_run(routed) or routed.gate_up.dtype != torch.bfloat16:
-        return "the backward megakernel takes the bf16 fused gate/up weights of MoKExperts"
     if ws.config.expert_precision == "fp8_blockwise":
         return ("FP8 experts: their backward is stage 1's (the router-weight gradient reads the "
                 "FP8 forward's y, the backward megakernel recomputes it from act in BF16)")  # fmt: skip
+    act = ctx.saved if ctx.saved is not None else ctx.kept
+    if act is None:
+        return ("the forward ran in macrobatch rounds (more routed rows than macrobatch_size) "
+                "and kept the received tokens only: its act and h rings are kept for the backward "
+                "megakernel where the forward is bf16 and cuda_backward is not 'stage1'")  # fmt: skip
+    if act.h is None or act.a is None:
+        return "the forward did not keep its activation rings"
+    if not can_run(routed) or routed.gate_up.dtype != torch.bfloat16:
+        return "the backward megakernel takes the bf16 fused gate/up weights of MoKExperts"
     return None
 
 
@@ -258,7 +273,11 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
     """``stage1.backward_steps``' two steps with the data gradients from the backward
     megakernel: step 1 runs it (and the shared expert's backward, whose d_x its slot sum adds)
     and the down weight's gradient from its d_rows; step 2 the gate/up weight gradient from its
-    d_h and x dispatched again (as stage 1)."""
+    d_h and x dispatched again (as stage 1). Several macrobatch rounds: ``_backward_rounds``."""
+    if ctx.saved is None:
+        yield from _backward_rounds(ws, sched, ctx, d_out, x, router_weights, shared, routed,
+                                    wgrad_acc, consume)  # fmt: skip
+        return
     comm, plan, rounds, c = ws.buffers.comm, ctx.plan, ctx.rounds, ws.config
     act = replace(ctx.saved)  # our own references, dropped after each one's last use
     if consume:
@@ -305,5 +324,78 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
     yield MoKGradients(
         d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
         d_w_routed_gate=d_w[0], d_w_routed_up=d_w[1], d_w_routed_down=None,
+        d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1], d_w_shared_down=d_shared[2],
+    )  # fmt: skip
+
+
+def _backward_rounds(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, router_weights,
+                     shared, routed, wgrad_acc, consume: bool):  # fmt: skip
+    """The backward of a forward in R > 1 macrobatch rounds, one backward megakernel launch per
+    round, the last round first (as ``backward_steps``' two steps; the first does all the work,
+    as in stage 1's rounds).
+
+    The forward's act and h rings (``ctx.kept``) end holding the last round with rows, so that
+    round runs on them as they are; before each earlier round its act and h are recomputed into
+    them from the received tokens (``Experts.l1_into``). Which round the rings hold is known on
+    the device only, so every round's recompute is enqueued, the held one's with its group ends
+    zeroed (no rows: nothing is written). The weight gradients add up round after round in that
+    order (``Rounds.last_first``); the last call, round 0's, sums the slots every call filled
+    into d_x. ``consume`` False (the context may serve another backward): the recompute goes
+    into copies of the rings, and the context keeps them as the forward left them."""
+    comm, plan, rounds, c = ws.buffers.comm, ctx.plan, ctx.rounds, ws.config
+    rings = ctx.kept
+    if consume:
+        ctx.kept = None
+    else:
+        rings = ExpertRows(None, rings.a.clone(), None, h=rings.h.clone())
+    experts = Experts(routed, c.expert_gemm, x.device, accumulate=wgrad_acc is not None)
+    acc_w = stage1._accumulator_slots(wgrad_acc)
+    d_shared, shared_dx = (None, None, None), None
+    if shared is not None:
+        d_shared, shared_dx = stage1._shared_backward(d_out, x, ctx, shared)
+    visits, held = rounds.last_first(plan)
+    d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
+    d_w = [None, None, None]  # gate_up (the fused form's slot 0), -, down
+    d_out, d_x, traces = d_out.contiguous(), None, []
+    for visit, r in enumerate(reversed(range(rounds.count))):
+        window = rounds.window(r)
+        offs = window_offs(plan, window)
+        row_tok, w_rows = rounds.row_tok[window], rounds.w_rows[window]
+        x_rows = mops.moe_gather_rows(ctx.x_recv, row_tok)
+        recompute = torch.where(held == r, torch.zeros_like(offs), offs)  # the held round: none
+        experts.l1_into(x_rows, recompute, rings.a, rings.h)
+        outs = mops.moe_mega_backward(
+            d_out, sched.inputs[0], ctx.mega_plan, rings.a, rings.h, routed.gate_up, routed.down,
+            shared_dx, comm, num_experts=ws.num_experts, row_capacity=ws.row_capacity,
+            minibatch=c.minibatch_size, macrobatch=c.macrobatch_size,
+            num_comm_sms=c.bwd_num_comm_sms, num_sms=ws.buffers.num_sms,
+            stall_minibatch=ws.buffers.stall_minibatch, trace=ws.buffers.trace,
+            cluster=c.megakernel_cluster, round=r,
+        )  # fmt: skip
+        if ws.buffers.trace:  # each round's launch: its CTAs, and its round of the tasks
+            traces.insert(0, (outs["trace_ctas"], outs["trace_tasks"][r]))
+        d_row_w[window] = outs["d_row_w"]
+        parts = ((outs["d_h"], x_rows),
+                 (outs["d_rows"], cuda_experts.weighted_rows(rings.a, w_rows, row_tok)))  # fmt: skip
+        for slot, (rows_t, rows) in zip(experts.grad_slots, parts):
+            if acc_w is None:
+                d_w[slot] = cuda_experts.accumulate(d_w[slot], experts.mm_tn(rows_t, rows, offs),
+                                                    offs, visits, visit)  # fmt: skip
+            else:  # into the caller's buffer, in the same order
+                experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[slot])
+        del parts, x_rows
+        if r == 0:
+            d_x = outs["d_x"]
+        del outs
+    del rings, shared_dx
+    if traces:  # per round, in round order: ([R, CTAs, words], [R, tasks, words])
+        ws.buffers.last_backward_trace = tuple(torch.stack(t) for t in zip(*traces))
+    d_rw = mops.moe_combine_slots(
+        d_row_w, plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens, comm
+    )
+    yield d_w.pop()  # the down gradient, out of this frame once autograd has it
+    yield MoKGradients(
+        d_x=d_x, d_router_weights=d_rw.to(router_weights.dtype),
+        d_w_routed_gate=d_w[0], d_w_routed_up=None, d_w_routed_down=None,
         d_w_shared_gate=d_shared[0], d_w_shared_up=d_shared[1], d_w_shared_down=d_shared[2],
     )  # fmt: skip

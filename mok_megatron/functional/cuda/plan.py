@@ -7,7 +7,7 @@ checks it against these functions, which stay the plain statement of the layout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,6 +52,17 @@ class Rounds:
 
     def window(self, r: int) -> slice:
         return slice(r * self.rows, (r + 1) * self.rows)
+
+    def last_first(self, plan: CudaPlan) -> tuple[Rounds, torch.Tensor]:
+        """These rounds as the backward megakernel takes them, the last first: (the rounds with
+        ``first_round`` in that order, each expert's visit, 0 to count - 1, that holds its first
+        rows, -1 for an expert with none; the round that holds the last padded row with rows,
+        a 0-dim device tensor, -1 without rows). Visit ``i`` is round ``count - 1 - i``."""
+        ends = plan.offs.to(torch.int64)
+        last = torch.div(ends - 1, self.rows, rounding_mode="floor")  # each expert's last round
+        visit = torch.where(plan.expert_rows > 0, self.count - 1 - last, -1).to(torch.int32)
+        held = torch.div(ends[-1] - 1, self.rows, rounding_mode="floor")  # -1 without rows
+        return replace(self, first_round=visit), held
 
 
 def padded_plan(sched: MoKSchedule) -> CudaPlan:

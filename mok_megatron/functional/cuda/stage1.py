@@ -56,8 +56,10 @@ class CudaContext:
 
     One round: ``saved`` holds its activations but x_rows (None: the backward dispatches x again
     and gathers them). More rounds: ``saved`` is None, ``x_recv`` [C_tok, H] holds the
-    received tokens and the backward recomputes each round. shared_gu / shared_a: [T, 2I_s] /
-    [T, I_s] or None.
+    received tokens and the backward recomputes each round; after the megakernel's forward,
+    ``kept`` holds its act and h rings (None elsewhere), which end holding the last round that
+    has rows: the backward megakernel takes the rounds last first and recomputes all but that
+    one (``mega.backward_steps``). shared_gu / shared_a: [T, 2I_s] / [T, I_s] or None.
     """
 
     plan: CudaPlan
@@ -67,6 +69,7 @@ class CudaContext:
     shared_gu: torch.Tensor | None
     shared_a: torch.Tensor | None
     mega_plan: dict | None = None  # the megakernel forward's plan (``moe_mega_plan``'s), or None
+    kept: ExpertRows | None = None  # more rounds, the megakernel's forward: its act and h rings
 
 
 def slot_weights_of(ws, sched, router_weights: torch.Tensor) -> torch.Tensor:

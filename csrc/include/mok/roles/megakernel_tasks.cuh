@@ -43,7 +43,10 @@ struct MegaParams {
   int slots_per_rank;          // T_max * K
   int ring_rows;
   int minibatch_rows;
-  int num_rounds;
+  int num_rounds;              // rounds this launch runs: the pass's R, or 1 (a backward round)
+  int round_stride;            // the pass's R: a round's generation stride (generation())
+  int round_base;              // the plan round this launch's round 0 is (the plan pointers
+                               // below start there; the error record names plan rounds)
   int max_tiles;
   int l1_n;                    // B rows of the first GEMM: 2I (forward), I (backward)
   int l2_k;                    // K of the second: I (forward), 2I (backward)
@@ -98,11 +101,13 @@ struct MegaParams {
   int max_tasks;
 
   // Round r of this pass works with gen = epoch * R + r, which no earlier round or pass reached.
+  // A backward in rounds launches once per round, each launch a pass of its own (an epoch),
+  // with the same stride R: its one round's gen = epoch * R is above every earlier launch's.
   // NOTE: an earlier kernel advanced the epoch and nothing writes it during the launch, so every
   // read gives the value it had at the start; it is re-read per round rather than kept live
   // (the producer warp's 40 registers have no room for it across the task loop).
   MOK_DEVICE int32_t generation(int round) const {
-    return counters[layout::kEpoch] * num_rounds + round;
+    return counters[layout::kEpoch] * round_stride + round;
   }
   MOK_DEVICE const MegaTile& tile(int round, int index) const {
     return tiles[round * max_tiles + index];
@@ -239,7 +244,7 @@ MOK_DEVICE void report_mega_timeout(const MegaParams& p, const MegaWaitSite& sit
     if (err[layout::kMegaErrTimedOut] == 0) {
       err[layout::kMegaErrRank] = p.rank;
       err[layout::kMegaErrPhase] = static_cast<int>(site.phase);
-      err[layout::kMegaErrRound] = site.round;
+      err[layout::kMegaErrRound] = p.round_base + site.round;
       err[layout::kMegaErrIndex] = index;
       err[layout::kMegaErrCounter] = word;
       err[layout::kMegaErrSeen] = seen;
