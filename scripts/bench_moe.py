@@ -105,6 +105,16 @@ def parse_args(argv=None):
         "process, forward and forward + backward",
     )
     p.add_argument(
+        "--mok-macrobatch",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="also time MoK with MoKConfig.macrobatch_size=ROWS (a rank's routed rows past ROWS "
+        "run in macrobatch rounds), as 'mok_rounds', and its forward + backward with stage 1's "
+        "backward after the same forward, as 'mok_rounds_stage1_bwd', in the same process "
+        "(rounds_bwd_speedup > 1: the backward megakernel in rounds is ahead)",
+    )
+    p.add_argument(
         "--mok-wgrad-pingpong",
         action="store_true",
         help="also time MoK's forward + backward with the weight gradients on the expert GEMM "
@@ -499,6 +509,13 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_cluster2", layer, {"megakernel_cluster": 2}))
         if args.mok_wgrad_pingpong and backward:
             contenders.append(("mok_wgrad_pingpong", layer, WGRAD_PINGPONG_KNOBS))
+        if args.mok_macrobatch:
+            rounds = {"macrobatch_size": args.mok_macrobatch}
+            contenders.append(("mok_rounds", layer, rounds))
+            if backward:
+                contenders.append(
+                    ("mok_rounds_stage1_bwd", layer, {**rounds, "cuda_backward": "stage1"})
+                )
         if args.mok_fp8:
             contenders.append(("mok_fp8", layer, MOK_FP8_KNOBS))
             if backward:  # the forward is mok_fp8's
@@ -563,6 +580,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result["cluster2_speedup"] = _ratio(result, "mok", "mok_cluster2")
         if "mok_wgrad_pingpong" in result:  # > 1: the pingpong weight gradients beat the default
             result["wgrad_pingpong_speedup"] = _ratio(result, "mok", "mok_wgrad_pingpong")
+        if "mok_rounds_stage1_bwd" in result:  # > 1: the backward megakernel in rounds wins
+            result["rounds_bwd_speedup"] = _ratio(result, "mok_rounds_stage1_bwd", "mok_rounds")
         if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
             result["stage1_bwd_speedup"] = _ratio(result, "mok_stage1_bwd", "mok")
         # > 1: MoK's default expert GEMMs beat this setting
@@ -703,6 +722,10 @@ def _report(case, name, tokens, routing) -> None:
     )
     if "wgrad_pingpong_speedup" in fb:
         engine += f", pingpong weight gradients: fwd+bwd {fb['wgrad_pingpong_speedup']:.2f}x"
+    if "rounds_bwd_speedup" in fb:
+        engine += (
+            f", in rounds the backward megakernel vs stage 1's: {fb['rounds_bwd_speedup']:.2f}x"
+        )
     stage1 = ""
     if "stage1_speedup" in case["fwd"]:
         stage1 = (f", vs stage 1: fwd {case['fwd']['stage1_speedup']:.2f}x fwd+bwd "

@@ -104,6 +104,23 @@ def test_bench_wgrad_pingpong_contender_times_the_backward_only(tmp_path):
     )
 
 
+def test_bench_rounds_contenders_and_their_backward_ratio(tmp_path):
+    """--mok-macrobatch ROWS: MoK with macrobatch_size=ROWS in both passes, and in the forward +
+    backward with stage 1's backward too, with the ratio of the two backwards."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, *BENCH, "--mok-macrobatch", "256", "--routing", "uniform",
+                    "--out", str(out)], check=True, env=_env(), cwd=ROOT, timeout=600)  # fmt: skip
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["fwd"]["mok_rounds"]["median_ms"] > 0
+    assert "mok_rounds_stage1_bwd" not in case["fwd"]
+    r = case["fwd_bwd"]
+    assert r["mok_rounds"]["median_ms"] > 0 and r["mok_rounds_stage1_bwd"]["median_ms"] > 0
+    assert r["rounds_bwd_speedup"] == pytest.approx(
+        r["mok_rounds_stage1_bwd"]["median_ms_all_ranks_max"]
+        / r["mok_rounds"]["median_ms_all_ranks_max"]
+    )
+
+
 def test_mok_knobs_set_and_restore_the_wgrad_tuning():
     from mok_megatron.functional import MoKConfig
     from mok_megatron.functional.cuda import experts
