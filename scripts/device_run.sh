@@ -14,6 +14,10 @@
 #               --mok-wgrad-pingpong, into main_grad and in .grad mode (there beside the same
 #               engine steps in the default schedule); deepseek-v3 only where the GPU has the
 #               memory for its fp32 main_grad (WGRAD_SHAPES overrides the layer's shapes)
+#   rounds      the layer in macrobatch rounds at EP 1 (not in the default steps): bench_moe.py
+#               --mok-macrobatch, the backward megakernel in rounds against stage 1's backward
+#               after the same forward, 8192 tokens, about four rounds per shape (ROUNDS: the
+#               shape:macrobatch_size pairs)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
 # BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
 # BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
@@ -76,6 +80,15 @@ if step wgrad; then
       echo "[device_run] layer $shape $mode exit $?"
       grep -E "speedup|Error" "$OUT/bench_wgrad_${mode}_$shape.log" | tail -3
     done
+  done
+fi
+if step rounds; then
+  for pair in ${ROUNDS:-qwen3-30b-a3b:16384 deepseek-v3:16384 mixtral-8x7b:4096}; do
+    shape=${pair%%:*}
+    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --shapes "$shape" --tokens 8192 \
+      --routing uniform --mok-cuda-forward megakernel --mok-macrobatch "${pair##*:}" \
+      --out "$OUT/bench_rounds_$shape.json" > "$OUT/bench_rounds_$shape.log" 2>&1
+    echo "[device_run] rounds $shape exit $?"; grep -E "speedup|Error" "$OUT/bench_rounds_$shape.log" | tail -3
   done
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
