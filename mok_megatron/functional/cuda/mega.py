@@ -21,7 +21,7 @@ grouped GEMMs from the rows it returns, in stage 1's two autograd steps.
 A forward of several macrobatch rounds keeps the received tokens and its act and h rings, which
 end holding the last round with rows. Its backward (``_backward_rounds``) takes the rounds last
 first, one backward megakernel launch each: the kept round as it is, every earlier one recomputed
-into the rings by the engine's L1 GEMM from the received tokens (MEGAKERNEL.md's
+into the rings by the L1 GEMM (``Experts.l1_into``) from the received tokens (MEGAKERNEL.md's
 reversed-macrobatch order: the rows the forward ended with need no recompute); the weight
 gradients add up in that order, and the last call (round 0) sums the slots every call filled.
 """
