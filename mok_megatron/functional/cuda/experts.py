@@ -39,7 +39,8 @@ AUTO_ACCUMULATE_STEPS = ("wgrad",)
 #: weighs about as much as its mainloop, and the cooperative schedule runs the two one after the
 #: other (scripts/wgrad_traffic.py's serial model); pingpong overlaps one warpgroup's epilogue
 #: with the other's mainloop. ``bench_moe.py --mok-wgrad-pingpong`` times the layer with it in
-#: the same process as this default.
+#: the same process as this default: on one H200 at 81286a8 pingpong was 0.97-1.00x of it
+#: (docs/results/bench_moe_h200_ep1_wgrad_*_81286a8.json), so cooperative stays.
 WGRAD_TUNING = gg.GemmTuning()
 
 

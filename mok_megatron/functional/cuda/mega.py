@@ -377,12 +377,9 @@ def _backward_rounds(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, 
         d_row_w[window] = outs["d_row_w"]
         parts = ((outs["d_h"], x_rows),
                  (outs["d_rows"], cuda_experts.weighted_rows(rings.a, w_rows, row_tok)))  # fmt: skip
-        for slot, (rows_t, rows) in zip(experts.grad_slots, parts):
-            if acc_w is None:
-                d_w[slot] = cuda_experts.accumulate(d_w[slot], experts.mm_tn(rows_t, rows, offs),
-                                                    offs, visits, visit)  # fmt: skip
-            else:  # into the caller's buffer, in the same order
-                experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[slot])
+        for slot, (rows_t, rows) in zip(experts.grad_slots, parts):  # (or into acc_w, in order)
+            d_w[slot] = stage1._weight_grad(experts, rows_t, rows, offs, visits, acc_w, slot,
+                                            d_w[slot], visit)  # fmt: skip
         del parts, x_rows
         if r == 0:
             d_x = outs["d_x"]

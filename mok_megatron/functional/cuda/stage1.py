@@ -300,11 +300,12 @@ def _pre_grads(experts, dy, da, act: ExpertRows, offs):
     return experts.pre_grads_from_da(da, act)
 
 
-def _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, slot):
-    """One routed weight's gradient over one round's rows (rounds' first), or None when it went
-    into the caller's buffer ``acc_w[slot]``."""
+def _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, slot, total=None, r=0):
+    """One routed weight's gradient over round ``r``'s rows added to ``total`` (the rounds so
+    far, None before the first; ``rounds.first_round`` orders them), or None when it went into
+    the caller's buffer ``acc_w[slot]``."""
     if acc_w is None:
-        return accumulate(None, experts.mm_tn(rows_t, rows, offs), offs, rounds, 0)
+        return accumulate(total, experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
     experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[slot])
     return None
 
@@ -346,11 +347,8 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
         # weight gradients one at a time (each part is weight-sized)
         parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
-        for i, (rows_t, rows) in zip(experts.grad_slots, parts):
-            if acc_w is None:
-                d_w[i] = accumulate(d_w[i], experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
-            else:  # into the caller's buffer, in round order
-                experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[i])
+        for i, (rows_t, rows) in zip(experts.grad_slots, parts):  # (or into acc_w, in order)
+            d_w[i] = _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, i, d_w[i], r)
         d_x = mops.moe_combine(
             dx[0], plan.token_rows, sched.recv_token_src, None, sched.send_to, shared_dx,
             sched.num_tokens, comm, acc, window.start, r == 0, r == rounds.count - 1,
