@@ -188,6 +188,8 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
         for impl, fn in impls.items():
             if mok_only and not impl.startswith("mok"):
                 continue
+            if args.impls and impl not in args.impls:
+                continue
             if tuning and tuning.schedule == "pingpong" and op in PINGPONG_LESS:
                 continue  # the op would refuse it
             if tuning and impl == "mok_pingpong":
@@ -214,6 +216,7 @@ def main() -> None:
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--scales", nargs="*", type=float, default=[1.0, 0.25])
     p.add_argument("--ops", nargs="*", default=None)
+    p.add_argument("--impls", nargs="*", default=None, help="only these impls (default: all)")
     p.add_argument(
         "--ep",
         type=int,
