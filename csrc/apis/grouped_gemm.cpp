@@ -217,10 +217,13 @@ void grouped_gemm_tn_accumulate_out(const at::Tensor& a, const at::Tensor& b,
                                     std::string_view schedule, std::string_view raster,
                                     int64_t swizzle) {
   constexpr const char* kOp = "mok::grouped_gemm_tn_accumulate";
-  check_matrix(kOp, "acc", acc, 3, a, at::kFloat,
-               "float32 (the weight gradient accumulates in fp32, like Megatron's main_grad)");
+  const bool bf16 = acc.scalar_type() == at::kBFloat16;
+  check_matrix(kOp, "acc", acc, 3, a, bf16 ? at::kBFloat16 : at::kFloat,
+               "float32 (like Megatron's main_grad) or bfloat16 (a .grad summed in place)");
   auto args = wgrad_args(kOp, a, b, offs, acc, "acc", schedule, raster, swizzle);
-  launch_with_workspace(a, args, launch::grouped_gemm_tn_accumulate);
+  launch_with_workspace(a, args,
+                        bf16 ? launch::grouped_gemm_tn_accumulate_bf16
+                             : launch::grouped_gemm_tn_accumulate);
 }
 
 void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,

@@ -65,6 +65,9 @@ void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream);
 // summed over group g's rows in the same fixed order as grouped_gemm_tn; a group with no rows
 // leaves its part of out untouched.
 void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, cudaStream_t stream);
+// The same into a bf16 [G, m, n] buffer: out[g] = bf16(out[g] + a_g^T @ b_g), the sum in fp32
+// rounded once (a weight's .grad summed over macrobatch rounds in place).
+void grouped_gemm_tn_accumulate_bf16(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // The per-tile flag wait (csrc/include/mok/scheduler/flag_wait.cuh): before loading the A rows
 // [r0, r1) of an output tile, the kernel waits until ready[f] >= epoch for every flag f covering

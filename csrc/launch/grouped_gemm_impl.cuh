@@ -148,13 +148,15 @@ typename Config::Gemm::GemmKernel::EpilogueArguments plain_epilogue(const Arrays
 template <class Config, class Arrays>
 typename Config::Gemm::GemmKernel::EpilogueArguments accumulate_epilogue(const Arrays& arrays) {
   using Kernel = typename Config::Gemm::GemmKernel;
-  static_assert(std::is_same_v<typename Config::ElementD, gemm::AccumElement>);
+  using ElementAcc = typename Config::ElementD;
+  static_assert(std::is_same_v<ElementAcc, gemm::AccumElement> ||
+                std::is_same_v<ElementAcc, gemm::Element>);
   static_assert(std::is_same_v<typename Kernel::InternalStrideC, typename Kernel::InternalStrideD>,
                 "C and D share one stride array");
   typename Kernel::EpilogueArguments epi{};
   epi.thread.alpha = 1.0f;
   epi.thread.beta = 1.0f;
-  epi.ptr_C = const_cast<const gemm::AccumElement**>(arrays.ptr_d);
+  epi.ptr_C = const_cast<const ElementAcc**>(arrays.ptr_d);
   epi.dC = arrays.stride_d;
   epi.ptr_D = arrays.ptr_d;
   epi.dD = arrays.stride_d;
@@ -193,8 +195,8 @@ inline gemm::GroupedProblemDesc rows_in_m_desc(const GroupedGemmArgs& args) {
   return desc;
 }
 
-// `OutElement` (Config::ElementD): the element type the epilogue stores (bf16; fp32 for the
-// accumulating weight gradient).
+// `OutElement` (Config::ElementD): the element type the epilogue stores (bf16; the accumulating
+// weight gradient's fp32 or bf16).
 template <class LayoutA, class LayoutB, class Epilogue, class Schedule = gemm::Cooperative,
           class Shape = gemm::ProblemShape, class OutElement = gemm::Element>
 struct Config {

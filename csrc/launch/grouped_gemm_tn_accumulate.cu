@@ -1,32 +1,32 @@
 // Accumulating weight gradient: acc[g] += a_g^T @ b_g over group g's rows, in the GEMM's epilogue
-// (Megatron's gradient-accumulation fusion: acc is the fp32 main_grad). The mainloop is the plain
-// weight gradient's (grouped_gemm_tn.cu), so acc_before + its fp32 accumulator is what lands; a
-// group without rows has no tiles and its part of acc is left untouched.
+// (Megatron's gradient-accumulation fusion: acc is the fp32 main_grad; or a bf16 .grad summed over
+// macrobatch rounds). The mainloop is the plain weight gradient's (grouped_gemm_tn.cu), so
+// acc_before + its fp32 accumulator, rounded once to acc's type, is what lands; a group without
+// rows has no tiles and its part of acc is left untouched.
 #include "launch/grouped_gemm_impl.cuh"
 
 namespace mok::launch {
 namespace {
-template <class Schedule>
+template <class Schedule, class ElementAcc>
 using TNAccumulateConfig =
     detail::Config<gemm::ColumnMajor, gemm::RowMajor,
-                   gemm::AccumulateEpilogue<gemm::RowMajor, Schedule>, Schedule,
-                   gemm::ProblemShape, gemm::AccumElement>;
+                   gemm::AccumulateEpilogue<gemm::RowMajor, Schedule, ElementAcc>, Schedule,
+                   gemm::ProblemShape, ElementAcc>;
 
-template <class Schedule>
+template <class Schedule, class ElementAcc>
 void run_accumulate(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
                     cudaStream_t stream) {
-  using Config = TNAccumulateConfig<Schedule>;
+  using Config = TNAccumulateConfig<Schedule, ElementAcc>;
   detail::run_grouped<Config>(desc, args.workspace, args.tuning, stream, [](const auto& arrays) {
     return detail::accumulate_epilogue<Config>(arrays);
   });
 }
-}  // namespace
 
-void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, cudaStream_t stream) {
-  detail::check_common(args, "mok::grouped_gemm_tn_accumulate");
+template <class ElementAcc>
+void accumulate_into(const GroupedGemmArgs& args, cudaStream_t stream, const char* op) {
+  detail::check_common(args, op);
   MOK_HOST_CHECK(reinterpret_cast<uintptr_t>(args.out) % 16 == 0,
-                 "mok::grouped_gemm_tn_accumulate: the fp32 accumulator must be 16-byte aligned "
-                 "(TMA)");
+                 "%s: the accumulator must be 16-byte aligned (TMA)", op);
   gemm::GroupedProblemDesc desc;
   desc.offs = args.offs;
   desc.num_groups = args.num_groups;
@@ -35,12 +35,21 @@ void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, cudaStream_t stream
   desc.n = args.n;
   desc.a = {args.a, args.m, 0};
   desc.b = {args.b, args.n, 0};
-  desc.d = {args.out, 0, int64_t{args.m} * args.n};  // fp32 elements (Config::ElementD)
+  desc.d = {args.out, 0, int64_t{args.m} * args.n};  // ElementAcc elements (Config::ElementD)
   if (args.tuning.pingpong) {
-    run_accumulate<gemm::Pingpong>(desc, args, stream);
+    run_accumulate<gemm::Pingpong, ElementAcc>(desc, args, stream);
   } else {
-    run_accumulate<gemm::Cooperative>(desc, args, stream);
+    run_accumulate<gemm::Cooperative, ElementAcc>(desc, args, stream);
   }
+}
+}  // namespace
+
+void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, cudaStream_t stream) {
+  accumulate_into<gemm::AccumElement>(args, stream, "mok::grouped_gemm_tn_accumulate");
+}
+
+void grouped_gemm_tn_accumulate_bf16(const GroupedGemmArgs& args, cudaStream_t stream) {
+  accumulate_into<gemm::Element>(args, stream, "mok::grouped_gemm_tn_accumulate (bf16)");
 }
 
 }  // namespace mok::launch

@@ -24,7 +24,8 @@ Ops (shapes per call; ``R`` rows, ``G`` groups, ``H`` hidden, ``I`` intermediate
 ``grouped_gemm_tn_accumulate`` is Megatron's gradient-accumulation fusion on the engine: the
 weight gradient's epilogue reads the caller's fp32 buffer (e.g. ``main_grad``) and writes back
 ``buffer + a_g^T @ b_g`` (one fp32 rounding, the same bits as adding the fp32 GEMM result in a
-separate pass), so no bf16 gradient is written and no add pass follows.
+separate pass), so no bf16 gradient is written and no add pass follows. A bf16 acc is the same
+sum rounded once to bf16 (a weight's ``.grad`` summed over macrobatch rounds in place).
 
 ``grouped_gemm_nt_wait`` and ``grouped_gemm_l1_swiglu_wait`` are the two forward ops with a
 per-tile *flag wait* (the persistent megakernel's hook, docs/GEMM.md): before a tile loads its
@@ -218,11 +219,13 @@ def grouped_gemm_tn_accumulate(
 ) -> None:  # fmt: skip
     """acc[g] += a_g^T @ b_g over each group's rows, in the GEMM's epilogue (in place).
 
-    a: [R, M], b: [R, N] bf16; acc: [G, M, N] float32, contiguous and 16-byte aligned (the
-    epilogue loads and stores it by TMA), e.g. Megatron's ``main_grad``. Each group's sum runs in
-    :func:`grouped_gemm_tn`'s fixed order and lands once: ``acc + fp32(a_g^T @ b_g)``, so
-    ``bf16`` of it over a zero buffer is bitwise :func:`grouped_gemm_tn`'s output. A group
-    without rows leaves its ``acc[g]`` untouched (not even -0.0 becomes +0.0)."""
+    a: [R, M], b: [R, N] bf16; acc: [G, M, N] float32 (e.g. Megatron's ``main_grad``) or
+    bfloat16 (a ``.grad`` summed over macrobatch rounds in place), contiguous and 16-byte aligned
+    (the epilogue loads and stores it by TMA). Each group's sum runs in :func:`grouped_gemm_tn`'s
+    fixed order and lands once: ``acc + fp32(a_g^T @ b_g)`` computed in fp32 and rounded once to
+    acc's type, so over a zero buffer it is bitwise :func:`grouped_gemm_tn`'s output (``bf16`` of
+    it, for a float32 acc). A group without rows leaves its ``acc[g]`` untouched (not even -0.0
+    becomes +0.0)."""
     torch.ops.mok.grouped_gemm_tn_accumulate_out(a, b, offs, acc, *_tuning_args(tuning))
 
 

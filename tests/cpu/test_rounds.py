@@ -102,3 +102,58 @@ def test_rounds_last_first_name_each_experts_first_visit_and_the_held_round(
                 if int(torch.diff(window_offs(plan, rounds.window(r)),
                                   prepend=torch.zeros(1, dtype=torch.int32))[e]) > 0]  # fmt: skip
         assert int(visits.first_round[e]) == (seen[0] if seen else -1), f"expert {e}"
+
+
+class _EngineExperts:
+    """Experts' weight-gradient side with the engine's accumulating GEMM, written in torch (its
+    rule: each group's a_g^T @ b_g added in fp32, rounded once to acc's type; a group without
+    rows untouched), recording which op each call took."""
+
+    accumulate_on_engine = True
+
+    def __init__(self):
+        self.calls = []
+
+    def mm_tn(self, a, b, offs):
+        raise AssertionError("rounds on the engine must not make a weight-sized part per round")
+
+    def mm_tn_accumulate(self, a, b, offs, acc):
+        self.calls.append(acc)
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            if end > start:
+                acc[g] = (acc[g].float() + a[start:end].float().T @ b[start:end].float()).to(
+                    acc.dtype
+                )
+            start = end
+
+
+def test_weight_grad_in_rounds_adds_into_one_zeroed_total_on_the_engine():
+    """In rounds, .grad mode on the engine: stage1._weight_grad makes one zeroed bf16 total on
+    the first call and each round's GEMM adds into it in place (no part per round: the rounds'
+    peak memory); an expert with rows in no round stays exact zeros."""
+    from types import SimpleNamespace
+
+    from mok_megatron.functional.cuda.stage1 import _weight_grad
+
+    torch.manual_seed(0)
+    experts, rounds = _EngineExperts(), SimpleNamespace(count=3)
+    p, q = 8, 16
+    # three rounds' group ends over 3 experts: expert 1 has rows in no round, expert 2 only later
+    ends = [torch.tensor(e, dtype=torch.int32) for e in ([4, 4, 4], [2, 2, 6], [0, 0, 3])]
+    total, want = None, torch.zeros(3, p, q)
+    for r, offs in enumerate(ends):
+        rows = int(offs[-1])
+        a, b = torch.randn(rows, p).bfloat16(), torch.randn(rows, q).bfloat16()
+        out = _weight_grad(experts, a, b, offs, rounds, None, 0, total, r)
+        assert out.dtype == torch.bfloat16 and out.shape == (3, p, q)
+        assert total is None or out is total, "every round adds into the first round's total"
+        total = out
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            if end > start:
+                want[g] = (want[g] + a[start:end].float().T @ b[start:end].float()).bfloat16()
+            start = end
+    assert len(experts.calls) == 3 and all(c is total for c in experts.calls)
+    assert torch.equal(total.float(), want)
+    assert torch.count_nonzero(total[1]) == 0

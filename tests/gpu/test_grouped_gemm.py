@@ -327,7 +327,9 @@ def start_buffer(p: Problem, m: int, n: int) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    """Bit for bit (NaN payloads and the sign of zero included), fp32 or bf16."""
+    as_int = torch.int32 if a.element_size() == 4 else torch.int16
+    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
 
 @pytest.mark.parametrize("case", ACCUMULATE_CASES)
@@ -361,6 +363,37 @@ def test_wgrad_accumulate(case, which, schedule):
         r = rows_of(p.counts, g)
         if r.stop > r.start:
             check(f"d_w[{g}]", total[g], a[r].double().T @ b[r].double(), a[r].T @ b[r])
+
+
+@pytest.mark.parametrize("case", ACCUMULATE_CASES)
+@pytest.mark.parametrize("which", ["w_gu", "w_down"])
+def test_wgrad_accumulate_bf16(case, which, schedule):
+    """Into a bf16 buffer (a .grad summed over macrobatch rounds in place): buffer + the fp32
+    op's sum, added in fp32 and rounded once to bf16, bit for bit; over zeros it is
+    grouped_gemm_tn's output; empty groups untouched (NaN and -0.0 kept); repeats bitwise."""
+    p, _ = problem_of(case)
+    a, b = wgrad_operands(p, which)
+    tuning = gg.GemmTuning(schedule=schedule)
+    old = start_buffer(p, a.shape[1], b.shape[1]).bfloat16()
+    acc = old.clone()
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning)
+    again = old.clone()
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning)
+    assert same_bits(acc, again), "repeat is not bitwise identical"
+    del again
+    total = torch.zeros(old.shape, device="cuda")  # the fp32 sum (test_wgrad_accumulate's rule)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning)
+    over_zeros = torch.zeros_like(old)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, over_zeros, tuning=tuning)
+    plain = gg.grouped_gemm_tn(a, b, p.offs, tuning=tuning)
+    for g, c in enumerate(p.counts):
+        if c == 0:
+            assert same_bits(acc[g], old[g]), f"group {g} has no rows: its buffer must not change"
+            assert torch.count_nonzero(over_zeros[g]) == 0, f"group {g}"
+            continue
+        want = (old[g].float() + total[g]).bfloat16()
+        assert same_bits(acc[g], want), f"group {g}: acc != bf16(old + the fp32 sum), bitwise"
+        assert same_bits(over_zeros[g], plain[g]), f"group {g}: over zeros != tn's output"
 
 
 def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
@@ -403,7 +436,7 @@ def test_wgrad_accumulate_bad_input_errors():
     a, b = wgrad_operands(p, "w_down")
     acc = torch.zeros(p.groups, a.shape[1], b.shape[1], device="cuda")
     for buf, match in [
-        (acc.bfloat16(), "acc.dtype=BFloat16 must be float32"),
+        (acc.half(), r"acc.dtype=Half must be float32 \(like Megatron's main_grad\) or bfloat16"),
         (acc[:, :, :-8].contiguous(), r"acc.shape=.* must be"),
         (acc.transpose(1, 2).contiguous().transpose(1, 2), "must be contiguous"),
         (torch.zeros(acc.numel() + 1, device="cuda")[1:].view(acc.shape), "16-byte aligned"),

@@ -198,10 +198,11 @@ class Experts:
         return grouped_mm(a.T, b, offs)
 
     def mm_tn_accumulate(self, a, b, offs, acc: torch.Tensor) -> None:
-        """acc [G, P, Q] (float32) += each group's a_g^T @ b_g (a [M, P], b [M, Q]); a group
-        without rows leaves acc[g] as it is. On the engine the GEMM's epilogue adds its fp32
-        result; otherwise (the torch fallback) torch._grouped_mm's bf16 result is added in
-        float32, the same as adding the gradient it would return, at one more pass over acc."""
+        """acc [G, P, Q] (float32, or bf16) += each group's a_g^T @ b_g (a [M, P], b [M, Q]); a
+        group without rows leaves acc[g] as it is. On the engine the GEMM's epilogue adds its fp32
+        result (rounded once to acc's type); otherwise (the torch fallback) torch._grouped_mm's
+        bf16 result is added in acc's type, the same as adding the gradient it would return, at
+        one more pass over acc."""
         if self.accumulate_on_engine:
             gg.grouped_gemm_tn_accumulate(a, b, offs, acc, tuning=WGRAD_TUNING)
             return

@@ -348,7 +348,8 @@ def _backward_rounds(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, 
         ctx.kept = None
     else:
         rings = ExpertRows(None, rings.a.clone(), None, h=rings.h.clone())
-    experts = Experts(routed, c.expert_gemm, x.device, accumulate=wgrad_acc is not None)
+    # accumulate: the weight gradients add up over the rounds (stage1._weight_grad)
+    experts = Experts(routed, c.expert_gemm, x.device, accumulate=True)
     acc_w = stage1._accumulator_slots(wgrad_acc)
     d_shared, shared_dx = (None, None, None), None
     if shared is not None:

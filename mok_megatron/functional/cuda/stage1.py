@@ -301,13 +301,21 @@ def _pre_grads(experts, dy, da, act: ExpertRows, offs):
 
 
 def _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, slot, total=None, r=0):
-    """One routed weight's gradient over round ``r``'s rows added to ``total`` (the rounds so
-    far, None before the first; ``rounds.first_round`` orders them), or None when it went into
-    the caller's buffer ``acc_w[slot]``."""
-    if acc_w is None:
-        return accumulate(total, experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
-    experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[slot])
-    return None
+    """One routed weight's gradient over round ``r``'s rows, or None when it went into the
+    caller's buffer ``acc_w[slot]``. In several rounds it is added to ``total`` (the rounds so
+    far, None before the first), in the caller's round order: on the engine (its "wgrad" step,
+    ``Experts.accumulate_on_engine``) by the GEMM's epilogue into one zeroed bf16 total, with no
+    weight-sized part per round (the rounds exist for the peak memory); on torch, each round's
+    part added by ``accumulate`` (``rounds.first_round`` orders them)."""
+    if acc_w is not None:
+        experts.mm_tn_accumulate(rows_t, rows, offs, acc_w[slot])
+        return None
+    if rounds.count > 1 and experts.accumulate_on_engine:
+        if total is None:  # zeros: an expert without rows so far, or at all, adds to 0
+            total = rows_t.new_zeros(offs.shape[0], rows_t.shape[1], rows.shape[1])
+        experts.mm_tn_accumulate(rows_t, rows, offs, total)
+        return total
+    return accumulate(total, experts.mm_tn(rows_t, rows, offs), offs, rounds, r)
 
 
 def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shared, routed,
@@ -324,7 +332,9 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
     if shared is not None:
         d_shared, shared_dx = _shared_backward(d_out, x, ctx, shared)
     d_row_w = torch.empty(rounds.row_tok.shape[0], dtype=torch.float32, device=x.device)
-    experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=wgrad_acc is not None,
+    # accumulate: the weight gradients add up over the rounds (into the caller's buffers or a
+    # bf16 total: _weight_grad), so "auto" runs them on the engine (AUTO_ACCUMULATE_STEPS)
+    experts = Experts(routed, ws.config.expert_gemm, x.device, accumulate=True,
                       precision=ws.config.expert_precision,
                       fp8_backward=ws.config.fp8_backward)  # fmt: skip
     d_w = [None, None, None]  # gate (or fused gate_up), up, down

@@ -60,22 +60,23 @@ using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     LayoutD*, kAlignment, Element, LayoutD*, kAlignment, typename Schedule::EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
 
-// The weight-gradient accumulator (Megatron's fp32 main_grad) and its TMA alignment.
+// The weight-gradient accumulators: fp32 (Megatron's main_grad) by default; bf16 where a
+// weight's .grad is summed over macrobatch rounds in place (functional/cuda/stage1.py).
 using AccumElement = float;
-constexpr int kAccumAlignment = 4;  // fp32 elements per 16 bytes
 
 // The accumulating epilogue: D = beta * C + alpha * accumulator with alpha = beta = 1 and C = D,
-// one fp32 buffer, so a weight gradient adds into it with no separate pass. NOTE: CUTLASS
-// evaluates fma(beta, C, alpha * acc): with alpha = beta = 1 that is C + acc rounded once, the
-// same bits as adding the fp32 GEMM result in a separate pass. In place is safe: every element
-// of D reads only its own element of C, and output tiles never overlap.
-template <class LayoutD, class Schedule = Cooperative>
+// one buffer of `ElementAcc`, so a weight gradient adds into it with no separate pass. NOTE:
+// CUTLASS evaluates fma(beta, C, alpha * acc) in fp32: with alpha = beta = 1 that is C + acc
+// rounded once to ElementAcc (for fp32, the same bits as adding the fp32 GEMM result in a separate
+// pass). In place is safe: every element of D reads only its own element of C, and output tiles
+// never overlap. TMA alignment: 16 bytes of ElementAcc.
+template <class LayoutD, class Schedule = Cooperative, class ElementAcc = AccumElement>
 using AccumulateEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
     ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator,
-    AccumElement, LayoutD*, kAccumAlignment, AccumElement, LayoutD*, kAccumAlignment,
-    typename Schedule::EpilogueSchedule,
-    cutlass::epilogue::fusion::LinearCombination<AccumElement, Accumulator, AccumElement,
+    ElementAcc, LayoutD*, 16 / sizeof(ElementAcc), ElementAcc, LayoutD*,
+    16 / sizeof(ElementAcc), typename Schedule::EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<ElementAcc, Accumulator, ElementAcc,
                                                  Accumulator>>::CollectiveOp;
 
 // The mainloop + kernel for one (LayoutA, LayoutB, epilogue, schedule) choice. `Shape` picks the
