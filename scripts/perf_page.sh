@@ -123,6 +123,17 @@ for n in ncu_megakernel_h200_369bd08_qwen3_in_place.json ncu_megakernel_h200_369
   ncu_megakernel_h200_07a7f29_fp8.json; do
   args+=("$R/$n")
 done
+args+=(--rounds)
+for r in bench_moe_h100_ep1_rounds_grad_qwen3-30b-a3b_a339d7c_ab.json \
+  bench_moe_h100_ep1_rounds_grad_qwen3-30b-a3b_6971ba6_ab.json \
+  bench_moe_h100_ep1_rounds_grad_mixtral-8x7b_a339d7c_ab.json \
+  bench_moe_h100_ep1_rounds_grad_mixtral-8x7b_6971ba6_ab.json \
+  bench_moe_h100_ep1_rounds_main_grad_qwen3-30b-a3b_6971ba6.json \
+  bench_moe_h100_ep1_rounds_main_grad_mixtral-8x7b_6971ba6.json \
+  bench_moe_h100_ep1_rounds_grad_qwen3-30b-a3b_fa23952.json \
+  bench_moe_h100_ep1_rounds_grad_mixtral-8x7b_fa23952.json; do
+  args+=("$R/$r")
+done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_25b9aef.json")
 args+=(--host "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \

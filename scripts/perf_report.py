@@ -108,8 +108,11 @@ def target_rows(records):
 
 
 def _target_rows_of(path, record, seen: set):
-    """``target_rows``' rows of one record, for the cases not in ``seen`` (which it adds to)."""
+    """``target_rows``' rows of one record, for the cases not in ``seen`` (which it adds to); a
+    record from another GPU than an H200 (the targets' GPU) gives none."""
     name = os.path.basename(path)
+    if "H200" not in (record["environment"].get("gpu") or ""):
+        return
     for case in record["cases"]:
         if (case.get("ep") != 1 or case.get("routing") != "uniform" or "skipped" in case
                 or case.get("tokens_per_rank") not in TARGET_TOKENS):  # fmt: skip
@@ -168,6 +171,45 @@ def stage1_rows(records, contender="mok_stage1", ratio="stage1_speedup",
                     f"| {t['fraction_of_floor']:.2f} | {m['peak_mem_bytes'] / 2**30:.2f} "
                     f"| {t['peak_mem_bytes'] / 2**30:.2f} |"
                 )
+
+
+def rounds_rows(paths):
+    """bench_moe.py --mok-macrobatch records: forward + backward of MoK in macrobatch rounds
+    ('mok_rounds': the backward megakernel per round; 'mok_rounds_stage1_bwd': stage 1's backward
+    after the same forward) beside MoK in one round and the baseline, same process: each one's
+    time and peak memory."""
+    for path, record in load(paths):
+        env, mode = record["environment"], main_grad_tag(record).strip(" ()") or ".grad"
+        for case in record["cases"]:
+            r = case.get("fwd_bwd", {})
+            if "mok_rounds" not in r:
+                continue
+            cells = [
+                f"{_ms(r[k])}, {r[k]['peak_mem_bytes'] / 2**30:.2f}" if k in r else "-"
+                for k in ("baseline", "mok", "mok_rounds", "mok_rounds_stage1_bwd")
+            ]
+            ratio = r.get("rounds_bwd_speedup")
+            yield (
+                f"| `{os.path.basename(path)}` | {env.get('gpu')} | `{env.get('commit')}` "
+                f"| {case['shape']} | {case['tokens_per_rank']} "
+                f"| {record['args'].get('mok_macrobatch')} | {mode} | {' | '.join(cells)} "
+                f"| {'-' if ratio is None else f'{ratio:.2f}x'} |"
+            )
+
+
+ROUNDS_HEAD = (
+    "## MoK in macrobatch rounds (forward + backward)\n\n"
+    "`bench_moe.py --mok-macrobatch ROWS`: the layer with `MoKConfig.macrobatch_size=ROWS`, so a "
+    "rank's routed rows run in rounds (the forward keeps one round's act and h, the backward "
+    "recomputes the others', the last round first), beside MoK in one round and the baseline, "
+    "same process, uniform routing, EP 1. Each cell: median ms (p10-p90), peak GiB. Ratio: "
+    "stage 1's backward in rounds over the backward megakernel's (> 1: the megakernel is "
+    "faster). Mode: where the expert weight gradients go (`.grad`, or fp32 `main_grad` as "
+    "Megatron's DDP keeps it).\n\n"
+    "| record | GPU | commit | shape | tokens/rank | macrobatch rows | mode | baseline | mok "
+    "| mok in rounds | rounds, stage-1 backward | ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 STAGE1_HEAD = (
@@ -812,6 +854,9 @@ def main(argv=None) -> None:
         "--ncu", nargs="*", default=[], help="scripts/ncu_megakernel.py JSONs, one table"
     )
     p.add_argument(
+        "--rounds", nargs="*", default=[], help="bench_moe.py --mok-macrobatch JSONs, one table"
+    )
+    p.add_argument(
         "--host",
         nargs="*",
         default=[],
@@ -860,6 +905,8 @@ def main(argv=None) -> None:
         head = ENGINE_HEAD.format(settings=", ".join(f"`{v}`" for v in settings))
         parts += ["", head, *engine, "", "Summary of the ratios:", "",
                   *engine_summary(records)]  # fmt: skip
+    if args.rounds:
+        parts += ["", ROUNDS_HEAD, *rounds_rows(args.rounds)]
     if args.compare:
         parts += ["", *compare_tables(args.compare)]
     if args.breakdown:

@@ -655,3 +655,33 @@ def test_fill_markdown_table_replaces_between_its_markers_and_names_missing_ones
     assert md.read_text() == "a\n<!-- t begin -->\n| new |\n<!-- t end -->\nb\n"
     with pytest.raises(SystemExit, match="no '<!-- u begin -->' ... '<!-- u end -->' markers"):
         fill_markdown_table(str(md), "x", "<!-- u begin -->", "<!-- u end -->")
+
+
+def test_rounds_rows_render_each_contender_and_targets_read_h200_records_only(tmp_path):
+    """perf_report's rounds table (bench_moe --mok-macrobatch): per case with 'mok_rounds', each
+    contender's forward + backward time and peak memory, the mode and the ratio, and '-' for a
+    contender the record lacks; the targets table takes no case from a record of another GPU."""
+    perf_report = _script("perf_report")
+
+    def timing(ms, gib):
+        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+                "fraction_of_floor": 0.5, "peak_mem_bytes": gib * 2**30}  # fmt: skip
+
+    fwd_bwd = {"baseline": timing(9.0, 3), "mok": timing(6.0, 2), "mok_rounds": timing(7.0, 1),
+               "rounds_bwd_speedup": 1.25}  # fmt: skip
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 8192, "routing": "uniform",
+            "mok_backend": "cuda/megakernel", "fwd": {"mok": timing(2.0, 1)},
+            "fwd_bwd": fwd_bwd}  # fmt: skip
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"environment": env, "args": {"mok_macrobatch": 4096,
+                                                             "main_grad": True},
+                                "cases": [case, {**case, "fwd_bwd": {}}]}))  # fmt: skip
+    (row,) = perf_report.rounds_rows([str(path)])
+    assert row == ("| `r.json` | NVIDIA H100 80GB HBM3 | `abc1234` | s | 8192 | 4096 | main_grad "
+                   "| 9.000 (8.900-9.100), 3.00 | 6.000 (5.900-6.100), 2.00 "
+                   "| 7.000 (6.900-7.100), 1.00 | - | 1.25x |")  # fmt: skip
+    record = {"environment": env, "cases": [{**case, "shape": "qwen3-30b-a3b"}]}
+    assert list(perf_report.target_rows([("r.json", record)])) == []
+    record["environment"] = {**env, "gpu": "NVIDIA H200"}
+    assert len(list(perf_report.target_rows([("r.json", record)]))) == 2  # fwd and fwd+bwd
