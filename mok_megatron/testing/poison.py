@@ -111,6 +111,16 @@ def _drop_unused_pools() -> None:
     _KEPT[:] = [pool for pool in _KEPT if tuple(pool.id) in busy]
 
 
+def release_unused_pools() -> None:
+    """Drop the kept pools none of whose blocks is in use, and return the freed memory to the
+    device (a test module's teardown, after its cached workspaces were let go: each pool holds a
+    ``large_bytes`` segment per stream, and a workspace made inside ``poisoned_memory`` keeps its
+    pool alive for as long as the workspace cache keeps it)."""
+    _drop_unused_pools()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def poisoned_memory(
     large_bytes: int = 4 << 30,
