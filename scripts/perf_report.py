@@ -663,18 +663,22 @@ def wgrad_table(path):
         "says how). 'serial': the weight-gradient GEMMs where each tile's mainloop and epilogue "
         "do not overlap (their FLOPs at the floor's rate plus the epilogue's traffic): 'plain' "
         "storing the bf16 gradient ('.grad' mode, before the add pass), 'wgrad' with main_grad, "
-        "and the bound with the latter. A model, not a measurement.\n"
+        "and the bound with the latter. 'fused bound' (records that have it): the weight "
+        "gradients inside the backward launch, their main_grad traffic beside the whole "
+        "backward's FLOPs. A model, not a measurement.\n"
     )
     yield ("| shape | tokens/rank | expert weights (G) | floor ms | .grad add ms | .grad bound "
            "| main_grad traffic ms | main_grad bound | serial plain ms | serial wgrad ms "
-           "| serial bound |")  # fmt: skip
-    yield "|---|---|---|---|---|---|---|---|---|---|---|"
+           "| serial bound | fused bound |")  # fmt: skip
+    yield "|---|---|---|---|---|---|---|---|---|---|---|---|"
     for c in record["cases"]:
+        fused = c.get("main_grad_fused_bound")
         yield (
             f"| {c['shape']} | {c['tokens_per_rank']} | {c['expert_params'] / 1e9:.2f} | "
             f"{c['floor_ms']:.2f} | {c['grad_add_ms']:.2f} | {c['grad_bound']:.2f} | "
             f"{c['main_grad_ms']:.2f} | {c['main_grad_bound']:.2f} | {c['plain_serial_ms']:.2f} | "
-            f"{c['main_grad_serial_ms']:.2f} | {c['main_grad_serial_bound']:.2f} |"
+            f"{c['main_grad_serial_ms']:.2f} | {c['main_grad_serial_bound']:.2f} | "
+            f"{'-' if fused is None else f'{fused:.2f}'} |"
         )
     yield ""
 
