@@ -135,7 +135,7 @@ for r in bench_moe_h100_ep1_rounds_grad_qwen3-30b-a3b_a339d7c_ab.json \
   args+=("$R/$r")
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
-args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_25b9aef.json")
+args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_379ca6f.json")
 args+=(--host "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \
   "$R/profile_host_h200_ep1_5ecc1bd_steps.json" "$R/profile_host_h100_ep1_31d4a38.json" "$R/profile_host_h100_ep1_14bf0d4.json" \
   "$R/profile_host_h100_ep1_9f62ae1.json" "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
