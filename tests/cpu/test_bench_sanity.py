@@ -685,3 +685,20 @@ def test_rounds_rows_render_each_contender_and_targets_read_h200_records_only(tm
     assert list(perf_report.target_rows([("r.json", record)])) == []
     record["environment"] = {**env, "gpu": "NVIDIA H200"}
     assert len(list(perf_report.target_rows([("r.json", record)]))) == 2  # fwd and fwd+bwd
+
+
+def test_wgrad_traffic_bounds_order_and_the_fused_formula():
+    """scripts/wgrad_traffic.py: with main_grad, the weight gradients inside the backward launch
+    (their traffic beside the whole backward's FLOPs) bound a forward + backward at least as high
+    as separate GEMMs at the HBM ceiling, which bound it at least as high as in serial; none
+    passes 1; the fused bound is floor / (floor / 3 + max(2 floor / 3, traffic))."""
+    wgrad_traffic = _script("wgrad_traffic")
+    for shape in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"):
+        c = wgrad_traffic.case(shape, 8192)
+        assert c["main_grad_serial_bound"] <= c["main_grad_bound"] <= c["main_grad_fused_bound"]
+        assert c["main_grad_fused_bound"] <= 1.0
+        floor, traffic = c["floor_ms"], c["main_grad_ms"]
+        want = floor / (floor / 3 + max(2 * floor / 3, traffic))
+        assert abs(c["main_grad_fused_bound"] - want) < 1e-12
+    deepseek = wgrad_traffic.case("deepseek-v3", 8192)
+    assert deepseek["main_grad_bound"] < 0.65 < deepseek["main_grad_fused_bound"]
