@@ -202,6 +202,34 @@ def profile_pages(ncu: str, cmd: list, rep: str):
     return page, source
 
 
+def write_gemm_record(benchmark: str, ncu: str, cmd: list, rep: str, args, sections) -> None:
+    """One GEMM launch profiled by ``cmd`` (scripts/ncu_fp8_gemm.py, scripts/ncu_wgrad_gemm.py):
+    its pages read (``profile_pages``), the JSON record written to ``args.out`` (GPU, torch,
+    commit, the details page, stall reasons, hot instructions), and the metrics of ``sections``
+    and the top stall reasons and instructions printed."""
+    page, source = profile_pages(ncu, cmd, rep)
+    rows = read_csv(source.stdout, header="Address")
+    hot, samples = hot_instructions(rows, args.top)
+    import torch
+
+    from mok_megatron.testing.records import commit
+
+    record = {"benchmark": benchmark, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "commit": commit(), "args": vars(args),
+              "sections": list(SECTIONS),
+              "ncu": subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout,
+              "stall_reasons": stall_reasons(rows), "stall_samples": samples,
+              "hot_instructions": hot, "metrics": details(read_csv(page)),
+              "source_page_error": source.stderr[-2000:]}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    for m in record["metrics"]:
+        if m["section"] in sections:
+            print(f"  {m['section'][:24]:24s} {m['name']}: {m['value']} {m['unit']}")
+    print_summary(record["stall_reasons"][:10], hot[:20])
+    print(f"wrote {args.out}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.child:

@@ -16,9 +16,7 @@ plain bf16 output) beside it separates the epilogue's C traffic from the mainloo
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,28 +52,9 @@ def main(argv=None) -> None:
            sys.executable, bench, "--ep", "1", "--models", args.model, "--scales", "1.0",
            "--ops", args.op, "--impls", args.impl, "--samples", "1", "--calls", "1",
            "--out", rep + "_timing.json"]  # fmt: skip
-    page, source = nm.profile_pages(ncu, cmd, rep)
-    rows = nm.read_csv(source.stdout, header="Address")
-    hot, samples = nm.hot_instructions(rows, args.top)
-    import torch
-
-    from mok_megatron.testing.records import commit
-
-    record = {"benchmark": "ncu_wgrad_gemm", "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "commit": commit(), "args": vars(args),
-              "sections": list(nm.SECTIONS),
-              "ncu": subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout,
-              "stall_reasons": nm.stall_reasons(rows), "stall_samples": samples,
-              "hot_instructions": hot, "metrics": nm.details(nm.read_csv(page)),
-              "source_page_error": source.stderr[-2000:]}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
-    for m in record["metrics"]:
-        if m["section"] in ("GPU Speed Of Light Throughput", "Memory Workload Analysis",
-                            "Occupancy", "Launch Statistics"):  # fmt: skip
-            print(f"  {m['section'][:24]:24s} {m['name']}: {m['value']} {m['unit']}")
-    nm.print_summary(record["stall_reasons"][:10], hot[:20])
-    print(f"wrote {args.out}")
+    nm.write_gemm_record("ncu_wgrad_gemm", ncu, cmd, rep, args,
+                         ("GPU Speed Of Light Throughput", "Memory Workload Analysis",
+                          "Occupancy", "Launch Statistics"))  # fmt: skip
 
 
 if __name__ == "__main__":

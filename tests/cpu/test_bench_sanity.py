@@ -702,3 +702,35 @@ def test_wgrad_traffic_bounds_order_and_the_fused_formula():
         assert abs(c["main_grad_fused_bound"] - want) < 1e-12
     deepseek = wgrad_traffic.case("deepseek-v3", 8192)
     assert deepseek["main_grad_bound"] < 0.65 < deepseek["main_grad_fused_bound"]
+
+
+def test_ncu_gemm_record_from_recorded_pages(tmp_path, monkeypatch, capsys):
+    """ncu_megakernel.write_gemm_record (the ncu GEMM scripts' record): from a profile's recorded
+    details and source pages (an H100's, session 38), the record holds the details' metrics,
+    the stall reasons summed over the source page (shares adding up to 1, largest first) and the
+    hot instructions; the chosen sections' metrics are printed."""
+    import gzip
+    import types
+
+    import torch
+
+    nm = _script("ncu_megakernel")
+    base = os.path.join(ROOT, "docs", "results", "ncu_wgrad_gemm_h100_6971ba6_qwen3_wgrad_l1_acc")
+    with gzip.open(base + "_details.csv.gz", "rt") as f:
+        page = f.read()
+    with gzip.open(base + "_source.csv.gz", "rt") as f:
+        source = types.SimpleNamespace(stdout=f.read(), stderr="")
+    monkeypatch.setattr(nm, "profile_pages", lambda ncu, cmd, rep: (page, source))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    out = tmp_path / "r.json"
+    args = argparse.Namespace(out=str(out), top=5)
+    nm.write_gemm_record("ncu_test", "echo", [], str(tmp_path / "r"), args,
+                         ("GPU Speed Of Light Throughput",))  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "ncu_test" and record["gpu"] == "a GPU"
+    names = {m["name"] for m in record["metrics"]}
+    assert {"DRAM Throughput", "Duration"} <= names
+    shares = [r["share"] for r in record["stall_reasons"]]
+    assert abs(sum(shares) - 1) < 1e-9 and shares == sorted(shares, reverse=True)
+    assert len(record["hot_instructions"]) == 5
+    assert "DRAM Throughput" in capsys.readouterr().out

@@ -334,54 +334,24 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("case", ACCUMULATE_CASES)
 @pytest.mark.parametrize("which", ["w_gu", "w_down"])
-def test_wgrad_accumulate(case, which, schedule):
-    """acc += a_g^T @ b_g in the epilogue: over zeros it is the plain op's fp32 accumulator (bf16 of
-    it is bitwise grouped_gemm_tn), over a buffer it is buffer + that, bit for bit, with empty
-    groups untouched; repeats are bitwise; the sum meets the float64 rule."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wgrad_accumulate(case, which, schedule, dtype):
+    """acc += a_g^T @ b_g in the epilogue, into fp32 (main_grad) or bf16 (a .grad summed over
+    macrobatch rounds in place): over fp32 zeros it is the plain op's fp32 accumulator (bf16 of
+    it equals grouped_gemm_tn's output, and so does the sum over bf16 zeros); over a buffer it is
+    buffer + that sum, added in fp32 and rounded once to the buffer's type, bit for bit; empty
+    groups untouched (NaN and -0.0 kept); repeats are bitwise; the sum meets the float64 rule."""
     p, limit = problem_of(case)
     a, b = wgrad_operands(p, which)
     tuning = gg.GemmTuning(schedule=schedule)
-    old = start_buffer(p, a.shape[1], b.shape[1])
+    old = start_buffer(p, a.shape[1], b.shape[1]).to(dtype)
     acc = old.clone()
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning)
     again = old.clone()
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning)
     assert same_bits(acc, again), "repeat is not bitwise identical"
     del again
-    total = torch.zeros_like(acc)
-    gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning)
-    plain = gg.grouped_gemm_tn(a, b, p.offs, tuning=tuning)
-    for g, c in enumerate(p.counts):
-        if c == 0:
-            assert same_bits(acc[g], old[g]), f"group {g} has no rows: its buffer must not change"
-            assert torch.count_nonzero(total[g]) == 0, f"group {g}"
-            continue
-        assert same_bits(acc[g], old[g] + total[g]), f"group {g}: acc != old + the sum, bitwise"
-        assert torch.equal(total[g].bfloat16(), plain[g]), f"group {g}: bf16(sum) != tn's output"
-    del plain
-    for g in groups_to_check(p.counts, limit):
-        r = rows_of(p.counts, g)
-        if r.stop > r.start:
-            check(f"d_w[{g}]", total[g], a[r].double().T @ b[r].double(), a[r].T @ b[r])
-
-
-@pytest.mark.parametrize("case", ACCUMULATE_CASES)
-@pytest.mark.parametrize("which", ["w_gu", "w_down"])
-def test_wgrad_accumulate_bf16(case, which, schedule):
-    """Into a bf16 buffer (a .grad summed over macrobatch rounds in place): buffer + the fp32
-    op's sum, added in fp32 and rounded once to bf16, bit for bit; over zeros it is
-    grouped_gemm_tn's output; empty groups untouched (NaN and -0.0 kept); repeats bitwise."""
-    p, _ = problem_of(case)
-    a, b = wgrad_operands(p, which)
-    tuning = gg.GemmTuning(schedule=schedule)
-    old = start_buffer(p, a.shape[1], b.shape[1]).bfloat16()
-    acc = old.clone()
-    gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning)
-    again = old.clone()
-    gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning)
-    assert same_bits(acc, again), "repeat is not bitwise identical"
-    del again
-    total = torch.zeros(old.shape, device="cuda")  # the fp32 sum (test_wgrad_accumulate's rule)
+    total = torch.zeros(old.shape, device="cuda")  # the fp32 sum
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning)
     over_zeros = torch.zeros_like(old)
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, over_zeros, tuning=tuning)
@@ -389,11 +359,18 @@ def test_wgrad_accumulate_bf16(case, which, schedule):
     for g, c in enumerate(p.counts):
         if c == 0:
             assert same_bits(acc[g], old[g]), f"group {g} has no rows: its buffer must not change"
+            assert torch.count_nonzero(total[g]) == 0, f"group {g}"
             assert torch.count_nonzero(over_zeros[g]) == 0, f"group {g}"
             continue
-        want = (old[g].float() + total[g]).bfloat16()
-        assert same_bits(acc[g], want), f"group {g}: acc != bf16(old + the fp32 sum), bitwise"
-        assert same_bits(over_zeros[g], plain[g]), f"group {g}: over zeros != tn's output"
+        want = (old[g].float() + total[g]).to(dtype)
+        assert same_bits(acc[g], want), f"group {g}: acc != old + the fp32 sum, bitwise"
+        assert torch.equal(total[g].bfloat16(), plain[g]), f"group {g}: bf16(sum) != tn's output"
+        assert torch.equal(over_zeros[g].bfloat16(), plain[g]), f"group {g}: over zeros != tn's"
+    del plain
+    for g in groups_to_check(p.counts, limit):
+        r = rows_of(p.counts, g)
+        if r.stop > r.start:
+            check(f"d_w[{g}]", total[g], a[r].double().T @ b[r].double(), a[r].T @ b[r])
 
 
 def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
