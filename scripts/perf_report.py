@@ -109,9 +109,10 @@ def target_rows(records):
 
 def _target_rows_of(path, record, seen: set):
     """``target_rows``' rows of one record, for the cases not in ``seen`` (which it adds to); a
-    record from another GPU than an H200 (the targets' GPU) gives none."""
+    record that names another GPU than an H200 (the targets' GPU) gives none."""
     name = os.path.basename(path)
-    if "H200" not in (record["environment"].get("gpu") or ""):
+    gpu = record.get("environment", {}).get("gpu")
+    if gpu is not None and "H200" not in gpu:
         return
     for case in record["cases"]:
         if (case.get("ep") != 1 or case.get("routing") != "uniform" or "skipped" in case
