@@ -16,8 +16,8 @@
 #               memory for its fp32 main_grad (WGRAD_SHAPES overrides the layer's shapes)
 #   targets     issues 13-15's layer benches at EP 1 (not in the default steps; deepseek-v3 needs an
 #               H200's memory): each shape at 8192 and 16384 tokens with --mok-graph (the targets
-#               table's records), deepseek-v3's FP8 megakernel forward against BF16 in one process,
-#               and deepseek-v3 in macrobatch rounds (TARGET_SHAPES overrides the shapes)
+#               table's records) and deepseek-v3's FP8 megakernel forward against BF16 in one
+#               process (TARGET_SHAPES overrides the shapes)
 #   rounds      the layer in macrobatch rounds at EP 1 (not in the default steps): bench_moe.py
 #               --mok-macrobatch, the backward megakernel in rounds against stage 1's backward
 #               after the same forward, 8192 tokens, about four rounds per shape (ROUNDS: the
@@ -97,10 +97,6 @@ if step targets; then
     --routing uniform --mok-cuda-forward megakernel --mok-fp8 --mok-fp8-mega --mok-graph \
     --out "$OUT/bench_targets_fp8mega_deepseek-v3.json" > "$OUT/bench_targets_fp8.log" 2>&1
   echo "[device_run] targets FP8 exit $?"; grep -E "speedup|Error|skipped" "$OUT/bench_targets_fp8.log" | tail -3
-  timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --shapes deepseek-v3 --tokens 8192 \
-    --routing uniform --mok-cuda-forward megakernel --mok-macrobatch 16384 \
-    --out "$OUT/bench_rounds_deepseek-v3.json" > "$OUT/bench_rounds_deepseek-v3.log" 2>&1
-  echo "[device_run] targets rounds deepseek-v3 exit $?"; grep -E "speedup|Error|skipped" "$OUT/bench_rounds_deepseek-v3.log" | tail -2
 fi
 if step rounds; then
   for pair in ${ROUNDS:-qwen3-30b-a3b:16384 deepseek-v3:16384 mixtral-8x7b:4096}; do

@@ -28,10 +28,11 @@ __all__ = ["ENGINE_STEPS", "AUTO_ENGINE_STEPS", "AUTO_ACCUMULATE_STEPS", "WGRAD_
 #: gradients (lost on most) or the fused dSwiGLU (its d_h store is not staged through shared
 #: memory; pair "mok" / "torch_gemm+mok_dswiglu").
 AUTO_ENGINE_STEPS = ("l1", "l2")
-#: What "auto" adds when the backward accumulates the weight gradients into caller buffers
-#: (functional.backward's wgrad_accumulators, Megatron's main_grad): the engine's weight gradient
-#: adds into the fp32 buffer in its epilogue, while torch._grouped_mm (bf16 output only) needs its
-#: bf16 result and a separate fp32 add pass over the buffer.
+#: What "auto" adds when the backward accumulates the weight gradients: into caller buffers
+#: (functional.backward's wgrad_accumulators, Megatron's main_grad), or over macrobatch rounds
+#: into a bf16 total (stage1._weight_grad): the engine's weight gradient adds into the buffer in
+#: its epilogue, while torch._grouped_mm (bf16 output only) needs its bf16 result and a separate
+#: add pass over the buffer.
 AUTO_ACCUMULATE_STEPS = ("wgrad",)
 #: The engine's tile order for the weight gradients (its "wgrad" step, plain and accumulating):
 #: every GemmTuning gives bitwise the same result. At EP 1 a weight-gradient GEMM's K is an
@@ -72,8 +73,9 @@ class Experts:
     engine GEMM, or ``torch._grouped_mm`` and the interleaved SwiGLU-backward kernel; the plain
     GEMMs (L2 forward, dgrads, weight gradients) likewise (``mm_nt``, ``mm_nn``, ``mm_tn``).
 
-    ``accumulate``: the weight gradients go into caller buffers (``mm_tn_accumulate``); for either
-    form, on the engine when its "wgrad" step is (AUTO_ACCUMULATE_STEPS), else by torch.
+    ``accumulate``: the weight gradients add into buffers (``mm_tn_accumulate``: the caller's, or
+    over macrobatch rounds a bf16 total); for either form, on the engine when its "wgrad" step is
+    (AUTO_ACCUMULATE_STEPS), else by torch.
 
     ``precision`` (MoKConfig.expert_precision): "fp8_blockwise" runs the forward's L1 and L2 in
     blockwise FP8 (``fp8.forward``; fused form only); the backward's GEMMs stay as above, unless
@@ -218,8 +220,9 @@ def engine_steps(
 ) -> tuple[str, ...]:
     """The steps of the fused gate/up form that run on the expert GEMM engine (ENGINE_STEPS)
     for ``expert_gemm`` (MoKConfig.expert_gemm, validated there); "auto" is AUTO_ENGINE_STEPS
-    (plus AUTO_ACCUMULATE_STEPS when the weight gradients are ``accumulate``d into caller
-    buffers) where the engine can run, else none (with a warning that says why)."""
+    (plus AUTO_ACCUMULATE_STEPS when the weight gradients are ``accumulate``d: into caller
+    buffers, or over macrobatch rounds) where the engine can run, else none (with a warning that
+    says why)."""
     steps = _NAMED_STEPS.get((expert_gemm, bool(accumulate)))
     if steps is None:
         steps = engine_step_list(expert_gemm)

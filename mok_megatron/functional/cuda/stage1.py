@@ -355,7 +355,7 @@ def _backward_rounds(ws, sched, ctx: CudaContext, d_out, x, router_weights, shar
         d_pre = _pre_grads(experts, dy, da, act, offs)
         del dy, da
         dx = [experts.mm_nn(d, w, offs) for d, w in zip(d_pre, experts.pre_weights)]
-        # weight gradients one at a time (each part is weight-sized)
+        # weight gradients one at a time (on torch each round's part is weight-sized: _weight_grad)
         parts = [(d, act.x_rows) for d in d_pre] + [wgrad_down]
         for i, (rows_t, rows) in zip(experts.grad_slots, parts):  # (or into acc_w, in order)
             d_w[i] = _weight_grad(experts, rows_t, rows, offs, rounds, acc_w, i, d_w[i], r)
