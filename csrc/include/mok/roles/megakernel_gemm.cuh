@@ -50,14 +50,19 @@ using MegaLaunchCluster = cute::Shape<cute::Int<kCluster>, cute::_1, cute::_1>;
 // The non-array TMA + wgmma collective (MainloopSm90TmaGmmaWarpSpecialized) for B [N, K] of
 // layout LayoutB: ColumnMajor (K contiguous, the forward's) or RowMajor (N contiguous, the
 // backward's: the same tile and schedule). In a cluster of C > 1 its A loads are multicast.
-template <class LayoutB, int kCluster>
+template <class LayoutB, int kCluster, class LayoutA = RowMajor>
 using MegaMainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, RowMajor, kAlignment, Element,
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element,
     LayoutB, kAlignment, Accumulator, MegaTileShape, MegaClusterShape<kCluster>,
     cutlass::gemm::collective::StageCountAutoCarveout<kMegaSmemCarveout>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 using MegaMainloop = MegaMainloopFor<ColumnMajor, 1>;
 using MegaMainloopNN = MegaMainloopFor<RowMajor, 1>;
+// The backward's down-weight gradient (one CTA per task): A = the d_out rows transposed (M = H,
+// K = rows: M-major, ColumnMajor) and B = bf16(w * a) rows (N = I, K = rows: N-major, RowMajor),
+// as grouped_gemm_tn's operands. Same tile, stages and pipeline as the data gradients' mainloop;
+// its own shared-memory layouts (MN-major swizzle atoms) over the same bytes (wgrad_smem).
+using MegaMainloopWgrad = MegaMainloopFor<RowMajor, 1, ColumnMajor>;
 using MegaPipeline = typename MegaMainloop::MainloopPipeline;
 using MegaPipelineState = typename MegaMainloop::PipelineState;
 using MegaTiledMma = typename MegaMainloop::TiledMma;
@@ -80,6 +85,26 @@ constexpr bool one_pipeline_and_smem() {
 static_assert(one_pipeline_and_smem<1>() && one_pipeline_and_smem<layout::kMaxClusterCtas>(),
               "both passes' mainloops, in every cluster size: one pipeline type and the same "
               "shared memory");
+static_assert(std::is_same_v<typename MegaMainloopWgrad::MainloopPipeline, MegaPipeline> &&
+                  sizeof(typename MegaMainloopWgrad::TensorStorage) ==
+                      sizeof(typename MegaMainloop::TensorStorage) &&
+                  cute::cosize_v<typename MegaMainloopWgrad::SmemLayoutA> ==
+                      cute::cosize_v<typename MegaMainloop::SmemLayoutA> &&
+                  MegaMainloopWgrad::TmaTransactionBytes == MegaMainloop::TmaTransactionBytes,
+              "the weight-gradient mainloop shares the data gradients' stages: one pipeline, the "
+              "same shared memory, A's stages first and B's after at the same offsets, and the "
+              "same bytes per stage");
+static_assert(cute::size<2>(MegaTileShape{}) == layout::kWgradRowAlign,
+              "the weight gradient's B rows are aligned to its k-tile (layout/mega.cuh)");
+
+// The data gradients' stages seen as the weight-gradient mainloop's (the same bytes: A's stages
+// at the start, B's after them, in both).
+template <class TensorStorage>
+CUTLASS_DEVICE typename MegaMainloopWgrad::TensorStorage& wgrad_smem(TensorStorage& smem) {
+  static_assert(sizeof(TensorStorage) == sizeof(typename MegaMainloopWgrad::TensorStorage),
+                "one stage layout in bytes");
+  return *reinterpret_cast<typename MegaMainloopWgrad::TensorStorage*>(&smem);
+}
 
 // The two GEMMs' TMA descriptors (forward L1: x_ring, w_gate_up; L2: act_ring, w_down;
 // backward first: d_ring, w_down; second: d_h_ring, w_gate_up).
@@ -89,6 +114,14 @@ struct MegaGemmParamsOf {
   typename Mainloop::Params l2;
 };
 using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
+// The backward's: its two data gradients and the down weight's gradient (wgrad: A = x_ring, the
+// d_out rows; B = MegaArgs::wgrad_b).
+template <class Mainloop>
+struct MegaBwdGemmParamsOf {
+  typename Mainloop::Params l1;
+  typename Mainloop::Params l2;
+  typename MegaMainloopWgrad::Params wgrad;
+};
 
 // One task's operands: A rows [row_begin, row_begin + 128) of the ring, n-tile `n_tile` of
 // expert `expert`'s B [n_size, k_size]; k_tiles = ceil(k_size / 64); `round` for a timeout's
@@ -197,6 +230,57 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
     } else {
       copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
     }
+    copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+    ++state;
+  }
+}
+
+// One down-weight gradient task's operands (MegaParams::wgrad): expert rows from ring row
+// k_begin on (A: the d_out rows of x_ring, transposed) and from B row b_begin on, tile m_tile of
+// H by n_tile of I; k_tiles = ceil(the expert's rows / kWgradRowAlign).
+struct MegaWgradLoad {
+  int k_begin;
+  int b_begin;
+  int m_tile;
+  int n_tile;
+  int k_tiles;
+  int round;
+};
+
+// Producer (one thread, as load_task): issues one down-weight gradient task's k-tiles. A last
+// k-tile's rows past the expert are the next expert's d_out rows (or zero rows the comm CTAs
+// pulled, or TMA's zeros past the ring) times B's zero rows: each such product is 0, and the tile
+// sums the expert's rows only, as grouped_gemm_tn, whose k-tiles start at the same row.
+CUTLASS_DEVICE void load_wgrad_task(const roles::MegaParams& p,
+                                    typename MegaMainloopWgrad::Params const& mp,
+                                    MegaPipeline& pipeline, MegaPipelineState state,
+                                    typename MegaMainloopWgrad::TensorStorage& smem,
+                                    const MegaWgradLoad& load) {
+  using namespace cute;
+  using Mainloop = MegaMainloopWgrad;
+  // (M, K) coordinate tensors whatever the majors (load_task's NOTE): A (H, ring rows), B (I, its
+  // rows); their K extents only shape the tiling, the descriptors bound every access.
+  const int b_rows = p.ring_rows + layout::kWgradRowAlign * p.num_local_experts;
+  Tensor mA = mp.tma_load_a.get_tma_tensor(make_shape(p.hidden, p.ring_rows, 1));
+  Tensor mB = mp.tma_load_b.get_tma_tensor(make_shape(p.inter, b_rows, 1));
+  Tensor gA = local_tile(domain_offset(make_coord(0, load.k_begin), mA(_, _, 0)),
+                         select<0, 2>(MegaTileShape{}), make_coord(load.m_tile, _));
+  Tensor gB = local_tile(domain_offset(make_coord(0, load.b_begin), mB(_, _, 0)),
+                         select<1, 2>(MegaTileShape{}), make_coord(load.n_tile, _));
+  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
+  auto block_tma_a = mp.tma_load_a.get_slice(0);
+  auto block_tma_b = mp.tma_load_b.get_slice(0);
+  Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
+  Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
+  Tensor tBgB = block_tma_b.partition_S(gB);
+  Tensor tBsB = block_tma_b.partition_D(sB);
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < load.k_tiles; ++k) {
+    acquire_slot(p, pipeline, state, load.round);  // arms the bytes
+    auto* full = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
     copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
     ++state;
   }
@@ -375,8 +459,12 @@ using MegaAccumulators =
 static_assert(std::is_same_v<MegaAccumulators,
                              decltype(cute::partition_fragment_C(
                                  typename MegaMainloopNN::TiledMma{},
-                                 cute::take<0, 2>(MegaTileShape{})))>,
-              "both mainloops' accumulators are one fragment type");
+                                 cute::take<0, 2>(MegaTileShape{})))> &&
+                  std::is_same_v<MegaAccumulators,
+                                 decltype(cute::partition_fragment_C(
+                                     typename MegaMainloopWgrad::TiledMma{},
+                                     cute::take<0, 2>(MegaTileShape{})))>,
+              "every mainloop's accumulators are one fragment type");
 
 // Consumers (both warpgroups, 256 threads): the collective's mainloop over one task's k-tiles,
 // then its tail (all wgmma done, every slot released); advances `state` past them.
@@ -681,6 +769,45 @@ CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const Accumulators& 
       if (d.y != nullptr) store16(d.y + col, v);
       if (d.slot != nullptr) store16(d.slot + col, v);
     });
+  }
+}
+
+// The down-weight gradient's epilogue (consumers): acc is rows [m0, m0 + kBlockM) of H by
+// columns [n0, n0 + kBlockN) of I of expert `expert`'s gradient, into wgrad_out as
+// MegaParams::wgrad says: stored as bf16 (round to nearest even, 16 bytes a lane as
+// l2_epilogue), or added into float32 (main_grad): each element its old value + the tile's sum,
+// rounded once (as grouped_gemm_tn_accumulate's epilogue).
+// NOTE: the float32 read-modify-write goes a column pair (8 bytes) a lane: a quad's 4 lanes
+// cover 32 contiguous bytes of a row, whole sectors.
+CUTLASS_DEVICE void wgrad_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
+                                   int mma_thread_idx, int expert, int m0, int n0) {
+  auto coords = thread_coords(mma_thread_idx);
+  const int q = static_cast<int>(threadIdx.x % 4);
+  CUTLASS_PRAGMA_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int row = m0 + cute::get<0>(coords(2 * half));
+    const bool live = row < p.hidden;
+    const int64_t first = (static_cast<int64_t>(expert) * p.hidden + row) * p.inter;
+    if (p.wgrad == layout::kWgradStore) {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.wgrad_out) + first;
+      for_each_raw_group(acc, half, [&](int g, uint4 v) {
+        const int col = n0 + (4 * g + q) * kFragBlockCols;
+        if (live && col < p.inter) store16(out + col, v);
+      });
+    } else {  // kWgradAddF32
+      float* out = static_cast<float*>(p.wgrad_out) + first;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kFragBlocks; ++j) {
+        const int col = n0 + j * kFragBlockCols + 2 * q;
+        if (!live || col >= p.inter) continue;
+        const int i = 2 * half + kFragPartner * j;
+        float2* at = reinterpret_cast<float2*>(out + col);
+        float2 c = *at;
+        c.x = __fadd_rn(c.x, acc(i));
+        c.y = __fadd_rn(c.y, acc(i + 1));
+        *at = c;
+      }
+    }
   }
 }
 
