@@ -733,6 +733,8 @@ def _report(case, name, tokens, routing) -> None:
     )
     if "wgrad_pingpong_speedup" in fb:
         engine += f", pingpong weight gradients: fwd+bwd {fb['wgrad_pingpong_speedup']:.2f}x"
+    if "bwd_wgrad_speedup" in fb:
+        engine += f", down weight's gradient in the launch: fwd+bwd {fb['bwd_wgrad_speedup']:.2f}x"
     if "rounds_bwd_speedup" in fb:
         engine += (
             f", in rounds the backward megakernel vs stage 1's: {fb['rounds_bwd_speedup']:.2f}x"
