@@ -121,7 +121,7 @@ struct MegaRound {
 };
 
 // In clusters of kCluster CTAs the order is over clusters and groups of kCluster n-tiles.
-// The backward's down-weight gradient tasks come last (phase D) where it runs them.
+// The backward's down-weight gradient tasks (phase D: MegaTaskOrder) where it runs them.
 template <int kCluster>
 MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
   const bool wgrad = kCluster == 1 && p.wgrad != 0;
