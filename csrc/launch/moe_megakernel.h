@@ -65,7 +65,7 @@ struct MegaArgs {
   const float* w_rows = nullptr;          // [R * ring_rows]: each row's router weight (0: padding)
   float* rw_partials = nullptr;           // [ring_rows, shape.dgrad_ntiles()]: <m, a> per n-tile
   // The down weight's gradient inside the launch (MoKConfig.bwd_wgrad="down"; one round, clusters
-  // of 1; all null: none): each expert's [H, I] = d_rows^T B over its rows, tasks among the data
+  // of 1; all null: none): each expert's [H, I] = d_rows^T B over its rows, tasks after the data
   // gradients' (roles/megakernel_tasks.cuh, phase D), each tile one CTA's, K in the rows' order
   // from the expert's first row in 64-row k-tiles, as grouped_gemm_tn.
   const void* wgrad_b = nullptr;          // [shape.wgrad_b_rows(), I] bf16: bf16(w * a) of each

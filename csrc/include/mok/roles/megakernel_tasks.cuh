@@ -163,13 +163,14 @@ using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 // In clusters of C CTAs the order is over clusters: n1, n2 count n-tiles in groups of C (a task's
 // n is the group, the cluster's CTA of rank c runs n-tile C n + c) and G counts clusters.
 // D (the backward with MegaParams::wgrad): the down-weight gradient tasks, expert by expert (an
-// expert's d_out rows and B rows stay in L2 across its tiles), each expert's tiles m-major, in
-// chunks of wg_chunk: chunk j after step j of phase B (its last chunk padded with skipped
-// tasks), so that their epilogues, HBM-bound (main_grad's float32 read and write), run beside
-// the data gradients' mainloops, bound by the tensor cores, on other SMs; where phase B has no
-// step (lag = nb), all of D after C. D's tasks read only pulled rows and B, made before the
-// launch, so they wait on no task; and chunk j's experts are about block j's (both in row
-// order), whose d_out rows the data gradients read too.
+// expert's d_out rows and B rows stay in L2 across its tiles), each expert's tiles m-major,
+// after C. They read only pulled rows and B, made before the launch, so they wait on no task.
+// NOTE: D in chunks after each step of phase B instead (d2dd0f4), so that their HBM-bound
+// epilogues ran beside the data gradients' mainloops on other SMs, made the layer's forward +
+// backward slower, not faster (into main_grad on one H100: 8.59 against 7.83 ms with D last on
+// qwen3-30b-a3b, 40.1 against 37.6 on mixtral-8x7b; docs/perf_notes.md): a down-weight task
+// holds its SM for its whole epilogue either way, and beside it the mainloops' L2 traffic meets
+// the epilogues' HBM traffic.
 struct MegaTaskOrder {
   int num_mtiles;
   int n1;
@@ -177,58 +178,47 @@ struct MegaTaskOrder {
   int num_blocks;
   int lag;
   int wg_per_expert;  // D: tiles per expert (0: no phase D)
-  int wg_experts;
   int wg_tasks;
-  int wg_chunk;       // D's tasks after each step of phase B (0: all after C)
 
   MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_ctas, int wg_mtiles = 0,
-                           int wg_ntiles = 0, int wg_experts_ = 0)
-      : num_mtiles(num_mtiles_), n1(n1_), n2(n2_), wg_experts(wg_experts_) {
+                           int wg_ntiles = 0, int wg_experts = 0)
+      : num_mtiles(num_mtiles_), n1(n1_), n2(n2_) {
     num_blocks = (num_mtiles + kOrderBlockTiles - 1) / kOrderBlockTiles;
     const int block_l1 = kOrderBlockTiles * n1;
     lag = min(num_blocks, max(1, (num_ctas + block_l1 - 1) / block_l1));
     wg_per_expert = wg_mtiles * wg_ntiles;
     wg_tasks = wg_per_expert * wg_experts;
-    const int steps = num_blocks - lag;
-    wg_chunk = wg_tasks > 0 && steps > 0 ? (wg_tasks + steps - 1) / steps : 0;
   }
 
-  // Tickets of the round, padding tasks included.
-  MOK_DEVICE int num_tasks() const {
-    const int d = wg_chunk > 0 ? wg_chunk * (num_blocks - lag) : wg_tasks;
-    return num_blocks * kOrderBlockTiles * (n1 + n2) + d;
-  }
+  // Tickets of phases A to C, padding tasks included.
+  MOK_DEVICE int dgrad_tasks() const { return num_blocks * kOrderBlockTiles * (n1 + n2); }
+  // Tickets of the round.
+  MOK_DEVICE int num_tasks() const { return dgrad_tasks() + wg_tasks; }
 
   // Task i (n-tile-major) of block b's L1 or L2 tasks.
   MOK_DEVICE static MegaTask in_block(bool l2, int b, int i) {
     return {l2, b * kOrderBlockTiles + i % kOrderBlockTiles, i / kOrderBlockTiles};
   }
 
-  // Task d of phase D (d >= wg_tasks: a padding task).
-  MOK_DEVICE MegaTask wgrad_task(int d) const {
-    return {false, d / wg_per_expert, d % wg_per_expert, true};
-  }
-
   MOK_DEVICE MegaTask decode(int t) const {
+    const int d = t - dgrad_tasks();
+    if (d >= 0) return {false, d / wg_per_expert, d % wg_per_expert, true};  // phase D
     const int l1_block = kOrderBlockTiles * n1, l2_block = kOrderBlockTiles * n2;
     const int phase_a = lag * l1_block;
     if (t < phase_a) return in_block(false, t / l1_block, t % l1_block);
     const int u = t - phase_a;
-    const int step = l1_block + l2_block + wg_chunk;
+    const int step = l1_block + l2_block;
     const int phase_b = (num_blocks - lag) * step;
     if (u < phase_b) {
       const int j = u / step, w = u % step;
-      if (w < l1_block) return in_block(false, lag + j, w);
-      if (w < l1_block + l2_block) return in_block(true, j, w - l1_block);
-      return wgrad_task(j * wg_chunk + w - l1_block - l2_block);
+      return w < l1_block ? in_block(false, lag + j, w) : in_block(true, j, w - l1_block);
     }
-    const int v = u - phase_b, phase_c = lag * l2_block;
-    if (v < phase_c) return in_block(true, num_blocks - lag + v / l2_block, v % l2_block);
-    return wgrad_task(v - phase_c);  // D after C (wg_chunk 0)
+    const int v = u - phase_b;
+    return in_block(true, num_blocks - lag + v / l2_block, v % l2_block);
   }
 
   MOK_DEVICE bool skipped(const MegaTask& task) const {
-    return task.wgrad ? task.tile >= wg_experts : task.tile >= num_mtiles;
+    return !task.wgrad && task.tile >= num_mtiles;
   }
 };
 
