@@ -392,6 +392,10 @@ kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) 
       kp.gemm.wgrad = wgrad_params(a.x_ring, ring, a.wgrad_b,
                                    to_int32(a.shape.wgrad_b_rows(), "wgrad_b_rows"), h, i);
     }
+    if (a.wgrad_mode == layout::kWgradAddF32) {
+      kp.gemm.wgrad_reduce =
+          gemm::make_wgrad_reduce_tma(static_cast<float*>(a.wgrad_out), e, h, i);
+    }
   } else if (a.rows_in_place) {  // x_ring unused: A's ring descriptor over the token rows
     const int rows = to_int32(a.token_rows, "token_rows");
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.rows, rows, a.w_gate_up, 2 * i, h, e);

@@ -41,7 +41,7 @@ struct MegaGemmKind {
   using Mainloop = MegaMainloopOf<kBackward, kCluster>;
   using Params = std::conditional_t<kBackward, gemm::MegaBwdGemmParamsOf<Mainloop>,
                                     MegaGemmParamsOf<Mainloop>>;
-  struct Scratch {};
+  using Scratch = gemm::MegaBf16Scratch;
 };
 template <>
 struct MegaGemmKind<false, 1, true> {
@@ -72,6 +72,8 @@ enum class MegaBarrier : int {
   // (3 and 4: the FP8 consumers' turns, roles/megakernel_fp8.cuh)
   kProducers = 5,  // the producer warpgroup's 128 threads (rows in place): warp 0 passed a
                    // ticket to the other warps, or a k-tile's rows are copied and tracked
+  kWgradBoxes = 6,  // 6 + w: consumer warpgroup w's 128 threads, a wgrad epilogue box staged or
+                    // free (gemm::wgrad_reduce_epilogue)
 };
 
 MOK_DEVICE void producers_sync() {
@@ -110,7 +112,8 @@ struct MegaComputeStorage {
   MegaTicket row_tickets[2];  // rows in place: warp 0 -> the other producer warps, alternately
   int32_t row_tokens[layout::kBlockM];  // rows in place: each row's token of the L1 task loading
   MegaMailbox mailbox;  // clusters of 2 only
-  typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;  // the producer warp's (FP8)
+  // the producer warp's (FP8); the wgrad epilogue's boxes (BF16, both passes: one size)
+  typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;
 };
 
 // One round as this CTA sees it.
@@ -351,12 +354,13 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
 // records as consume_task's. An expert without rows has no k-tile: its tile is zeros (stored), or
 // nothing to add.
 template <bool kBackward, int kCluster, bool kFp8>
-CUTLASS_DEVICE void consume_wgrad_task(
-    const MegaParams& p, const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
-    MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
-    MegaStateKind<kBackward, kCluster, kFp8>& state,
-    typename MegaMainloopKind<kBackward, kCluster, kFp8>::TensorStorage& smem, const MegaRound& rd,
-    int slot, const MegaTask& task, const MegaTile& tile, int mma_thread_idx) {
+CUTLASS_DEVICE void consume_wgrad_task(const MegaParams& p,
+                                       const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                       MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                       MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                       MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
+                                       const MegaRound& rd, int slot, const MegaTask& task,
+                                       const MegaTile& tile, int mma_thread_idx) {
   const bool tracer = mma_thread_idx == 0;
   if (tracer) {
     trace_task(p, rd.round, slot, layout::kTraceGot);
@@ -367,16 +371,22 @@ CUTLASS_DEVICE void consume_wgrad_task(
   const int k_tiles = wgrad_ktiles(tile);
   MegaAccumulators acc;
   if (k_tiles > 0) {
-    gemm::mma_task<gemm::MegaMainloopWgrad>(gp.wgrad, pipeline, state, gemm::wgrad_smem(smem),
-                                            acc, k_tiles, mma_thread_idx);
+    gemm::mma_task<gemm::MegaMainloopWgrad>(gp.wgrad, pipeline, state,
+                                            gemm::wgrad_smem(storage.tensors), acc, k_tiles,
+                                            mma_thread_idx);
   } else {
     cute::clear(acc);
   }
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
-  if (k_tiles > 0 || p.wgrad == layout::kWgradStore) {
-    const int m_tile = task.n / p.wgrad_ntiles, n_tile = task.n % p.wgrad_ntiles;
+  const int m_tile = task.n / p.wgrad_ntiles, n_tile = task.n % p.wgrad_ntiles;
+  if (p.wgrad == layout::kWgradStore) {
     gemm::wgrad_epilogue(p, acc, mma_thread_idx, tile.expert, m_tile * layout::kBlockM,
                          n_tile * layout::kBlockN);
+  } else if (k_tiles > 0) {  // kWgradAddF32
+    const int barrier = static_cast<int>(MegaBarrier::kWgradBoxes) +
+                        mma_thread_idx / cutlass::NumThreadsPerWarpGroup;
+    gemm::wgrad_reduce_epilogue(p, gp.wgrad_reduce, storage.scratch, acc, mma_thread_idx,
+                                tile.expert, m_tile, n_tile, barrier);
   }
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
 }
@@ -400,13 +410,6 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
                                  const MegaTile& tile, int mma_thread_idx) {
   const int rows = tile.row_end - tile.row_begin;
   const bool tracer = mma_thread_idx == 0;
-  if constexpr (kBackward && kCluster == 1) {
-    if (task.wgrad) {
-      consume_wgrad_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, smem, rd, slot, task,
-                                                    tile, mma_thread_idx);
-      return;
-    }
-  }
   if constexpr (kCluster > 1) {
     if (task.n >= (task.l2 ? p.l2_ntiles : p.l1_ntiles)) {
       gemm::idle_task(pipeline, state, task.l2 ? p.l2_ktiles : p.l1_ktiles);
@@ -631,12 +634,21 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
       queue.consumer_release(queue_state);
       if (entry.end) break;
       if (entry.task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
+      if constexpr (kBackward && kCluster == 1) {
+        if (entry.task.wgrad) {
+          consume_wgrad_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd,
+                                                        entry.slot, entry.task, entry.tile,
+                                                        mma_thread_idx);
+          continue;
+        }
+      }
       consume_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage.tensors, rd,
                                               entry.slot, entry.task, entry.tile, mma_thread_idx);
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
   }
   if constexpr (kFp8) gemm::fp8_turns_end(mma_thread_idx);
+  if constexpr (kBackward && kCluster == 1) gemm::wgrad_reduce_drain(mma_thread_idx);
   if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
 }
 

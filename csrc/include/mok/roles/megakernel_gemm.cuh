@@ -114,6 +114,31 @@ struct MegaGemmParamsOf {
   typename Mainloop::Params l2;
 };
 using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
+// The down weight's gradient added into float32 main_grad (MegaParams::wgrad kWgradAddF32) by TMA
+// reduce-add (wgrad_reduce_epilogue): boxes of one warpgroup's rows of a tile (kWgradEpiRows of
+// H) by kWgradEpiCols columns of I, staged in shared memory, row-major.
+constexpr int kWgradEpiRows = layout::kBlockM / 2;
+constexpr int kWgradEpiCols = 16;
+constexpr int kWgradEpiBuffers = 2;  // per warpgroup: one filling while the other drains
+using WgradEpiSmemLayout =
+    cute::Layout<cute::Shape<cute::Int<kWgradEpiRows>, cute::Int<kWgradEpiCols>>,
+                 cute::Stride<cute::Int<kWgradEpiCols>, cute::_1>>;
+// Its descriptor over main_grad [E_l, H, I] float32, as (H, I, E_l) coordinates.
+inline auto make_wgrad_reduce_tma(float* acc, int num_experts, int hidden, int inter) {
+  using namespace cute;
+  Tensor g = make_tensor(make_gmem_ptr(acc),
+                         make_layout(make_shape(hidden, inter, num_experts),
+                                     make_stride(int64_t{inter}, _1{}, int64_t{hidden} * inter)));
+  return make_tma_copy(SM90_TMA_REDUCE_ADD{}, g, WgradEpiSmemLayout{});
+}
+using MegaWgradReduceTma = decltype(make_wgrad_reduce_tma(nullptr, 1, 64, 16));
+
+// The BF16 megakernels' own shared memory beside the stages (MegaComputeStorage::scratch; both
+// passes have it, so that one size serves both): the wgrad epilogue's staging boxes.
+struct MegaBf16Scratch {
+  alignas(128) float wgrad_boxes[2][kWgradEpiBuffers][kWgradEpiRows * kWgradEpiCols];
+};
+
 // The backward's: its two data gradients and the down weight's gradient (wgrad: A = x_ring, the
 // d_out rows; B = MegaArgs::wgrad_b).
 template <class Mainloop>
@@ -121,6 +146,7 @@ struct MegaBwdGemmParamsOf {
   typename Mainloop::Params l1;
   typename Mainloop::Params l2;
   typename MegaMainloopWgrad::Params wgrad;
+  MegaWgradReduceTma wgrad_reduce;  // main_grad's (kWgradAddF32)
 };
 
 // One task's operands: A rows [row_begin, row_begin + 128) of the ring, n-tile `n_tile` of
@@ -772,19 +798,9 @@ CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const Accumulators& 
   }
 }
 
-// The down-weight gradient's epilogue (consumers): acc is rows [m0, m0 + kBlockM) of H by
-// columns [n0, n0 + kBlockN) of I of expert `expert`'s gradient, into wgrad_out as
-// MegaParams::wgrad says: stored as bf16 (round to nearest even, 16 bytes a lane as
-// l2_epilogue), or added into float32 (main_grad): each element its old value + the tile's sum,
-// rounded once (as grouped_gemm_tn_accumulate's epilogue).
-// NOTE: the float32 read-modify-write goes a column pair (8 bytes) a lane: a quad's 4 lanes
-// cover 32 contiguous bytes of a row, whole sectors. A batch's loads are all issued before its
-// first add and store (which the compiler may not move loads past): one latency per batch. Load,
-// add and store pair by pair (1d1712d) waited on each load: the layer's forward + backward into
-// main_grad took 7.83 ms against 6.41 with the grouped GEMM after the launch (qwen3-30b-a3b,
-// 8192 tokens, one H100).
-constexpr int kWgradAddBatch = 16;  // column pairs whose loads are in flight at once
-static_assert(kFragBlocks % kWgradAddBatch == 0, "whole batches");
+// The down-weight gradient's epilogue (consumers), stored (MegaParams::wgrad kWgradStore): acc is
+// rows [m0, m0 + kBlockM) of H by columns [n0, n0 + kBlockN) of I of expert `expert`'s gradient,
+// stored as bf16 into wgrad_out (round to nearest even, 16 bytes a lane as l2_epilogue).
 CUTLASS_DEVICE void wgrad_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
                                    int mma_thread_idx, int expert, int m0, int n0) {
   auto coords = thread_coords(mma_thread_idx);
@@ -794,34 +810,72 @@ CUTLASS_DEVICE void wgrad_epilogue(const roles::MegaParams& p, const MegaAccumul
     const int row = m0 + cute::get<0>(coords(2 * half));
     const bool live = row < p.hidden;
     const int64_t first = (static_cast<int64_t>(expert) * p.hidden + row) * p.inter;
-    if (p.wgrad == layout::kWgradStore) {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.wgrad_out) + first;
-      for_each_raw_group(acc, half, [&](int g, uint4 v) {
-        const int col = n0 + (4 * g + q) * kFragBlockCols;
-        if (live && col < p.inter) store16(out + col, v);
-      });
-    } else {  // kWgradAddF32
-      float* out = static_cast<float*>(p.wgrad_out) + first;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.wgrad_out) + first;
+    for_each_raw_group(acc, half, [&](int g, uint4 v) {
+      const int col = n0 + (4 * g + q) * kFragBlockCols;
+      if (live && col < p.inter) store16(out + col, v);
+    });
+  }
+}
+
+// The down-weight gradient's epilogue into float32 main_grad (kWgradAddF32): each warpgroup stages
+// its 64 rows of the tile kWgradEpiCols columns at a time in shared memory and hands each box to
+// one TMA reduce-add (the L2 adds it: each element its old value + the tile's sum, rounded once,
+// as grouped_gemm_tn_accumulate's epilogue), then goes on: the read-modify-write of main_grad
+// drains while the SM runs its next tasks. Only a box's shared memory is waited for, two boxes
+// later. `barrier`: the warpgroup's named barrier.
+// NOTE: a consumer-side read-modify-write (1d1712d, f38445e: each thread's column pairs loaded,
+// added and stored) held both warpgroups for the whole tile's HBM round trip, about 10 us of 128
+// KB read and written per tile on one SM: the layer's forward + backward into main_grad took
+// 7.83 ms against 6.41 with the grouped GEMM after the launch (qwen3-30b-a3b, 8192 tokens, one
+// H100; docs/perf_notes.md, session 39).
+// NOTE: every box's reduce is waited for (its shared memory read) before the CTA ends:
+// wgrad_reduce_drain.
+CUTLASS_DEVICE void wgrad_reduce_epilogue(const roles::MegaParams& p,
+                                          const MegaWgradReduceTma& tma, MegaBf16Scratch& scratch,
+                                          const MegaAccumulators& acc, int mma_thread_idx,
+                                          int expert, int m_tile, int n_tile, int barrier) {
+  using namespace cute;
+  const int wg = mma_thread_idx / cutlass::NumThreadsPerWarpGroup;
+  const bool issuer = mma_thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
+  auto coords = thread_coords(mma_thread_idx);
+  const int q = static_cast<int>(threadIdx.x % 4);
+  Tensor mC = tma.get_tma_tensor(make_shape(p.hidden, p.inter, p.num_local_experts));
+  constexpr int kBoxes = layout::kBlockN / kWgradEpiCols;
+  constexpr int kBlocksPerBox = kWgradEpiCols / kFragBlockCols;
+  CUTLASS_PRAGMA_UNROLL
+  for (int b = 0; b < kBoxes; ++b) {
+    float* box = scratch.wgrad_boxes[wg][b % kWgradEpiBuffers];
+    // the box's buffer is free: the reduce that read it last (kWgradEpiBuffers boxes ago, this
+    // task's or the last one's) has read it
+    if (issuer) tma_store_wait<kWgradEpiBuffers - 1>();
+    ptx::named_barrier_sync(barrier, cutlass::NumThreadsPerWarpGroup);
+    CUTLASS_PRAGMA_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int row = get<0>(coords(2 * half)) - wg * kWgradEpiRows;
       CUTLASS_PRAGMA_UNROLL
-      for (int b = 0; b < kFragBlocks; b += kWgradAddBatch) {
-        float2 c[kWgradAddBatch];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kWgradAddBatch; ++j) {
-          const int col = n0 + (b + j) * kFragBlockCols + 2 * q;
-          c[j] = live && col < p.inter ? *reinterpret_cast<const float2*>(out + col)
-                                       : make_float2(0.0f, 0.0f);
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kWgradAddBatch; ++j) {
-          const int col = n0 + (b + j) * kFragBlockCols + 2 * q;
-          if (!live || col >= p.inter) continue;
-          const int i = 2 * half + kFragPartner * (b + j);
-          *reinterpret_cast<float2*>(out + col) =
-              make_float2(__fadd_rn(c[j].x, acc(i)), __fadd_rn(c[j].y, acc(i + 1)));
-        }
+      for (int jj = 0; jj < kBlocksPerBox; ++jj) {
+        const int i = 2 * half + kFragPartner * (kBlocksPerBox * b + jj);
+        *reinterpret_cast<float2*>(box + row * kWgradEpiCols + jj * kFragBlockCols + 2 * q) =
+            make_float2(acc(i), acc(i + 1));
       }
     }
+    cutlass::arch::fence_view_async_shared();  // this thread's writes, to the TMA's proxy
+    ptx::named_barrier_sync(barrier, cutlass::NumThreadsPerWarpGroup);
+    if (issuer) {
+      Tensor s_box = make_tensor(make_smem_ptr(box), WgradEpiSmemLayout{});
+      Tensor g_box = local_tile(mC(_, _, expert), WgradEpiSmemLayout{}.shape(),
+                                make_coord(2 * m_tile + wg, n_tile * kBoxes + b));
+      auto cta_tma = tma.get_slice(Int<0>{});
+      copy(tma, cta_tma.partition_S(s_box), cta_tma.partition_D(g_box));
+      tma_store_arrive();
+    }
   }
+}
+
+// Consumers, before the CTA ends: every reduce-add this thread issued has read its box.
+CUTLASS_DEVICE void wgrad_reduce_drain(int mma_thread_idx) {
+  if (mma_thread_idx % cutlass::NumThreadsPerWarpGroup == 0) cute::tma_store_wait<0>();
 }
 
 }  // namespace mok::gemm
