@@ -150,7 +150,7 @@ enum MegaTraceCta : int {
 enum MegaTraceTask : int {
   kTraceTaskCta = 0,    // 1 + the CTA that ran the task
   kTraceTaskId = 1,     // wgrad << 41 | l2 << 40 | m-tile << 20 | n-tile (a down-weight gradient
-                        // task: expert << 20 | its tile, m * wgrad_ntiles + n)
+                        // task: expert << 20 | its tile, n * wgrad_mtiles + m)
   kTraceTake = 2,       // the producer took the ticket
   kTraceReady = 3,      // the task's inputs were ready (its waits returned)
   kTraceGot = 4,        // the consumers got the ticket

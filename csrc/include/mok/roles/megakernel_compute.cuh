@@ -72,8 +72,6 @@ enum class MegaBarrier : int {
   // (3 and 4: the FP8 consumers' turns, roles/megakernel_fp8.cuh)
   kProducers = 5,  // the producer warpgroup's 128 threads (rows in place): warp 0 passed a
                    // ticket to the other warps, or a k-tile's rows are copied and tracked
-  kWgradBoxes = 6,  // 6 + w: consumer warpgroup w's 128 threads, a wgrad epilogue box staged or
-                    // free (gemm::wgrad_reduce_epilogue)
 };
 
 MOK_DEVICE void producers_sync() {
@@ -264,7 +262,7 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
       if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
       if (leader) {
         const gemm::MegaWgradLoad load{tile.row_begin,           tile.reserved,
-                                       task.n / p.wgrad_ntiles, task.n % p.wgrad_ntiles,
+                                       task.n % p.wgrad_mtiles, task.n / p.wgrad_mtiles,
                                        k_tiles,                  rd.round};
         gemm::load_wgrad_task(p, gp.wgrad, pipeline, state, gemm::wgrad_smem(smem), load);
       }
@@ -378,15 +376,13 @@ CUTLASS_DEVICE void consume_wgrad_task(const MegaParams& p,
     cute::clear(acc);
   }
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
-  const int m_tile = task.n / p.wgrad_ntiles, n_tile = task.n % p.wgrad_ntiles;
+  const int m_tile = task.n % p.wgrad_mtiles, n_tile = task.n / p.wgrad_mtiles;
   if (p.wgrad == layout::kWgradStore) {
     gemm::wgrad_epilogue(p, acc, mma_thread_idx, tile.expert, m_tile * layout::kBlockM,
                          n_tile * layout::kBlockN);
   } else if (k_tiles > 0) {  // kWgradAddF32
-    const int barrier = static_cast<int>(MegaBarrier::kWgradBoxes) +
-                        mma_thread_idx / cutlass::NumThreadsPerWarpGroup;
     gemm::wgrad_reduce_epilogue(p, gp.wgrad_reduce, storage.scratch, acc, mma_thread_idx,
-                                tile.expert, m_tile, n_tile, barrier);
+                                tile.expert, m_tile, n_tile);
   }
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
 }

@@ -115,11 +115,13 @@ struct MegaGemmParamsOf {
 };
 using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
 // The down weight's gradient added into float32 main_grad (MegaParams::wgrad kWgradAddF32) by TMA
-// reduce-add (wgrad_reduce_epilogue): boxes of one warpgroup's rows of a tile (kWgradEpiRows of
-// H) by kWgradEpiCols columns of I, staged in shared memory, row-major.
-constexpr int kWgradEpiRows = layout::kBlockM / 2;
+// reduce-add (wgrad_reduce_epilogue): boxes of one consumer warp's rows of a tile (kWgradEpiRows
+// of H: a wgmma fragment's warp holds 16 rows) by kWgradEpiCols columns of I, staged in shared
+// memory, row-major, each warp's own.
+constexpr int kWgradEpiRows = 16;
 constexpr int kWgradEpiCols = 16;
-constexpr int kWgradEpiBuffers = 2;  // per warpgroup: one filling while the other drains
+constexpr int kWgradEpiBuffers = 2;  // per warp: one filling while the other drains
+constexpr int kConsumerWarps = 8;
 using WgradEpiSmemLayout =
     cute::Layout<cute::Shape<cute::Int<kWgradEpiRows>, cute::Int<kWgradEpiCols>>,
                  cute::Stride<cute::Int<kWgradEpiCols>, cute::_1>>;
@@ -136,7 +138,7 @@ using MegaWgradReduceTma = decltype(make_wgrad_reduce_tma(nullptr, 1, 64, 16));
 // The BF16 megakernels' own shared memory beside the stages (MegaComputeStorage::scratch; both
 // passes have it, so that one size serves both): the wgrad epilogue's staging boxes.
 struct MegaBf16Scratch {
-  alignas(128) float wgrad_boxes[2][kWgradEpiBuffers][kWgradEpiRows * kWgradEpiCols];
+  alignas(128) float wgrad_boxes[kConsumerWarps][kWgradEpiBuffers][kWgradEpiRows * kWgradEpiCols];
 };
 
 // The backward's: its two data gradients and the down weight's gradient (wgrad: A = x_ring, the
@@ -818,41 +820,43 @@ CUTLASS_DEVICE void wgrad_epilogue(const roles::MegaParams& p, const MegaAccumul
   }
 }
 
-// The down-weight gradient's epilogue into float32 main_grad (kWgradAddF32): each warpgroup stages
-// its 64 rows of the tile kWgradEpiCols columns at a time in shared memory and hands each box to
-// one TMA reduce-add (the L2 adds it: each element its old value + the tile's sum, rounded once,
-// as grouped_gemm_tn_accumulate's epilogue), then goes on: the read-modify-write of main_grad
-// drains while the SM runs its next tasks. Only a box's shared memory is waited for, two boxes
-// later. `barrier`: the warpgroup's named barrier.
+// The down-weight gradient's epilogue into float32 main_grad (kWgradAddF32): each consumer warp
+// stages its 16 rows of the tile kWgradEpiCols columns at a time in shared memory and hands each
+// box to one TMA reduce-add (the L2 adds it: each element its old value + the tile's sum,
+// rounded once, as grouped_gemm_tn_accumulate's epilogue), then goes on: the read-modify-write
+// of main_grad drains while the SM runs its next tasks. Only a box's shared memory is waited
+// for, kWgradEpiBuffers boxes later; a warp syncs only with itself.
 // NOTE: a consumer-side read-modify-write (1d1712d, f38445e: each thread's column pairs loaded,
 // added and stored) held both warpgroups for the whole tile's HBM round trip, about 10 us of 128
 // KB read and written per tile on one SM: the layer's forward + backward into main_grad took
 // 7.83 ms against 6.41 with the grouped GEMM after the launch (qwen3-30b-a3b, 8192 tokens, one
-// H100; docs/perf_notes.md, session 39).
-// NOTE: every box's reduce is waited for (its shared memory read) before the CTA ends:
-// wgrad_reduce_drain.
+// H100). Boxes of a warpgroup's 64 rows (999790f), two named barriers of 128 threads a box,
+// were level with the grouped GEMM there (docs/perf_notes.md, session 39).
+// NOTE: every box's reduce has read its box before the CTA ends: wgrad_reduce_drain.
 CUTLASS_DEVICE void wgrad_reduce_epilogue(const roles::MegaParams& p,
                                           const MegaWgradReduceTma& tma, MegaBf16Scratch& scratch,
                                           const MegaAccumulators& acc, int mma_thread_idx,
-                                          int expert, int m_tile, int n_tile, int barrier) {
+                                          int expert, int m_tile, int n_tile) {
   using namespace cute;
-  const int wg = mma_thread_idx / cutlass::NumThreadsPerWarpGroup;
-  const bool issuer = mma_thread_idx % cutlass::NumThreadsPerWarpGroup == 0;
+  const int warp = mma_thread_idx / 32;  // rows [16 warp, 16 warp + 16) of the tile
+  const int lane = mma_thread_idx % 32;
+  const bool issuer = lane == 0;
+  const int q = lane % 4;
   auto coords = thread_coords(mma_thread_idx);
-  const int q = static_cast<int>(threadIdx.x % 4);
   Tensor mC = tma.get_tma_tensor(make_shape(p.hidden, p.inter, p.num_local_experts));
   constexpr int kBoxes = layout::kBlockN / kWgradEpiCols;
   constexpr int kBlocksPerBox = kWgradEpiCols / kFragBlockCols;
+  static_assert(kConsumerWarps * kWgradEpiRows == layout::kBlockM, "a box row block per warp");
   CUTLASS_PRAGMA_UNROLL
   for (int b = 0; b < kBoxes; ++b) {
-    float* box = scratch.wgrad_boxes[wg][b % kWgradEpiBuffers];
+    float* box = scratch.wgrad_boxes[warp][b % kWgradEpiBuffers];
     // the box's buffer is free: the reduce that read it last (kWgradEpiBuffers boxes ago, this
     // task's or the last one's) has read it
     if (issuer) tma_store_wait<kWgradEpiBuffers - 1>();
-    ptx::named_barrier_sync(barrier, cutlass::NumThreadsPerWarpGroup);
+    __syncwarp();
     CUTLASS_PRAGMA_UNROLL
     for (int half = 0; half < 2; ++half) {
-      const int row = get<0>(coords(2 * half)) - wg * kWgradEpiRows;
+      const int row = get<0>(coords(2 * half)) - kWgradEpiRows * warp;  // of the warp's 16
       CUTLASS_PRAGMA_UNROLL
       for (int jj = 0; jj < kBlocksPerBox; ++jj) {
         const int i = 2 * half + kFragPartner * (kBlocksPerBox * b + jj);
@@ -861,11 +865,11 @@ CUTLASS_DEVICE void wgrad_reduce_epilogue(const roles::MegaParams& p,
       }
     }
     cutlass::arch::fence_view_async_shared();  // this thread's writes, to the TMA's proxy
-    ptx::named_barrier_sync(barrier, cutlass::NumThreadsPerWarpGroup);
+    __syncwarp();
     if (issuer) {
       Tensor s_box = make_tensor(make_smem_ptr(box), WgradEpiSmemLayout{});
       Tensor g_box = local_tile(mC(_, _, expert), WgradEpiSmemLayout{}.shape(),
-                                make_coord(2 * m_tile + wg, n_tile * kBoxes + b));
+                                make_coord(m_tile * kConsumerWarps + warp, n_tile * kBoxes + b));
       auto cta_tma = tma.get_slice(Int<0>{});
       copy(tma, cta_tma.partition_S(s_box), cta_tma.partition_D(g_box));
       tma_store_arrive();
@@ -875,7 +879,7 @@ CUTLASS_DEVICE void wgrad_reduce_epilogue(const roles::MegaParams& p,
 
 // Consumers, before the CTA ends: every reduce-add this thread issued has read its box.
 CUTLASS_DEVICE void wgrad_reduce_drain(int mma_thread_idx) {
-  if (mma_thread_idx % cutlass::NumThreadsPerWarpGroup == 0) cute::tma_store_wait<0>();
+  if (mma_thread_idx % 32 == 0) cute::tma_store_wait<0>();
 }
 
 }  // namespace mok::gemm

@@ -130,7 +130,7 @@ struct MegaParams {
 // One task: L1 (m-tile, n-tile of 2I) or L2 (m-tile, n-tile of H). A task of a padding m-tile
 // (tile >= the round's m-tiles, see MegaTaskOrder) is skipped by producer and consumers alike.
 // The backward's down-weight gradient task (wgrad): tile is the expert, n its tile of the
-// expert's [H, I] gradient, m * wgrad_ntiles + n.
+// expert's [H, I] gradient, n * wgrad_mtiles + m (m-tile of H, n-tile of I).
 struct MegaTask {
   bool l2;
   int tile;
@@ -162,15 +162,16 @@ using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 // L = min(nb, max(1, ceil(G / (16 n1)))) keeps about one wave of L1 tasks ahead of the L2 tasks.
 // In clusters of C CTAs the order is over clusters: n1, n2 count n-tiles in groups of C (a task's
 // n is the group, the cluster's CTA of rank c runs n-tile C n + c) and G counts clusters.
-// D (the backward with MegaParams::wgrad): the down-weight gradient tasks, expert by expert (an
-// expert's d_out rows and B rows stay in L2 across its tiles), each expert's tiles m-major,
-// after C. They read only pulled rows and B, made before the launch, so they wait on no task.
-// NOTE: D in chunks after each step of phase B instead (d2dd0f4), so that their HBM-bound
-// epilogues ran beside the data gradients' mainloops on other SMs, made the layer's forward +
-// backward slower, not faster (into main_grad on one H100: 8.59 against 7.83 ms with D last on
-// qwen3-30b-a3b, 40.1 against 37.6 on mixtral-8x7b; docs/perf_notes.md): a down-weight task
-// holds its SM for its whole epilogue either way, and beside it the mainloops' L2 traffic meets
-// the epilogues' HBM traffic.
+// D (the backward with MegaParams::wgrad): the down-weight gradient tasks after C, expert by
+// expert, each expert's tiles n-major (m, the tile of H, fastest): a wave of tasks then reads the
+// expert's A (its d_out rows) whole, which L2 holds, and a few n-tiles of B. m-major streamed
+// all of the expert's B again for every m-tile (mixtral-8x7b's B is 58 MB an expert). D reads
+// only pulled rows and B, made before the launch, so it waits on no task.
+// NOTE: D in chunks after each step of phase B instead (d2dd0f4, 510d1b6), so that the
+// HBM-bound epilogues ran beside the data gradients' mainloops on other SMs, was no faster:
+// slower with the consumers' own read-modify-write of main_grad (8.59 against 7.83 ms for
+// qwen3-30b-a3b's forward + backward into main_grad on one H100), level with the TMA
+// reduce-add epilogue (docs/perf_notes.md, session 39).
 struct MegaTaskOrder {
   int num_mtiles;
   int n1;
