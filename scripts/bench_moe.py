@@ -791,6 +791,10 @@ def main(argv=None) -> dict:
         # contenders would time the same path
         raise SystemExit("--mok-pull compares the megakernel's forward rows: it needs "
                          "--mok-cuda-forward megakernel")  # fmt: skip
+    if args.mok_bwd_wgrad and args.mok_cuda_forward != "megakernel":
+        # MoKConfig refuses bwd_wgrad='down' after stage 1's forward (no backward megakernel)
+        raise SystemExit("--mok-bwd-wgrad times the backward megakernel's down-weight tasks: it "
+                         "needs --mok-cuda-forward megakernel")  # fmt: skip
     rank, world = init_distributed(args.device)
     shapes = TINY_SHAPES if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
     tokens = [64] if args.tiny else [int(t) for t in args.tokens.split(",")]
