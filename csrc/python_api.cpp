@@ -66,8 +66,8 @@ TORCH_LIBRARY(mok, m) {
       "moe_mega_backward(Tensor d_out, Tensor topk, Tensor[] plan, Tensor act_ring, "
       "Tensor h_ring, Tensor w_gate_up, Tensor w_down, Tensor? shared_dx, int[] comm, "
       "int num_experts, int row_capacity, int minibatch, int macrobatch, int num_comm_sms, "
-      "int num_sms, int stall_minibatch, bool trace=False, int cluster=1, int round=-1) "
-      "-> Tensor[]");
+      "int num_sms, int stall_minibatch, bool trace=False, int cluster=1, int round=-1, "
+      "Tensor(a!)? wgrad_down=None, bool wgrad_accumulate=False) -> Tensor[]");
   m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
   m.def("routing_to_topk(Tensor probs, Tensor routing_map, int topk) -> (Tensor, Tensor)");
   m.def(

@@ -90,6 +90,13 @@ def parse_args(argv=None):
         "the default (the backward megakernel where it runs)",
     )
     p.add_argument(
+        "--mok-bwd-wgrad",
+        action="store_true",
+        help="also time MoK's forward + backward with MoKConfig.bwd_wgrad='down' (the down "
+        "weight's gradient inside the backward megakernel's launch), as 'mok_bwd_wgrad', in the "
+        "same process, beside the default (its grouped GEMM after the launch)",
+    )
+    p.add_argument(
         "--mok-pull",
         action="store_true",
         help="also time MoK with MoKConfig.fwd_rows='pull' (the forward megakernel's comm SMs "
@@ -503,6 +510,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_stage1", layer, {"cuda_forward": "stage1"}))
         if args.mok_stage1_backward and backward:
             contenders.append(("mok_stage1_bwd", layer, {"cuda_backward": "stage1"}))
+        if args.mok_bwd_wgrad and backward:
+            contenders.append(("mok_bwd_wgrad", layer, {"bwd_wgrad": "down"}))
         if args.mok_pull:
             contenders.append(("mok_pull", layer, {"fwd_rows": "pull"}))
         if args.mok_cluster2:
@@ -582,6 +591,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result["wgrad_pingpong_speedup"] = _ratio(result, "mok", "mok_wgrad_pingpong")
         if "mok_rounds_stage1_bwd" in result:  # > 1: the backward megakernel in rounds wins
             result["rounds_bwd_speedup"] = _ratio(result, "mok_rounds_stage1_bwd", "mok_rounds")
+        if "mok_bwd_wgrad" in result:  # > 1: the down weight's gradient in the launch wins
+            result["bwd_wgrad_speedup"] = _ratio(result, "mok", "mok_bwd_wgrad")
         if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
             result["stage1_bwd_speedup"] = _ratio(result, "mok_stage1_bwd", "mok")
         # > 1: MoK's default expert GEMMs beat this setting
@@ -722,6 +733,8 @@ def _report(case, name, tokens, routing) -> None:
     )
     if "wgrad_pingpong_speedup" in fb:
         engine += f", pingpong weight gradients: fwd+bwd {fb['wgrad_pingpong_speedup']:.2f}x"
+    if "bwd_wgrad_speedup" in fb:
+        engine += f", down weight's gradient in the launch: fwd+bwd {fb['bwd_wgrad_speedup']:.2f}x"
     if "rounds_bwd_speedup" in fb:
         engine += (
             f", in rounds the backward megakernel vs stage 1's: {fb['rounds_bwd_speedup']:.2f}x"
@@ -778,6 +791,10 @@ def main(argv=None) -> dict:
         # contenders would time the same path
         raise SystemExit("--mok-pull compares the megakernel's forward rows: it needs "
                          "--mok-cuda-forward megakernel")  # fmt: skip
+    if args.mok_bwd_wgrad and args.mok_cuda_forward != "megakernel":
+        # MoKConfig refuses bwd_wgrad='down' after stage 1's forward (no backward megakernel)
+        raise SystemExit("--mok-bwd-wgrad times the backward megakernel's down-weight tasks: it "
+                         "needs --mok-cuda-forward megakernel")  # fmt: skip
     rank, world = init_distributed(args.device)
     shapes = TINY_SHAPES if args.tiny else {k: SHAPES[k] for k in args.shapes.split(",")}
     tokens = [64] if args.tiny else [int(t) for t in args.tokens.split(",")]

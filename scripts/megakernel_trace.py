@@ -94,7 +94,10 @@ def decode(trace_ctas: torch.Tensor, trace_tasks: torch.Tensor) -> tuple[list, l
             if rec["cta"] == 0:
                 continue
             task = rec.pop("task")
-            rec.update(round=rnd, slot=slot, cta=rec["cta"] - 1, l2=bool(task >> 40),
+            # a down-weight gradient task (bit 41): l2 None, tile its expert
+            wgrad = bool(task >> 41)
+            rec.update(round=rnd, slot=slot, cta=rec["cta"] - 1, wgrad=wgrad,
+                       l2=None if wgrad else bool((task >> 40) & 1),
                        tile=(task >> 20) & 0xFFFFF, n=task & 0xFFFFF)  # fmt: skip
             tasks.append(rec)
     return ctas, tasks
@@ -150,12 +153,12 @@ def gap_stats(tasks: list) -> dict:
     by_cta: dict[int, list] = {}
     for t in tasks:
         by_cta.setdefault(t["cta"], []).append(t)
-    gaps: dict[str, list] = {"l1": [], "l2": []}
-    late: dict[str, int] = {"l1": 0, "l2": 0}
+    gaps: dict[str, list] = {"l1": [], "l2": [], "wgrad": []}
+    late: dict[str, int] = {"l1": 0, "l2": 0, "wgrad": 0}
     for mine in by_cta.values():
         mine.sort(key=lambda t: t["got"])
         for prev, nxt in zip(mine, mine[1:]):
-            gemm = "l2" if nxt["l2"] else "l1"
+            gemm = "wgrad" if nxt["wgrad"] else "l2" if nxt["l2"] else "l1"
             gaps[gemm].append(nxt["got"] - prev["epi_end"])
             late[gemm] += nxt["take"] > prev["epi_end"]
     out = {}
@@ -183,12 +186,16 @@ def summarise(ctas, tasks, k1, k2) -> dict:
     k_tiles = {"l1": -(-k1 // TILE_K), "l2": -(-k2 // TILE_K)}
     split = split_time(ctas, tasks)
     cta_total = sum(split["cta_ns"].values())
-    first_l1 = min((t["ready"] for t in tasks if not t["l2"]), default=0)
+    first_l1 = min((t["ready"] for t in tasks if t["l2"] is False), default=0)
     t0 = min(c["start"] for c in ctas)
     return {
         "span_us": split["span_ns"] / 1e3,
         "fractions": {k: v / cta_total for k, v in split["cta_ns"].items()},
-        "tasks": {"l1": sum(not t["l2"] for t in tasks), "l2": sum(t["l2"] for t in tasks)},
+        "tasks": {
+            "l1": sum(t["l2"] is False for t in tasks),
+            "l2": sum(t["l2"] is True for t in tasks),
+            "wgrad": sum(t["wgrad"] for t in tasks),
+        },
         "first_l1_ready_us": (first_l1 - t0) / 1e3,
         "mainloop": ktile_times(tasks, k_tiles),
         "gaps": gap_stats(tasks),

@@ -134,6 +134,11 @@ for r in bench_moe_h100_ep1_rounds_grad_qwen3-30b-a3b_a339d7c_ab.json \
   bench_moe_h100_ep1_rounds_grad_mixtral-8x7b_fa23952.json; do
   args+=("$R/$r")
 done
+args+=(--bwd-wgrad)
+for b in wgw-e1a044d_ab3 wgwi-56239db_ab3 wgw-e1a044d_ab wgred-999790f_ab2 wgred-999790f_ab \
+  wgredi-510d1b6_ab wgsync-f38445e_ab d2dd0f4 abdc97f; do
+  for m in main_grad grad; do args+=("$R/bench_moe_h100_ep1_bwd_wgrad_${m}_$b.json"); done
+done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_379ca6f.json")
 args+=(--host "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \

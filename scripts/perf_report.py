@@ -198,6 +198,40 @@ def rounds_rows(paths):
             )
 
 
+def bwd_wgrad_rows(paths):
+    """bench_moe.py --mok-bwd-wgrad records: forward + backward of MoK with the down weight's
+    gradient inside the backward megakernel's launch ('mok_bwd_wgrad', MoKConfig.bwd_wgrad='down')
+    beside the default (its grouped GEMM after the launch) and the baseline, same process."""
+    for path, record in load(paths):
+        env, mode = record["environment"], main_grad_tag(record).strip(" ()") or ".grad"
+        for case in record["cases"]:
+            r = case.get("fwd_bwd", {})
+            if "mok_bwd_wgrad" not in r:
+                continue
+            cells = [f"{_ms(r[k])}, {r[k]['peak_mem_bytes'] / 2**30:.2f}"
+                     for k in ("baseline", "mok", "mok_bwd_wgrad")]  # fmt: skip
+            yield (
+                f"| `{os.path.basename(path)}` | {env.get('gpu')} | `{env.get('commit')}` "
+                f"| {case['shape']} | {case['tokens_per_rank']} | {mode} | {' | '.join(cells)} "
+                f"| **{r['bwd_wgrad_speedup']:.2f}x** |"
+            )
+
+
+BWD_WGRAD_HEAD = (
+    "## The down weight's gradient inside the backward launch (forward + backward)\n\n"
+    "`bench_moe.py --mok-bwd-wgrad`: MoK with `MoKConfig.bwd_wgrad='down'` (the down weight's "
+    "gradient as tasks of the backward megakernel, docs/MEGAKERNEL.md) beside the default (its "
+    "grouped GEMM after the launch) and the baseline, same process, uniform routing, EP 1. Each "
+    "cell: median ms (p10-p90), peak GiB. Ratio: the default over `bwd_wgrad='down'` (> 1: the "
+    "launch's is faster). Mode: where the expert weight gradients go. Records named "
+    "`..._<name>-<build>_ab` ran several builds of the extension in one call: the file name "
+    "names the build (the commit of its csrc).\n\n"
+    "| record | GPU | commit | shape | tokens/rank | mode | baseline | mok | mok, bwd_wgrad='down' "
+    "| ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 ROUNDS_HEAD = (
     "## MoK in macrobatch rounds (forward + backward)\n\n"
     "`bench_moe.py --mok-macrobatch ROWS`: the layer with `MoKConfig.macrobatch_size=ROWS`, so a "
@@ -862,6 +896,12 @@ def main(argv=None) -> None:
         "--rounds", nargs="*", default=[], help="bench_moe.py --mok-macrobatch JSONs, one table"
     )
     p.add_argument(
+        "--bwd-wgrad",
+        nargs="*",
+        default=[],
+        help="bench_moe.py --mok-bwd-wgrad JSONs, one table",
+    )
+    p.add_argument(
         "--host",
         nargs="*",
         default=[],
@@ -912,6 +952,8 @@ def main(argv=None) -> None:
                   *engine_summary(records)]  # fmt: skip
     if args.rounds:
         parts += ["", ROUNDS_HEAD, *rounds_rows(args.rounds)]
+    if args.bwd_wgrad:
+        parts += ["", BWD_WGRAD_HEAD, *bwd_wgrad_rows(args.bwd_wgrad)]
     if args.compare:
         parts += ["", *compare_tables(args.compare)]
     if args.breakdown:

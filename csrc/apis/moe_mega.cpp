@@ -441,7 +441,8 @@ std::vector<at::Tensor> moe_mega_backward(
     const at::Tensor& w_down, const std::optional<at::Tensor>& shared_dx,
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t minibatch,
     int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch,
-    bool trace, int64_t cluster, int64_t round) {
+    bool trace, int64_t cluster, int64_t round,
+    const std::optional<at::Tensor>& wgrad_down, bool wgrad_accumulate) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(d_out, "d_out", at::kBFloat16, 2);
@@ -491,6 +492,21 @@ std::vector<at::Tensor> moe_mega_backward(
   c10::cuda::CUDAGuard guard(d_out.device());
   const cudaStream_t stream = stream_of(d_out);
   const int grid = mega_grid(d_out, num_sms, num_comm_sms, cluster, true, "bwd_num_comm_sms");
+  if (wgrad_down.has_value()) {
+    const at::Tensor& dw = *wgrad_down;
+    TORCH_CHECK(dw.scalar_type() == (wgrad_accumulate ? at::kFloat : at::kBFloat16),
+                "mok::moe_mega_backward: wgrad_down must be bf16 (stored) or, with "
+                "wgrad_accumulate, float32 (main_grad, added into), not ", dw.scalar_type(),
+                wgrad_accumulate ? " added into" : " stored");
+    TORCH_CHECK(dw.device() == d_out.device() && dw.is_contiguous() && dw.dim() == 3 &&
+                    dw.size(0) == e_l && dw.size(1) == lay.hidden && dw.size(2) == inter,
+                "mok::moe_mega_backward: wgrad_down ", dw.sizes(), " must be a contiguous [E_l, "
+                "H, I] = [", e_l, ", ", lay.hidden, ", ", inter, "] tensor on d_out's device");
+    TORCH_CHECK(rounds == 1 && cluster == 1,
+                "mok::moe_mega_backward: the down weight's gradient inside the launch "
+                "(MoKConfig.bwd_wgrad='down') runs in one macrobatch round without clusters "
+                "(rounds=", rounds, ", cluster=", cluster, "); use bwd_wgrad='off'");
+  }
 
   const auto bf16 = d_out.options();
   std::vector<at::Tensor> out(kBackwardNumFields);
@@ -527,6 +543,21 @@ std::vector<at::Tensor> moe_mega_backward(
   a.w_rows = plan[kPlan_w_rows].data_ptr<float>();
   a.rw_partials = partials.data_ptr<float>();
   a.round = rounds == 1 ? -1 : static_cast<int>(round);
+  // The down weight's gradient in the launch: its B rows first (a buffer alive for the launch).
+  at::Tensor wgrad_b, wgrad_starts;
+  if (wgrad_down.has_value()) {
+    wgrad_b = at::empty({shape.wgrad_b_rows(), inter}, bf16);
+    wgrad_starts = at::empty({e_l}, opts(d_out, at::kInt));
+    const int32_t* ends = plan[kPlan_offs].data_ptr<int32_t>();
+    launch::moe_wgrad_b_rows(act_ring.data_ptr(), plan[kPlan_w_rows].data_ptr<float>(), ends,
+                             static_cast<int>(e_l), shape.wgrad_b_rows(), inter,
+                             wgrad_starts.data_ptr<int32_t>(), wgrad_b.data_ptr(), stream);
+    a.wgrad_b = wgrad_b.data_ptr();
+    a.wgrad_ends = ends;
+    a.wgrad_b_starts = wgrad_starts.data_ptr<int32_t>();
+    a.wgrad_out = wgrad_down->data_ptr();
+    a.wgrad_mode = wgrad_accumulate ? layout::kWgradAddF32 : layout::kWgradStore;
+  }
   launch::moe_megakernel(a, stream);
 
   out[kBackward_d_x] = at::empty({last_call ? d_out.size(0) : 0, lay.hidden}, bf16);

@@ -4,6 +4,7 @@
 #include "launch/grid.h"
 #include "mok/comm/barrier.cuh"
 #include "mok/layout/mega.cuh"
+#include "mok/roles/row_grad.cuh"
 #include "mok/roles/slot_combine.cuh"
 #include "mok/scheduler/plan.cuh"
 
@@ -110,6 +111,69 @@ void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float*
       lay, comm.my_base, topk, weights, num_experts,
       static_cast<const __nv_bfloat16*>(shared_out), static_cast<__nv_bfloat16*>(out),
       num_tokens);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+namespace {
+
+// One thread: each expert's first B row, its group's rows rounded up to kWgradRowAlign after the
+// previous expert's (E_l is small: a few hundred at most).
+__global__ void wgrad_b_starts(const int32_t* ends, int num_local_experts, int32_t* starts) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  constexpr int32_t kAlign = layout::kWgradRowAlign;
+  int32_t row = 0, begin = 0;
+  for (int e = 0; e < num_local_experts; ++e) {
+    starts[e] = row;
+    row += (ends[e] - begin + kAlign - 1) / kAlign * kAlign;
+    begin = ends[e];
+  }
+}
+
+// Grid-stride over B's 16-byte vectors: row `row` belongs to the last expert e whose start is at
+// or before it (experts without rows share the next one's start and own none); it is ring row
+// begin_e + row - starts[e] while that lies in e's group, else zeros.
+__global__ void wgrad_b_fill(const __nv_bfloat16* act, const float* w_rows, const int32_t* ends,
+                             const int32_t* starts, int num_local_experts, int64_t b_rows,
+                             int64_t inter, __nv_bfloat16* b) {
+  const int64_t vecs = inter / 8, n = b_rows * vecs;
+  const uint4* act_vecs = reinterpret_cast<const uint4*>(act);
+  uint4* b_vecs = reinterpret_cast<uint4*>(b);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vecs, v = i % vecs;
+    int lo = 0, hi = num_local_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (starts[mid] <= row) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int64_t begin = lo > 0 ? ends[lo - 1] : 0;
+    const int64_t ring_row = begin + (row - starts[lo]);
+    uint4 out = make_uint4(0, 0, 0, 0);
+    if (ring_row < ends[lo]) {
+      out = row_grad::scale_bf16x8(act_vecs[ring_row * vecs + v], w_rows[ring_row]);
+    }
+    b_vecs[i] = out;
+  }
+}
+
+}  // namespace
+
+void moe_wgrad_b_rows(const void* act_ring, const float* w_rows, const int32_t* ends,
+                      int num_local_experts, int64_t b_rows, int64_t inter, int32_t* starts,
+                      void* b, cudaStream_t stream) {
+  MOK_HOST_CHECK(num_local_experts >= 1 && inter % 8 == 0 && b_rows >= 0,
+                 "moe_wgrad_b_rows: num_local_experts=%d >= 1 and inter=%lld a multiple of 8",
+                 num_local_experts, static_cast<long long>(inter));
+  wgrad_b_starts<<<1, 1, 0, stream>>>(ends, num_local_experts, starts);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  if (b_rows == 0) return;
+  wgrad_b_fill<<<grid_for(b_rows * inter / 8), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(act_ring), w_rows, ends, starts, num_local_experts,
+      b_rows, inter, static_cast<__nv_bfloat16*>(b));
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -42,4 +42,13 @@ void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float*
 void moe_sum_row_partials(const float* partials, int64_t parts, const int64_t* row_tok,
                           float* d_row_w, int64_t rows, cudaStream_t stream);
 
+// The backward megakernel's down-weight gradient operand B (MegaArgs::wgrad_b): each expert's rows
+// of bf16(w * a) (act_ring [ring, inter] times w_rows, rounded once as weighted_rows does) from row
+// starts[e] on, zeros after them up to the next multiple of layout::kWgradRowAlign and after the
+// last expert's; starts [E_l] int32 is written first, from the group ends `ends` [E_l] int32.
+// b [b_rows, inter] with b_rows = MegaShape::wgrad_b_rows().
+void moe_wgrad_b_rows(const void* act_ring, const float* w_rows, const int32_t* ends,
+                      int num_local_experts, int64_t b_rows, int64_t inter, int32_t* starts,
+                      void* b, cudaStream_t stream);
+
 }  // namespace mok::launch

@@ -52,6 +52,27 @@ typename Mainloop::Params gemm_params(const void* a, int a_rows, const void* b, 
   return params;
 }
 
+// TMA descriptors of the down weight's gradient (gemm::MegaMainloopWgrad): A (M = H, K = ring
+// rows) over d_rows [ring, H], M-major; B (N = I, K = B rows) over wgrad_b [b_rows, I], N-major.
+// NOTE: A and B have different K extents: each from a problem with its own K, as gemm_params
+// takes B's from another problem.
+typename gemm::MegaMainloopWgrad::Params wgrad_params(const void* d_rows, int ring,
+                                                     const void* b, int b_rows, int h, int i) {
+  using Mainloop = gemm::MegaMainloopWgrad;
+  using Element = gemm::Element;
+  const auto of = [&](int k) {
+    const typename Mainloop::Arguments args{
+        static_cast<const Element*>(d_rows),
+        cute::make_stride(cute::Int<1>{}, int64_t{h}, int64_t{h} * ring),
+        static_cast<const Element*>(b),
+        cute::make_stride(cute::Int<1>{}, int64_t{i}, int64_t{i} * b_rows)};
+    return Mainloop::to_underlying_arguments(cute::make_shape(h, i, k, 1), args, nullptr);
+  };
+  typename Mainloop::Params params = of(ring);
+  params.tma_load_b = of(b_rows).tma_load_b;
+  return params;
+}
+
 // The FP8 forward's operands (MegaArgs::fp8).
 void check_fp8_args(const MegaArgs& a) {
   const layout::MegaShape& s = a.shape;
@@ -176,9 +197,27 @@ void check_args(const MegaArgs& a) {
                    "backward megakernel: round=%d of %lld macrobatch rounds; a backward of several "
                    "rounds launches once per round, each naming its round",
                    a.round, static_cast<long long>(s.num_rounds()));
+    const bool wgrad = a.wgrad_mode != layout::kWgradNone;
+    MOK_HOST_CHECK(a.wgrad_mode >= layout::kWgradNone && a.wgrad_mode <= layout::kWgradAddF32 &&
+                       wgrad == (a.wgrad_b != nullptr) && wgrad == (a.wgrad_ends != nullptr) &&
+                       wgrad == (a.wgrad_b_starts != nullptr) &&
+                       wgrad == (a.wgrad_out != nullptr),
+                   "backward megakernel: the down weight's gradient (wgrad_mode=%d) takes "
+                   "wgrad_b, wgrad_ends, wgrad_b_starts and wgrad_out, or mode 0 and none of them",
+                   a.wgrad_mode);
+    MOK_HOST_CHECK(!wgrad || (s.num_rounds() == 1 && a.cluster_ctas == 1),
+                   "backward megakernel: the down weight's gradient in the launch "
+                   "(MoKConfig.bwd_wgrad='down') runs in one macrobatch round without clusters "
+                   "(rounds=%lld, cluster_ctas=%d); use bwd_wgrad='off'",
+                   static_cast<long long>(s.num_rounds()), a.cluster_ctas);
+    MOK_HOST_CHECK(!wgrad || (aligned16(a.wgrad_b) && aligned16(a.wgrad_out)),
+                   "backward megakernel: wgrad_b and wgrad_out must be 16-byte aligned");
   } else {
     MOK_HOST_CHECK(a.round == -1, "forward megakernel: round=%d; the forward runs every round "
                    "in one launch (round=-1)", a.round);
+    MOK_HOST_CHECK(a.wgrad_mode == layout::kWgradNone && a.wgrad_b == nullptr &&
+                       a.wgrad_out == nullptr,
+                   "forward megakernel: the down weight's gradient is the backward's");
     MOK_HOST_CHECK(a.dh_ring == nullptr && a.w_rows == nullptr && a.rw_partials == nullptr,
                    "forward megakernel: dh_ring, w_rows and rw_partials are the backward's only");
   }
@@ -247,6 +286,16 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.w_rows = a.w_rows == nullptr ? nullptr : a.w_rows + ring_base;
   p.rw_partials = a.rw_partials;
   p.rw_parts = p.l1_ntiles;
+  p.wgrad = a.wgrad_mode;
+  p.wgrad_mtiles = to_int32(s.wgrad_mtiles(), "wgrad_mtiles");
+  p.wgrad_ntiles = to_int32(s.wgrad_ntiles(), "wgrad_ntiles");
+  p.wgrad_ends = a.wgrad_ends;
+  p.wgrad_b_starts = a.wgrad_b_starts;
+  p.wgrad_out = a.wgrad_out;
+  if (p.wgrad) {  // the gradient's elements and B's rows are addressed in 64 bits, rows in 32
+    (void)to_int32(s.wgrad_b_rows(), "wgrad_b_rows");
+    (void)to_int32(s.wgrad_tasks(), "wgrad_tasks");
+  }
   p.row_src = a.row_src + ring_base;
   p.row_dst = a.row_dst + ring_base;
   p.tile_count = a.tile_count + base;
@@ -339,6 +388,14 @@ kernels::MegaKernelParams<kBackward, kCluster> kernel_params(const MegaArgs& a) 
   if constexpr (kBackward) {
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.x_ring, ring, a.w_down, i, h, e);
     kp.gemm.l2 = gemm_params<kBackward, Mainloop>(a.dh_ring, ring, a.w_gate_up, h, 2 * i, e);
+    if (a.wgrad_mode != layout::kWgradNone) {
+      kp.gemm.wgrad = wgrad_params(a.x_ring, ring, a.wgrad_b,
+                                   to_int32(a.shape.wgrad_b_rows(), "wgrad_b_rows"), h, i);
+    }
+    if (a.wgrad_mode == layout::kWgradAddF32) {
+      kp.gemm.wgrad_reduce =
+          gemm::make_wgrad_reduce_tma(static_cast<float*>(a.wgrad_out), e, h, i);
+    }
   } else if (a.rows_in_place) {  // x_ring unused: A's ring descriptor over the token rows
     const int rows = to_int32(a.token_rows, "token_rows");
     kp.gemm.l1 = gemm_params<kBackward, Mainloop>(a.rows, rows, a.w_gate_up, 2 * i, h, e);

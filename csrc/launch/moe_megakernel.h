@@ -64,6 +64,21 @@ struct MegaArgs {
   void* dh_ring = nullptr;                // [ring_rows, 2I]: d_h, the L2 dgrad + SwiGLU backward
   const float* w_rows = nullptr;          // [R * ring_rows]: each row's router weight (0: padding)
   float* rw_partials = nullptr;           // [ring_rows, shape.dgrad_ntiles()]: <m, a> per n-tile
+  // The down weight's gradient inside the launch (MoKConfig.bwd_wgrad="down"; one round, clusters
+  // of 1; all null: none): each expert's [H, I] = d_rows^T B over its rows, tasks after the data
+  // gradients' (roles/megakernel_tasks.cuh, phase D), each tile one CTA's, K in the rows' order
+  // from the expert's first row in 64-row k-tiles, as grouped_gemm_tn.
+  const void* wgrad_b = nullptr;          // [shape.wgrad_b_rows(), I] bf16: bf16(w * a) of each
+                                          // expert's rows from row wgrad_b_starts[e] on, zeros
+                                          // after them up to the next multiple of
+                                          // layout::kWgradRowAlign
+  const int32_t* wgrad_ends = nullptr;    // [E_l]: each expert's group end in the ring (its rows:
+                                          // [end of e - 1, end of e), the plan's groups)
+  const int32_t* wgrad_b_starts = nullptr;  // [E_l]: multiples of kWgradRowAlign
+  void* wgrad_out = nullptr;              // [E_l, H, I]: bf16 (stored) or float32 (added
+                                          // into: main_grad)
+  int wgrad_mode = 0;                     // a roles::MegaWgradOut: what the tiles do with
+                                          // wgrad_out (0: no such tasks)
 
   // ---- the FP8 forward's (fp8: MoKConfig.expert_precision="fp8_blockwise", roles/
   // megakernel_fp8.cuh): w_gate_up / w_down are then the weights' e4m3 (128, 128)-block copies,

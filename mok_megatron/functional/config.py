@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "CUDA_FORWARDS",
+__all__ = ["MoKConfig", "AUTO", "AUTO_FALLBACKS", "BWD_SCHEDULES", "BWD_WGRADS", "CUDA_FORWARDS",
            "DEFAULT_WAIT_TIMEOUT_MS", "ENGINE_STEPS", "EXPERT_GEMMS", "EXPERT_PRECISIONS",
            "FP8_BACKWARDS", "FWD_ROWS", "MEGAKERNEL_CLUSTERS", "MOK_ROW_ALIGN", "KNOB_USERS", "LayerDims",
            "engine_step_list",
@@ -46,6 +46,9 @@ BWD_SCHEDULES = ("macrobatch",)
 CUDA_FORWARDS = ("auto", "megakernel", "stage1")
 #: The CUDA backend's backward paths (MoKConfig.cuda_backward).
 CUDA_BACKWARDS = ("auto", "megakernel", "stage1")
+#: The weight gradients the backward megakernel computes inside its launch (MoKConfig.bwd_wgrad):
+#: none ("off"), or the down weight's ("down").
+BWD_WGRADS = ("off", "down")
 #: CTAs per cluster of the megakernels (MoKConfig.megakernel_cluster; layout::kMaxClusterCtas).
 MEGAKERNEL_CLUSTERS = (1, 2)
 #: How the forward megakernel's L1 tiles get their token rows (MoKConfig.fwd_rows).
@@ -78,6 +81,7 @@ KNOB_USERS = {
     "macrobatch_size": ("cuda/stage1", "cuda/megakernel"),
     "cuda_forward": ("cuda/stage1", "cuda/megakernel"),
     "cuda_backward": ("cuda/megakernel",),
+    "bwd_wgrad": ("cuda/megakernel",),
     "megakernel_cluster": ("cuda/megakernel",),
     "fwd_rows": ("cuda/megakernel",),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
@@ -139,6 +143,16 @@ class MoKConfig:
         "1), 'megakernel' (that, or an error saying why it cannot run) or 'stage1' (the "
         "sequence of kernels). The weight gradients are stage 1's grouped GEMMs either way; "
         "after a stage-1 forward the backward is stage 1's.",
+    )
+    bwd_wgrad: str = _knob(
+        "off",
+        "Weight gradients the backward megakernel computes inside its launch: 'off' (all of "
+        "them stage 1's grouped GEMMs after it) or 'down' (the down weight's, as tasks after "
+        "its data-gradient tasks, each tile one CTA's over the expert's rows in order, bitwise "
+        "the engine's grouped GEMM; stored, or added into main_grad). 'down' needs the "
+        "backward megakernel in one macrobatch round with megakernel_cluster=1: a backward in "
+        "rounds, or stage 1's, runs the grouped GEMM as with 'off'. Off by default until it is "
+        "timed faster (docs/MEGAKERNEL.md).",
     )
     expert_gemm: str = _knob(
         "auto",
@@ -240,6 +254,11 @@ class MoKConfig:
                 f"MoKConfig.cuda_backward={self.cuda_backward!r} must be one of "
                 f"{CUDA_BACKWARDS}; 'auto' picks the backward megakernel where it can run"
             )
+        if self.bwd_wgrad not in BWD_WGRADS:
+            raise ValueError(
+                f"MoKConfig.bwd_wgrad={self.bwd_wgrad!r} must be one of {BWD_WGRADS}; 'off' is "
+                "the default"
+            )
         cluster = self.megakernel_cluster
         if type(cluster) is not int or cluster not in MEGAKERNEL_CLUSTERS:
             raise ValueError(
@@ -253,6 +272,20 @@ class MoKConfig:
                     f"MoKConfig.{name}={value} must be a multiple of megakernel_cluster={cluster} "
                     f"(so that a cluster's CTAs start their tasks together); try {value + 1}"
                 )
+        if self.bwd_wgrad != "off" and (
+            self.cuda_backward == "stage1"
+            or self.cuda_forward == "stage1"
+            or cluster != 1
+            or self.expert_precision != "bf16"
+        ):
+            raise ValueError(
+                f"MoKConfig.bwd_wgrad={self.bwd_wgrad!r} is the backward megakernel's, bf16 "
+                f"experts without clusters (cuda_forward={self.cuda_forward!r}, cuda_backward="
+                f"{self.cuda_backward!r}, megakernel_cluster={cluster}, expert_precision="
+                f"{self.expert_precision!r}); set cuda_forward='megakernel' or 'auto', "
+                "cuda_backward='auto' or 'megakernel', megakernel_cluster=1 and "
+                "expert_precision='bf16', or bwd_wgrad='off'"
+            )
         if self.cuda_backward == "megakernel" and self.cuda_forward == "stage1":
             raise ValueError(
                 "MoKConfig.cuda_backward='megakernel' needs the megakernel's forward (it reads "

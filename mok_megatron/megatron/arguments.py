@@ -180,6 +180,10 @@ def _known_choices(name: str) -> tuple | None:
         from mok_megatron.functional.config import CUDA_BACKWARDS
 
         return CUDA_BACKWARDS
+    if name == "bwd_wgrad":
+        from mok_megatron.functional.config import BWD_WGRADS
+
+        return BWD_WGRADS
     if name == "expert_precision":
         from mok_megatron.functional.config import EXPERT_PRECISIONS
 

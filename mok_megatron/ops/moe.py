@@ -116,7 +116,11 @@ MEGA_PHASES = {
     1: ("L1 task waiting for its rows to land", "minibatch", "arrive"),
     2: ("L2 task waiting for its m-tile's L1 tasks", "m-tile", "l1_done"),
     3: ("end-of-round barrier", "round", "grid barrier"),
-    4: ("backward: L2-dgrad task waiting for its d_out rows to land", "minibatch", "arrive"),
+    4: (
+        "backward: L2-dgrad (or down-weight-gradient) task waiting for its d_out rows to land",
+        "minibatch",
+        "arrive",
+    ),
     5: ("backward: L1-dgrad task waiting for its m-tile's L2-dgrad tasks", "m-tile", "l1_done"),
     6: ("backward: end-of-round barrier", "round", "grid barrier"),
     9: ("cluster mailbox: a cluster's CTAs passing their tickets", "ticket", "mailbox"),
@@ -397,7 +401,8 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
 
 def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, *,
                       num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
-                      stall_minibatch=-1, trace=False, cluster=1, round=-1):  # fmt: skip
+                      stall_minibatch=-1, trace=False, cluster=1, round=-1,
+                      wgrad_down=None, wgrad_accumulate=False):  # fmt: skip
     """The data gradients of one forward pass in one op per macrobatch round: staging d_out
     (none at one rank: read in place), the backward megakernel (d_out rows pulled into the ring;
     the L2 dgrad with the SwiGLU backward and the router-weight gradient in its epilogue; the L1
@@ -412,12 +417,18 @@ def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, sh
     d_h [ring, 2I] (the round's weight-gradient rows), d_row_w [ring] float32 (the round's; 0
     on padding), and the timeline and ``cluster`` as ``moe_mega_forward``'s (a round's call
     fills its round of ``trace_tasks``).
+
+    ``wgrad_down`` [E_l, H, I] (one round, ``cluster`` 1; MoKConfig.bwd_wgrad="down"): the down
+    weight's gradient d_rows^T bf16(w * a) computed inside the launch, after the data gradients'
+    tasks, each tile by one CTA over the expert's rows in order (as ``grouped_gemm_tn``):
+    stored into it (bf16), or with ``wgrad_accumulate`` added into it (float32: main_grad), each
+    element its old value plus the tile's sum rounded once (as ``grouped_gemm_tn_accumulate``).
     """
     given = [plan[name] for name in mega_plan_fields()]
     values = torch.ops.mok.moe_mega_backward(
         d_out, topk, given, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, num_experts,
         row_capacity, minibatch, macrobatch, num_comm_sms, num_sms, stall_minibatch, trace,
-        cluster, round,
+        cluster, round, wgrad_down, wgrad_accumulate,
     )  # fmt: skip
     return dict(zip(mega_backward_fields(), values))
 
@@ -483,7 +494,8 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
 
 def _mega_backward_fake(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm,
                         num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
-                        stall_minibatch, trace=False, cluster=1, round=-1):  # fmt: skip
+                        stall_minibatch, trace=False, cluster=1, round=-1,
+                        wgrad_down=None, wgrad_accumulate=False):  # fmt: skip
     inter, hidden = w_down.shape[2], d_out.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring = shape.ring_rows

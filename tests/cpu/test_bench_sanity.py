@@ -687,6 +687,40 @@ def test_rounds_rows_render_each_contender_and_targets_read_h200_records_only(tm
     assert len(list(perf_report.target_rows([("r.json", record)]))) == 2  # fwd and fwd+bwd
 
 
+def test_bwd_wgrad_rows_render_each_case_that_timed_it(tmp_path):
+    """perf_report's table of the down weight's gradient in the backward launch (bench_moe
+    --mok-bwd-wgrad): per case with 'mok_bwd_wgrad', the three contenders' forward + backward time
+    and peak memory, the mode and the ratio; a case without it gives no row."""
+    perf_report = _script("perf_report")
+
+    def timing(ms, gib):
+        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+                "fraction_of_floor": 0.5, "peak_mem_bytes": gib * 2**30}  # fmt: skip
+
+    fwd_bwd = {"baseline": timing(9.0, 3), "mok": timing(6.0, 2),
+               "mok_bwd_wgrad": timing(5.0, 2.5), "bwd_wgrad_speedup": 1.2}  # fmt: skip
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 8192, "routing": "uniform",
+            "mok_backend": "cuda/megakernel", "fwd": {"mok": timing(2.0, 1)},
+            "fwd_bwd": fwd_bwd}  # fmt: skip
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"environment": env, "args": {"main_grad": False},
+                                "cases": [case, {**case, "fwd_bwd": {"mok": timing(6.0, 2)}}]}))  # fmt: skip
+    (row,) = perf_report.bwd_wgrad_rows([str(path)])
+    assert row == ("| `w.json` | NVIDIA H100 80GB HBM3 | `abc1234` | s | 8192 | .grad "
+                   "| 9.000 (8.900-9.100), 3.00 | 6.000 (5.900-6.100), 2.00 "
+                   "| 5.000 (4.900-5.100), 2.50 | **1.20x** |")  # fmt: skip
+
+
+def test_bench_bwd_wgrad_needs_the_megakernel_forward():
+    """--mok-bwd-wgrad without --mok-cuda-forward megakernel stops with the rule, before any
+    layer is built (MoKConfig refuses bwd_wgrad='down' after stage 1's forward)."""
+    done = subprocess.run([sys.executable, *BENCH, "--mok-bwd-wgrad", "--out", "/dev/null"],
+                          env=_env(), cwd=ROOT, timeout=300, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode != 0
+    assert "--mok-bwd-wgrad" in done.stderr and "--mok-cuda-forward megakernel" in done.stderr
+
+
 def test_wgrad_traffic_bounds_order_and_the_fused_formula():
     """scripts/wgrad_traffic.py: with main_grad, the weight gradients inside the backward launch
     (their traffic beside the whole backward's FLOPs) bound a forward + backward at least as high

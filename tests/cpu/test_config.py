@@ -16,7 +16,7 @@ def test_every_knob_is_documented_and_defaults_validate():
     names = [f.name for f in dataclasses.fields(MoKConfig)]
     assert names == ["fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
                      "schedule_capacity_multiplier", "cuda_forward", "cuda_backward",
-                     "expert_gemm",
+                     "bwd_wgrad", "expert_gemm",
                      "expert_precision", "fp8_backward", "wait_timeout_ms",
                      "bwd_schedule", "megakernel_cluster", "fwd_rows"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
@@ -41,6 +41,24 @@ def test_every_knob_is_documented_and_defaults_validate():
         (
             {"cuda_backward": "megakernel", "cuda_forward": "stage1"},
             ["cuda_backward='megakernel'", "cuda_forward='megakernel'"],
+        ),
+        ({"bwd_wgrad": "all"}, ["bwd_wgrad='all'", "'off'", "'down'"]),
+        (
+            {"bwd_wgrad": "down", "cuda_forward": "megakernel", "megakernel_cluster": 2},
+            ["bwd_wgrad='down'", "megakernel_cluster=2", "megakernel_cluster=1", "bwd_wgrad='off'"],
+        ),
+        (
+            {"bwd_wgrad": "down", "cuda_forward": "megakernel", "cuda_backward": "stage1"},
+            ["bwd_wgrad='down'", "cuda_backward='stage1'", "cuda_backward='auto'"],
+        ),
+        ({"bwd_wgrad": "down"}, ["bwd_wgrad='down'", "cuda_forward='stage1'"]),
+        (
+            {
+                "bwd_wgrad": "down",
+                "cuda_forward": "megakernel",
+                "expert_precision": "fp8_blockwise",
+            },  # fmt: skip
+            ["bwd_wgrad='down'", "expert_precision='fp8_blockwise'", "expert_precision='bf16'"],
         ),
         ({"expert_gemm": "fast"}, ["expert_gemm='fast'", "'auto'", "'l1'", "joined by"]),
         ({"expert_gemm": "l1,fp8"}, ["expert_gemm='l1,fp8'", "'wgrad'"]),

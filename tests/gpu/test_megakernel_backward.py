@@ -13,6 +13,8 @@ graph of forward and backward, the no-sync check) run it too, with the default c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_cuda_backend import (
@@ -39,6 +41,7 @@ pytestmark = [
 ]
 
 MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8, bwd_num_comm_sms=8)
+MEGA_WGRAD = dataclasses.replace(MEGA, bwd_wgrad="down")
 MEGA_STAGE1_BWD = F.MoKConfig(cuda_forward="megakernel", cuda_backward="stage1",
                               fwd_num_comm_sms=8)  # fmt: skip
 
@@ -179,6 +182,73 @@ def test_wgrad_accumulation_into_caller_buffers(backward_calls):
     assert not failures, failures
 
 
+#: Problems for the down weight's gradient inside the launch: the three shapes, and the edge
+#: cases of its K (an expert's rows): experts without rows (exact zeros), one expert with every
+#: row, dropped slots, a partial tile of I.
+WGRAD_CASES = {
+    "qwen3-30b-a3b": ([300], SHAPES["qwen3-30b-a3b"], {}),
+    "deepseek-v3": ([300], SHAPES["deepseek-v3"], {}),
+    "mixtral-8x7b": ([300], SHAPES["mixtral-8x7b"], {}),
+    "empty_experts_and_dropped_slots": ([97], (128, 64, 16, 4, 0), {"empty_slot_fraction": 0.3}),
+    "all_to_one_expert_topk1": ([120], (128, 64, 8, 1, 0), {"routing": "one_expert"}),
+    "wide_inter": ([50], (128, 640, 4, 2, 0), {}),
+    "experts_without_tokens": ([5], (128, 64, 64, 2, 0), {}),
+}
+
+
+@pytest.mark.parametrize("case", list(WGRAD_CASES))
+def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, backward_calls):
+    """MoKConfig.bwd_wgrad="down": the down weight's gradient as tasks of the backward launch,
+    each tile one CTA's over the expert's rows in 64-row k-tiles from its first row, is bitwise
+    the engine's grouped_gemm_tn after the launch (the same tiles and k order; a last k-tile's
+    rows past the expert meet zero rows of B), and every other output is the launch's without
+    them; against the oracle; bitwise run to run. Outputs poisoned (Run): an expert without rows
+    must store its zeros."""
+    tokens, shape, kwargs = WGRAD_CASES[case]
+    problem = _problem(tokens, shape, seed=17, **kwargs)
+    _, want = Run(problem, "cuda", config=MEGA, form="fused")()
+    run = Run(problem, "cuda", config=MEGA_WGRAD, form="fused")
+    _, got = run()
+    assert len(backward_calls) == 2, "the backward megakernel did not run"
+    failures = [f"{n}: not bitwise the engine's" for n in _bitwise_equal(want, got)]
+    failures += _check_accuracy(problem, got)
+    _, again = run()
+    failures += [f"repeat differs in {n}" for n in _bitwise_equal(got, again)]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("case", ["deepseek-v3", "experts_without_tokens"])
+def test_down_wgrad_in_the_launch_adds_into_caller_buffers(case, backward_calls):
+    """Into Megatron's float32 main_grad: each element its old value plus the tile's float32 sum
+    rounded once, bitwise grouped_gemm_tn_accumulate's; an expert without rows keeps its
+    buffer's bits; every other output as without the accumulators."""
+    tokens, shape, kwargs = WGRAD_CASES[case]
+    problem = _problem(tokens, shape, seed=23, **kwargs)
+    off = Run(problem, "cuda", config=MEGA, form="fused")
+    on = Run(problem, "cuda", config=MEGA_WGRAD, form="fused")
+    old = off.make_accumulators("random", seed=5)
+    want, got = _clone(old), _clone(old)
+    _, plain = off(accumulators=want)
+    _, fused = on(accumulators=got)
+    assert len(backward_calls) == 2
+    failures = [f"accumulator {i}: not bitwise the engine's"
+                for i, (a, b) in enumerate(zip(got, want))
+                if a is not None and not torch.equal(a.view(torch.int32), b.view(torch.int32))]  # fmt: skip
+    failures += [f"{n}: differs" for n in _bitwise_equal(plain, fused)]
+    assert not failures, failures
+
+
+def test_down_wgrad_in_rounds_runs_the_grouped_gemm(backward_calls):
+    """In macrobatch rounds the down weight's gradient stays the grouped GEMM after each launch
+    (bwd_wgrad is one round's): the results are bwd_wgrad='off''s, bitwise."""
+    problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=13)
+    _, want = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS), form="fused")()
+    run = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS, bwd_wgrad="down"), form="fused")
+    _, got = run()
+    assert run.rounds > 1
+    assert not _bitwise_equal(want, got)
+
+
 ROUNDS = dict(cuda_forward="megakernel", fwd_num_comm_sms=8, bwd_num_comm_sms=8,
               minibatch_size=128, macrobatch_size=256)  # fmt: skip
 
@@ -294,5 +364,7 @@ ws.buffers.stall_minibatch = 1  # the backward's comm CTAs never release minibat
 def test_a_stalled_backward_minibatch_times_out_naming_the_backward_phase(tmp_path):
     output = _child(_STALL_BACKWARD, tmp_path)
     assert "FORWARD-OK" in output and "LAUNCH-FAILED" in output, output[-3000:]
-    assert "backward: L2-dgrad task waiting for its d_out rows" in output, output[-3000:]
+    assert (
+        "backward: L2-dgrad (or down-weight-gradient) task waiting for its d_out rows" in output
+    ), output[-3000:]
     assert "minibatch 1" in output and "arrive" in output, output[-3000:]

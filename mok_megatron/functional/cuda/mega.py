@@ -16,7 +16,9 @@ backward megakernel: comm CTAs pull d_out rows into the ring, compute CTAs run L
 the SwiGLU backward and the router-weight gradient's partial sums in their epilogue, then L1-dgrad
 tiles whose rows go straight into their sources' slots; the unweighted slot sum with the shared
 expert's d_x; the rows' router-weight gradients), then the weight gradients run as stage 1's
-grouped GEMMs from the rows it returns, in stage 1's two autograd steps.
+grouped GEMMs from the rows it returns, in stage 1's two autograd steps; with
+MoKConfig.bwd_wgrad="down" the down weight's is computed inside the launch instead, as tasks after
+the data gradients' (one round).
 
 A forward of several macrobatch rounds keeps the received tokens and its act and h rings, which
 end holding the last round with rows. Its backward (``_backward_rounds``) takes the rounds last
@@ -292,13 +294,18 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
     d_shared, shared_dx = (None, None, None), None
     if shared is not None:
         d_shared, shared_dx = stage1._shared_backward(d_out, x, ctx, shared)
+    # MoKConfig.bwd_wgrad="down": the down weight's gradient inside the launch, into the caller's
+    # buffer (added) or a fresh one (stored)
+    wgrad_down = None
+    if c.bwd_wgrad == "down":
+        wgrad_down = acc_w[2] if acc_w is not None else torch.empty_like(routed.down)
     outs = mops.moe_mega_backward(
         d_out.contiguous(), sched.inputs[0], ctx.mega_plan, act.a, act.h, routed.gate_up,
         routed.down, shared_dx, comm, num_experts=ws.num_experts, row_capacity=ws.row_capacity,
         minibatch=c.minibatch_size, macrobatch=c.macrobatch_size,
         num_comm_sms=c.bwd_num_comm_sms, num_sms=ws.buffers.num_sms,
         stall_minibatch=ws.buffers.stall_minibatch, trace=ws.buffers.trace,
-        cluster=c.megakernel_cluster,
+        cluster=c.megakernel_cluster, wgrad_down=wgrad_down, wgrad_accumulate=acc_w is not None,
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_backward_trace = (outs["trace_ctas"], outs["trace_tasks"])
@@ -309,11 +316,15 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
         outs["d_row_w"], plan.token_rows, sched.recv_token_src, sched.send_to, sched.num_tokens,
         comm,
     )  # fmt: skip
-    down_rows = [(outs["d_rows"], cuda_experts.weighted_rows(act.a, w_rows, row_tok))]
+    down_rows = []
+    if wgrad_down is None:
+        down_rows.append((outs["d_rows"], cuda_experts.weighted_rows(act.a, w_rows, row_tok)))
     del outs
     act = None
-    # NOTE: yielded unnamed, its operands popped (as stage 1's step 1)
-    yield stage1._weight_grad(experts, *down_rows.pop(), offs, rounds, acc_w, 2)
+    if wgrad_down is not None:  # the launch's: into acc_w[2] (None to yield), or fresh
+        yield None if acc_w is not None else wgrad_down
+    else:  # NOTE: yielded unnamed, its operands popped (as stage 1's step 1)
+        yield stage1._weight_grad(experts, *down_rows.pop(), offs, rounds, acc_w, 2)
 
     # step 2: the gate/up weight gradient from d_h and the routed rows of x (_routed_rows)
     x_rows = _routed_rows(ws, sched, ctx, x, window, row_tok)

@@ -19,6 +19,9 @@ constexpr int kMegaThreads = 384;  // producer warpgroup + two consumer warpgrou
 static_assert(kMegaThreads == 128 + roles::kMegaConsumerThreads, "one producer warpgroup");
 constexpr size_t kMegaSmemAlign = 1024;
 constexpr size_t kMegaSmemBytes = sizeof(roles::MegaComputeStorage<false>) + kMegaSmemAlign;
+constexpr size_t kSm90MaxSmemBytes = 227 * 1024;  // dynamic shared memory of one sm_90 CTA
+static_assert(kMegaSmemBytes <= kSm90MaxSmemBytes,
+              "the BF16 megakernels' stages, queues and wgrad boxes fit one CTA");
 template <int kCluster>
 constexpr bool one_smem_size() {
   return sizeof(roles::MegaComputeStorage<true, kCluster>) ==

@@ -39,6 +39,9 @@ constexpr int kBlockM = 128;     // rows of one GEMM tile (the minibatch granula
 constexpr int kBlockN = 256;     // columns of one GEMM tile
 constexpr int kOrderBlockTiles = 16;  // m-tiles per block of a round's task order
 constexpr int kMaxClusterCtas = 2;    // CTAs per cluster of the megakernels: 1 or 2
+// The down-weight gradient's k-tile (rows of an expert per mainloop stage): each expert's B rows
+// start at a multiple of it, so a last k-tile's rows past the expert are B's zeros.
+constexpr int kWgradRowAlign = 64;
 // Whether `ctas` is a cluster size the megakernels are built for (1 or kMaxClusterCtas): the one
 // rule the op, the launcher and the occupancy query check.
 MOK_HOST_DEVICE constexpr bool valid_cluster_ctas(int64_t ctas) {
@@ -92,13 +95,28 @@ struct MegaShape {
   // gradient's partial sums per row. Its task and flag counts fit the forward's (I < 2I).
   MOK_HOST_DEVICE int64_t dgrad_ntiles() const { return ceil_div(inter, kBlockN); }
   MOK_HOST_DEVICE int64_t l2_ntiles() const { return ceil_div(hidden, kBlockN); }
+  // The backward's down-weight gradient tasks (MegaParams::wgrad): per local expert, the tiles of
+  // its [H, I] gradient, kBlockM rows of H by kBlockN columns of I, K the expert's rows.
+  MOK_HOST_DEVICE int64_t wgrad_mtiles() const { return ceil_div(hidden, kBlockM); }
+  MOK_HOST_DEVICE int64_t wgrad_ntiles() const { return ceil_div(inter, kBlockN); }
+  MOK_HOST_DEVICE int64_t wgrad_tasks() const {
+    return num_local_experts * wgrad_mtiles() * wgrad_ntiles();
+  }
+  // Rows of the down-weight gradient's B operand (bf16(w * a), the rows of each expert from a
+  // multiple of kWgradRowAlign on, zeros up to the next: launch/moe_megakernel.h, wgrad_b): the
+  // ring's rows, each expert's group padded by less than kWgradRowAlign.
+  MOK_HOST_DEVICE int64_t wgrad_b_rows() const {
+    return ring_rows() + kWgradRowAlign * num_local_experts;
+  }
   // Task records of a round at most: every block of the task order padded to kOrderBlockTiles
   // m-tiles (roles/megakernel_tasks.cuh, MegaTaskOrder::num_tasks), and each GEMM's n-tiles to a
-  // whole cluster of the largest size (a ticket's C tasks have records C ticket + rank).
+  // whole cluster of the largest size (a ticket's C tasks have records C ticket + rank); then the
+  // backward's down-weight gradient tasks where it runs them (one CTA per ticket).
   MOK_HOST_DEVICE int64_t max_tasks() const {
     const int64_t blocks = ceil_div(max_tiles(), kOrderBlockTiles);
     const auto whole = [](int64_t n) { return ceil_div(n, kMaxClusterCtas) * kMaxClusterCtas; };
-    return blocks * kOrderBlockTiles * (whole(l1_ntiles()) + whole(l2_ntiles()));
+    return blocks * kOrderBlockTiles * (whole(l1_ntiles()) + whole(l2_ntiles())) +
+           wgrad_tasks();
   }
 
   MOK_HOST_DEVICE int64_t arrive_word() const { return kCounterHeader; }
@@ -106,6 +124,16 @@ struct MegaShape {
   MOK_HOST_DEVICE int64_t counter_words() const {
     return l1_done_word() + max_tiles() * l1_ntiles();
   }
+};
+
+// What the backward's down-weight gradient tasks do with a tile (MegaParams::wgrad; the host's
+// MegaArgs::wgrad_mode): nothing (no such tasks), store it as bf16 (a fresh .grad), or add it into
+// a float32 buffer (main_grad): the old value plus the tile's float32 sum, rounded once, as
+// grouped_gemm_tn_accumulate.
+enum MegaWgradOut : int {
+  kWgradNone = 0,
+  kWgradStore = 1,
+  kWgradAddF32 = 2,
 };
 
 // The megakernel's timeline (diagnostics, scripts/megakernel_trace.py): given trace buffers, it
@@ -121,7 +149,8 @@ enum MegaTraceCta : int {
 };
 enum MegaTraceTask : int {
   kTraceTaskCta = 0,    // 1 + the CTA that ran the task
-  kTraceTaskId = 1,     // l2 << 40 | m-tile << 20 | n-tile
+  kTraceTaskId = 1,     // wgrad << 41 | l2 << 40 | m-tile << 20 | n-tile (a down-weight gradient
+                        // task: expert << 20 | its tile, n * wgrad_mtiles + m)
   kTraceTake = 2,       // the producer took the ticket
   kTraceReady = 3,      // the task's inputs were ready (its waits returned)
   kTraceGot = 4,        // the consumers got the ticket

@@ -106,10 +106,16 @@ MOK_DEVICE void pull_minibatch(const MegaParams& p, int round, int row_begin, in
   }
 }
 
-// Ring rows round `round` uses: up to the last m-tile's end (0 without tiles).
+// Ring rows round `round` uses: up to the last m-tile's end (0 without tiles). With the
+// backward's down-weight gradient tasks (MegaParams::wgrad, one round), also up to the last
+// expert's last k-tile, whose rows past the plan's rows are then zero rows (row_src -1), not
+// whatever the ring held: they meet B's zeros, and 0 * NaN would not be 0.
 MOK_DEVICE int rows_used(const MegaParams& p, int round) {
   const int num_mtiles = p.tile_count[round];
-  return num_mtiles > 0 ? p.tile(round, num_mtiles - 1).row_end : 0;
+  const int used = num_mtiles > 0 ? p.tile(round, num_mtiles - 1).row_end : 0;
+  if (!p.wgrad) return used;
+  const int last_end = p.wgrad_ends[p.num_local_experts - 1];
+  return max(used, min(p.ring_rows, last_end + layout::kWgradRowAlign));
 }
 
 // The pulling warps (the 256 threads of the consumer warpgroups, `warp` = their warp index):

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mok/common/macros.cuh"
 #include "mok/common/ptx.cuh"
@@ -38,8 +39,9 @@ using gemm::MegaMainloopOf;
 template <bool kBackward, int kCluster, bool kFp8>
 struct MegaGemmKind {
   using Mainloop = MegaMainloopOf<kBackward, kCluster>;
-  using Params = MegaGemmParamsOf<Mainloop>;
-  struct Scratch {};
+  using Params = std::conditional_t<kBackward, gemm::MegaBwdGemmParamsOf<Mainloop>,
+                                    MegaGemmParamsOf<Mainloop>>;
+  using Scratch = gemm::MegaBf16Scratch;
 };
 template <>
 struct MegaGemmKind<false, 1, true> {
@@ -108,7 +110,8 @@ struct MegaComputeStorage {
   MegaTicket row_tickets[2];  // rows in place: warp 0 -> the other producer warps, alternately
   int32_t row_tokens[layout::kBlockM];  // rows in place: each row's token of the L1 task loading
   MegaMailbox mailbox;  // clusters of 2 only
-  typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;  // the producer warp's (FP8)
+  // the producer warp's (FP8); the wgrad epilogue's boxes (BF16, both passes: one size)
+  typename MegaGemmKind<kBackward, kCluster, kFp8>::Scratch scratch;
 };
 
 // One round as this CTA sees it.
@@ -119,18 +122,34 @@ struct MegaRound {
 };
 
 // In clusters of kCluster CTAs the order is over clusters and groups of kCluster n-tiles.
+// The backward's down-weight gradient tasks (phase D: MegaTaskOrder) where it runs them.
 template <int kCluster>
 MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
+  const bool wgrad = kCluster == 1 && p.wgrad != 0;
   const MegaTaskOrder order(p.tile_count[round], (p.l1_ntiles + kCluster - 1) / kCluster,
-                            (p.l2_ntiles + kCluster - 1) / kCluster, p.num_ctas / kCluster);
+                            (p.l2_ntiles + kCluster - 1) / kCluster, p.num_ctas / kCluster,
+                            wgrad ? p.wgrad_mtiles : 0, p.wgrad_ntiles,
+                            wgrad ? p.num_local_experts : 0);
   return {round, p.generation(round), order};
+}
+
+// A down-weight gradient task's rows as the ticket carries them: expert e's ring rows [end of
+// e - 1, end of e) and, in `reserved`, its first row of B.
+MOK_DEVICE MegaTile wgrad_tile(const MegaParams& p, int expert) {
+  const int begin = expert > 0 ? p.wgrad_ends[expert - 1] : 0;
+  return {expert, begin, p.wgrad_ends[expert], p.wgrad_b_starts[expert]};
+}
+
+// Its k-tiles: the expert's rows in kWgradRowAlign-row steps (0 for an expert without rows).
+MOK_DEVICE int wgrad_ktiles(const MegaTile& tile) {
+  return (tile.row_end - tile.row_begin + layout::kWgradRowAlign - 1) / layout::kWgradRowAlign;
 }
 
 // This CTA's task of a ticket's task: n-tile kCluster n + its rank in the cluster (in a cluster,
 // it may lie past the GEMM's n-tiles: see consume_task), and the task's trace record slot.
 template <int kCluster>
 MOK_DEVICE MegaTask cta_task(const MegaTask& task) {
-  return {task.l2, task.tile, task.n * kCluster + cluster_rank<kCluster>()};
+  return {task.l2, task.tile, task.n * kCluster + cluster_rank<kCluster>(), task.wgrad};
 }
 template <int kCluster>
 MOK_DEVICE int trace_slot(int ticket) {
@@ -229,6 +248,29 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
   if constexpr (kFp8) {  // the weight scales do not wait for the task's inputs
     gemm::stage_weight_scales(task.l2 ? gp.l2 : gp.l1, tile.expert, task.n, storage.scratch);
   }
+  if constexpr (kBackward && kCluster == 1) {
+    if (task.wgrad) {
+      // Its A rows landed: the expert's, and a last k-tile's past them (to the ring's end, where
+      // TMA zero-fills), every minibatch covering them pulled (comm_round pulls that far).
+      const int k_tiles = wgrad_ktiles(tile);
+      const int k_end = min(tile.row_begin + k_tiles * layout::kWgradRowAlign, p.ring_rows);
+      const int mb_first = tile.row_begin / p.minibatch_rows;
+      const int num_mb = k_end > tile.row_begin ? (k_end - 1) / p.minibatch_rows - mb_first + 1
+                                                : 0;
+      wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
+                    {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
+      if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
+      if (leader) {
+        const gemm::MegaWgradLoad load{tile.row_begin,           tile.reserved,
+                                       task.n % p.wgrad_mtiles, task.n / p.wgrad_mtiles,
+                                       k_tiles,                  rd.round};
+        gemm::load_wgrad_task(p, gp.wgrad, pipeline, state, gemm::wgrad_smem(smem), load);
+      }
+      state.advance(k_tiles);
+      __syncwarp();
+      return;
+    }
+  }
   if (!task.l2) {
     const gemm::MegaLoad load{tile.row_begin, task.n,   tile.expert,
                               p.l1_n,         p.hidden, p.l1_ktiles,
@@ -306,6 +348,45 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
   }
 }
 
+// Consumers (both warpgroups): one down-weight gradient task (MegaParams::wgrad), its trace
+// records as consume_task's. An expert without rows has no k-tile: its tile is zeros (stored), or
+// nothing to add.
+template <bool kBackward, int kCluster, bool kFp8>
+CUTLASS_DEVICE void consume_wgrad_task(const MegaParams& p,
+                                       const MegaParamsKind<kBackward, kCluster, kFp8>& gp,
+                                       MegaPipelineKind<kBackward, kCluster, kFp8>& pipeline,
+                                       MegaStateKind<kBackward, kCluster, kFp8>& state,
+                                       MegaComputeStorage<kBackward, kCluster, kFp8>& storage,
+                                       const MegaRound& rd, int slot, const MegaTask& task,
+                                       const MegaTile& tile, int mma_thread_idx) {
+  const bool tracer = mma_thread_idx == 0;
+  if (tracer) {
+    trace_task(p, rd.round, slot, layout::kTraceGot);
+    trace_task(p, rd.round, slot, layout::kTraceTaskCta, 1 + blockIdx.x);
+    trace_task(p, rd.round, slot, layout::kTraceTaskId,
+               (int64_t{1} << 41) | (int64_t{task.tile} << 20) | task.n);
+  }
+  const int k_tiles = wgrad_ktiles(tile);
+  MegaAccumulators acc;
+  if (k_tiles > 0) {
+    gemm::mma_task<gemm::MegaMainloopWgrad>(gp.wgrad, pipeline, state,
+                                            gemm::wgrad_smem(storage.tensors), acc, k_tiles,
+                                            mma_thread_idx);
+  } else {
+    cute::clear(acc);
+  }
+  if (tracer) trace_task(p, rd.round, slot, layout::kTraceMmaEnd);
+  const int m_tile = task.n % p.wgrad_mtiles, n_tile = task.n / p.wgrad_mtiles;
+  if (p.wgrad == layout::kWgradStore) {
+    gemm::wgrad_epilogue(p, acc, mma_thread_idx, tile.expert, m_tile * layout::kBlockM,
+                         n_tile * layout::kBlockN);
+  } else if (k_tiles > 0) {  // kWgradAddF32
+    gemm::wgrad_reduce_epilogue(p, gp.wgrad_reduce, storage.scratch, acc, mma_thread_idx,
+                                tile.expert, m_tile, n_tile);
+  }
+  if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
+}
+
 // Consumers (both warpgroups): one task's mainloop and epilogue.
 // NOTE: the epilogue's stores stay here, though both warpgroups (and the tensor cores) wait for
 // them. Commit 05618ca made the stores nothing in the launch waits for (the second GEMM's rows, the
@@ -335,7 +416,8 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
     trace_task(p, rd.round, slot, layout::kTraceGot);
     trace_task(p, rd.round, slot, layout::kTraceTaskCta, 1 + blockIdx.x);
     trace_task(p, rd.round, slot, layout::kTraceTaskId,
-               (int64_t{task.l2} << 40) | (int64_t{task.tile} << 20) | task.n);
+               (int64_t{task.wgrad} << 41) | (int64_t{task.l2} << 40) |
+                   (int64_t{task.tile} << 20) | task.n);
   }
   const int k_tiles = task.l2 ? p.l2_ktiles : p.l1_ktiles;
   if (gemm::consumer_rows_idle(mma_thread_idx, rows)) {
@@ -475,7 +557,9 @@ CUTLASS_DEVICE void producer_role(const MegaParams& p,
         const MegaTask task = last ? MegaTask{} : rd.order.decode(t);
         const bool runs = !last && !rd.order.skipped(task);
         if (!last && !runs) continue;
-        const MegaTile tile = runs ? p.tile(rd.round, task.tile) : MegaTile{};
+        const MegaTile tile = !runs       ? MegaTile{}
+                              : task.wgrad ? wgrad_tile(p, task.tile)
+                                           : p.tile(rd.round, task.tile);
         const MegaTicket entry{tile, cta_task<kCluster>(task), trace_slot<kCluster>(t), last};
         if (leader) {
           gemm::acquire_slot(p, queue, queue_state, round);
@@ -546,12 +630,21 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
       queue.consumer_release(queue_state);
       if (entry.end) break;
       if (entry.task.l2 && p.stall_l2_cta == static_cast<int>(blockIdx.x)) stall_forever();  // tests
+      if constexpr (kBackward && kCluster == 1) {
+        if (entry.task.wgrad) {
+          consume_wgrad_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage, rd,
+                                                        entry.slot, entry.task, entry.tile,
+                                                        mma_thread_idx);
+          continue;
+        }
+      }
       consume_task<kBackward, kCluster, kFp8>(p, gp, pipeline, state, storage.tensors, rd,
                                               entry.slot, entry.task, entry.tile, mma_thread_idx);
     }
     if (round + 1 < p.num_rounds) round_barrier(p, rd.gen, round);
   }
   if constexpr (kFp8) gemm::fp8_turns_end(mma_thread_idx);
+  if constexpr (kBackward && kCluster == 1) gemm::wgrad_reduce_drain(mma_thread_idx);
   if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
 }
 

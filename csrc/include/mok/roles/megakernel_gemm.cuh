@@ -50,14 +50,19 @@ using MegaLaunchCluster = cute::Shape<cute::Int<kCluster>, cute::_1, cute::_1>;
 // The non-array TMA + wgmma collective (MainloopSm90TmaGmmaWarpSpecialized) for B [N, K] of
 // layout LayoutB: ColumnMajor (K contiguous, the forward's) or RowMajor (N contiguous, the
 // backward's: the same tile and schedule). In a cluster of C > 1 its A loads are multicast.
-template <class LayoutB, int kCluster>
+template <class LayoutB, int kCluster, class LayoutA = RowMajor>
 using MegaMainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, RowMajor, kAlignment, Element,
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element,
     LayoutB, kAlignment, Accumulator, MegaTileShape, MegaClusterShape<kCluster>,
     cutlass::gemm::collective::StageCountAutoCarveout<kMegaSmemCarveout>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 using MegaMainloop = MegaMainloopFor<ColumnMajor, 1>;
 using MegaMainloopNN = MegaMainloopFor<RowMajor, 1>;
+// The backward's down-weight gradient (one CTA per task): A = the d_out rows transposed (M = H,
+// K = rows: M-major, ColumnMajor) and B = bf16(w * a) rows (N = I, K = rows: N-major, RowMajor),
+// as grouped_gemm_tn's operands. Same tile, stages and pipeline as the data gradients' mainloop;
+// its own shared-memory layouts (MN-major swizzle atoms) over the same bytes (wgrad_smem).
+using MegaMainloopWgrad = MegaMainloopFor<RowMajor, 1, ColumnMajor>;
 using MegaPipeline = typename MegaMainloop::MainloopPipeline;
 using MegaPipelineState = typename MegaMainloop::PipelineState;
 using MegaTiledMma = typename MegaMainloop::TiledMma;
@@ -80,6 +85,26 @@ constexpr bool one_pipeline_and_smem() {
 static_assert(one_pipeline_and_smem<1>() && one_pipeline_and_smem<layout::kMaxClusterCtas>(),
               "both passes' mainloops, in every cluster size: one pipeline type and the same "
               "shared memory");
+static_assert(std::is_same_v<typename MegaMainloopWgrad::MainloopPipeline, MegaPipeline> &&
+                  sizeof(typename MegaMainloopWgrad::TensorStorage) ==
+                      sizeof(typename MegaMainloop::TensorStorage) &&
+                  cute::cosize_v<typename MegaMainloopWgrad::SmemLayoutA> ==
+                      cute::cosize_v<typename MegaMainloop::SmemLayoutA> &&
+                  MegaMainloopWgrad::TmaTransactionBytes == MegaMainloop::TmaTransactionBytes,
+              "the weight-gradient mainloop shares the data gradients' stages: one pipeline, the "
+              "same shared memory, A's stages first and B's after at the same offsets, and the "
+              "same bytes per stage");
+static_assert(cute::size<2>(MegaTileShape{}) == layout::kWgradRowAlign,
+              "the weight gradient's B rows are aligned to its k-tile (layout/mega.cuh)");
+
+// The data gradients' stages seen as the weight-gradient mainloop's (the same bytes: A's stages
+// at the start, B's after them, in both).
+template <class TensorStorage>
+CUTLASS_DEVICE typename MegaMainloopWgrad::TensorStorage& wgrad_smem(TensorStorage& smem) {
+  static_assert(sizeof(TensorStorage) == sizeof(typename MegaMainloopWgrad::TensorStorage),
+                "one stage layout in bytes");
+  return *reinterpret_cast<typename MegaMainloopWgrad::TensorStorage*>(&smem);
+}
 
 // The two GEMMs' TMA descriptors (forward L1: x_ring, w_gate_up; L2: act_ring, w_down;
 // backward first: d_ring, w_down; second: d_h_ring, w_gate_up).
@@ -89,6 +114,42 @@ struct MegaGemmParamsOf {
   typename Mainloop::Params l2;
 };
 using MegaGemmParams = MegaGemmParamsOf<MegaMainloop>;
+// The down weight's gradient added into float32 main_grad (MegaParams::wgrad kWgradAddF32) by TMA
+// reduce-add (wgrad_reduce_epilogue): boxes of one consumer warp's rows of a tile (kWgradEpiRows
+// of H: a wgmma fragment's warp holds 16 rows) by kWgradEpiCols columns of I, staged in shared
+// memory, row-major, each warp's own.
+constexpr int kWgradEpiRows = 16;
+constexpr int kWgradEpiCols = 16;
+constexpr int kWgradEpiBuffers = 2;  // per warp: one filling while the other drains
+constexpr int kConsumerWarps = 8;
+using WgradEpiSmemLayout =
+    cute::Layout<cute::Shape<cute::Int<kWgradEpiRows>, cute::Int<kWgradEpiCols>>,
+                 cute::Stride<cute::Int<kWgradEpiCols>, cute::_1>>;
+// Its descriptor over main_grad [E_l, H, I] float32, as (H, I, E_l) coordinates.
+inline auto make_wgrad_reduce_tma(float* acc, int num_experts, int hidden, int inter) {
+  using namespace cute;
+  Tensor g = make_tensor(make_gmem_ptr(acc),
+                         make_layout(make_shape(hidden, inter, num_experts),
+                                     make_stride(int64_t{inter}, _1{}, int64_t{hidden} * inter)));
+  return make_tma_copy(SM90_TMA_REDUCE_ADD{}, g, WgradEpiSmemLayout{});
+}
+using MegaWgradReduceTma = decltype(make_wgrad_reduce_tma(nullptr, 1, 64, 16));
+
+// The BF16 megakernels' own shared memory beside the stages (MegaComputeStorage::scratch; both
+// passes have it, so that one size serves both): the wgrad epilogue's staging boxes.
+struct MegaBf16Scratch {
+  alignas(128) float wgrad_boxes[kConsumerWarps][kWgradEpiBuffers][kWgradEpiRows * kWgradEpiCols];
+};
+
+// The backward's: its two data gradients and the down weight's gradient (wgrad: A = x_ring, the
+// d_out rows; B = MegaArgs::wgrad_b).
+template <class Mainloop>
+struct MegaBwdGemmParamsOf {
+  typename Mainloop::Params l1;
+  typename Mainloop::Params l2;
+  typename MegaMainloopWgrad::Params wgrad;
+  MegaWgradReduceTma wgrad_reduce;  // main_grad's (kWgradAddF32)
+};
 
 // One task's operands: A rows [row_begin, row_begin + 128) of the ring, n-tile `n_tile` of
 // expert `expert`'s B [n_size, k_size]; k_tiles = ceil(k_size / 64); `round` for a timeout's
@@ -197,6 +258,57 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
     } else {
       copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
     }
+    copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+    ++state;
+  }
+}
+
+// One down-weight gradient task's operands (MegaParams::wgrad): expert rows from ring row
+// k_begin on (A: the d_out rows of x_ring, transposed) and from B row b_begin on, tile m_tile of
+// H by n_tile of I; k_tiles = ceil(the expert's rows / kWgradRowAlign).
+struct MegaWgradLoad {
+  int k_begin;
+  int b_begin;
+  int m_tile;
+  int n_tile;
+  int k_tiles;
+  int round;
+};
+
+// Producer (one thread, as load_task): issues one down-weight gradient task's k-tiles. A last
+// k-tile's rows past the expert are the next expert's d_out rows (or zero rows the comm CTAs
+// pulled, or TMA's zeros past the ring) times B's zero rows: each such product is 0, and the tile
+// sums the expert's rows only, as grouped_gemm_tn, whose k-tiles start at the same row.
+CUTLASS_DEVICE void load_wgrad_task(const roles::MegaParams& p,
+                                    typename MegaMainloopWgrad::Params const& mp,
+                                    MegaPipeline& pipeline, MegaPipelineState state,
+                                    typename MegaMainloopWgrad::TensorStorage& smem,
+                                    const MegaWgradLoad& load) {
+  using namespace cute;
+  using Mainloop = MegaMainloopWgrad;
+  // (M, K) coordinate tensors whatever the majors (load_task's NOTE): A (H, ring rows), B (I, its
+  // rows); their K extents only shape the tiling, the descriptors bound every access.
+  const int b_rows = p.ring_rows + layout::kWgradRowAlign * p.num_local_experts;
+  Tensor mA = mp.tma_load_a.get_tma_tensor(make_shape(p.hidden, p.ring_rows, 1));
+  Tensor mB = mp.tma_load_b.get_tma_tensor(make_shape(p.inter, b_rows, 1));
+  Tensor gA = local_tile(domain_offset(make_coord(0, load.k_begin), mA(_, _, 0)),
+                         select<0, 2>(MegaTileShape{}), make_coord(load.m_tile, _));
+  Tensor gB = local_tile(domain_offset(make_coord(0, load.b_begin), mB(_, _, 0)),
+                         select<1, 2>(MegaTileShape{}), make_coord(load.n_tile, _));
+  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
+  auto block_tma_a = mp.tma_load_a.get_slice(0);
+  auto block_tma_b = mp.tma_load_b.get_slice(0);
+  Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
+  Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
+  Tensor tBgB = block_tma_b.partition_S(gB);
+  Tensor tBsB = block_tma_b.partition_D(sB);
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < load.k_tiles; ++k) {
+    acquire_slot(p, pipeline, state, load.round);  // arms the bytes
+    auto* full = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
     copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
     ++state;
   }
@@ -375,8 +487,12 @@ using MegaAccumulators =
 static_assert(std::is_same_v<MegaAccumulators,
                              decltype(cute::partition_fragment_C(
                                  typename MegaMainloopNN::TiledMma{},
-                                 cute::take<0, 2>(MegaTileShape{})))>,
-              "both mainloops' accumulators are one fragment type");
+                                 cute::take<0, 2>(MegaTileShape{})))> &&
+                  std::is_same_v<MegaAccumulators,
+                                 decltype(cute::partition_fragment_C(
+                                     typename MegaMainloopWgrad::TiledMma{},
+                                     cute::take<0, 2>(MegaTileShape{})))>,
+              "every mainloop's accumulators are one fragment type");
 
 // Consumers (both warpgroups, 256 threads): the collective's mainloop over one task's k-tiles,
 // then its tail (all wgmma done, every slot released); advances `state` past them.
@@ -682,6 +798,88 @@ CUTLASS_DEVICE void l2_epilogue(const roles::MegaParams& p, const Accumulators& 
       if (d.slot != nullptr) store16(d.slot + col, v);
     });
   }
+}
+
+// The down-weight gradient's epilogue (consumers), stored (MegaParams::wgrad kWgradStore): acc is
+// rows [m0, m0 + kBlockM) of H by columns [n0, n0 + kBlockN) of I of expert `expert`'s gradient,
+// stored as bf16 into wgrad_out (round to nearest even, 16 bytes a lane as l2_epilogue).
+CUTLASS_DEVICE void wgrad_epilogue(const roles::MegaParams& p, const MegaAccumulators& acc,
+                                   int mma_thread_idx, int expert, int m0, int n0) {
+  auto coords = thread_coords(mma_thread_idx);
+  const int q = static_cast<int>(threadIdx.x % 4);
+  CUTLASS_PRAGMA_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int row = m0 + cute::get<0>(coords(2 * half));
+    const bool live = row < p.hidden;
+    const int64_t first = (static_cast<int64_t>(expert) * p.hidden + row) * p.inter;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.wgrad_out) + first;
+    for_each_raw_group(acc, half, [&](int g, uint4 v) {
+      const int col = n0 + (4 * g + q) * kFragBlockCols;
+      if (live && col < p.inter) store16(out + col, v);
+    });
+  }
+}
+
+// The down-weight gradient's epilogue into float32 main_grad (kWgradAddF32): each consumer warp
+// stages its 16 rows of the tile kWgradEpiCols columns at a time in shared memory and hands each
+// box to one TMA reduce-add (the L2 adds it: each element its old value + the tile's sum,
+// rounded once, as grouped_gemm_tn_accumulate's epilogue), then goes on: the read-modify-write
+// of main_grad drains while the SM runs its next tasks. Only a box's shared memory is waited
+// for, kWgradEpiBuffers boxes later; a warp syncs only with itself.
+// NOTE: a consumer-side read-modify-write (1d1712d, f38445e: each thread's column pairs loaded,
+// added and stored) held both warpgroups for the whole tile's HBM round trip, about 10 us of 128
+// KB read and written per tile on one SM: the layer's forward + backward into main_grad took
+// 7.83 ms against 6.41 with the grouped GEMM after the launch (qwen3-30b-a3b, 8192 tokens, one
+// H100). Boxes of a warpgroup's 64 rows (999790f), two named barriers of 128 threads a box,
+// were level with the grouped GEMM there (docs/perf_notes.md, session 39).
+// NOTE: every box's reduce has read its box before the CTA ends: wgrad_reduce_drain.
+CUTLASS_DEVICE void wgrad_reduce_epilogue(const roles::MegaParams& p,
+                                          const MegaWgradReduceTma& tma, MegaBf16Scratch& scratch,
+                                          const MegaAccumulators& acc, int mma_thread_idx,
+                                          int expert, int m_tile, int n_tile) {
+  using namespace cute;
+  const int warp = mma_thread_idx / 32;  // rows [16 warp, 16 warp + 16) of the tile
+  const int lane = mma_thread_idx % 32;
+  const bool issuer = lane == 0;
+  const int q = lane % 4;
+  auto coords = thread_coords(mma_thread_idx);
+  Tensor mC = tma.get_tma_tensor(make_shape(p.hidden, p.inter, p.num_local_experts));
+  constexpr int kBoxes = layout::kBlockN / kWgradEpiCols;
+  constexpr int kBlocksPerBox = kWgradEpiCols / kFragBlockCols;
+  static_assert(kConsumerWarps * kWgradEpiRows == layout::kBlockM, "a box row block per warp");
+  CUTLASS_PRAGMA_UNROLL
+  for (int b = 0; b < kBoxes; ++b) {
+    float* box = scratch.wgrad_boxes[warp][b % kWgradEpiBuffers];
+    // the box's buffer is free: the reduce that read it last (kWgradEpiBuffers boxes ago, this
+    // task's or the last one's) has read it
+    if (issuer) tma_store_wait<kWgradEpiBuffers - 1>();
+    __syncwarp();
+    CUTLASS_PRAGMA_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int row = get<0>(coords(2 * half)) - kWgradEpiRows * warp;  // of the warp's 16
+      CUTLASS_PRAGMA_UNROLL
+      for (int jj = 0; jj < kBlocksPerBox; ++jj) {
+        const int i = 2 * half + kFragPartner * (kBlocksPerBox * b + jj);
+        *reinterpret_cast<float2*>(box + row * kWgradEpiCols + jj * kFragBlockCols + 2 * q) =
+            make_float2(acc(i), acc(i + 1));
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // this thread's writes, to the TMA's proxy
+    __syncwarp();
+    if (issuer) {
+      Tensor s_box = make_tensor(make_smem_ptr(box), WgradEpiSmemLayout{});
+      Tensor g_box = local_tile(mC(_, _, expert), WgradEpiSmemLayout{}.shape(),
+                                make_coord(m_tile * kConsumerWarps + warp, n_tile * kBoxes + b));
+      auto cta_tma = tma.get_slice(Int<0>{});
+      copy(tma, cta_tma.partition_S(s_box), cta_tma.partition_D(g_box));
+      tma_store_arrive();
+    }
+  }
+}
+
+// Consumers, before the CTA ends: every reduce-add this thread issued has read its box.
+CUTLASS_DEVICE void wgrad_reduce_drain(int mma_thread_idx) {
+  if (mma_thread_idx % 32 == 0) cute::tma_store_wait<0>();
 }
 
 }  // namespace mok::gemm

@@ -21,6 +21,7 @@ namespace mok::roles {
 
 using layout::MegaPhase;
 using layout::MegaTile;
+using layout::MegaWgradOut;
 
 // Everything the megakernels' roles read, derived on the host from launch::MegaArgs. "l1" and
 // "l2" name a pass's first and second GEMM (the backward's are the L2 and the L1 dgrads).
@@ -95,6 +96,18 @@ struct MegaParams {
   const float* local_token_scales;  // one rank: x's (1, 128) scales [T, H / 128] beside its
                                     // quantised rows in place (local_tokens), or null
 
+  // ---- the backward's down-weight gradient tasks (launch/moe_megakernel.h, MegaArgs::wgrad_*;
+  // 0 / null: none). Expert e's gradient [H, I] = d_rows^T bf16(w * a) over its ring rows
+  // [end of e - 1, wgrad_ends[e]), K in kWgradRowAlign-row k-tiles from its first row: A the
+  // d_out rows of x_ring, B its rows of wgrad_b from wgrad_b_starts[e] (zeros past its rows).
+  int wgrad;                   // a MegaWgradOut: each round's tasks end with the wgrad tasks
+                               // (one round), their tiles into wgrad_out so; 0 (kWgradNone)
+  int wgrad_mtiles;            // tiles of H (kBlockM rows)
+  int wgrad_ntiles;            // tiles of I (kBlockN columns)
+  const int32_t* wgrad_ends;   // [E_l]: each expert's group end in the ring (window offsets)
+  const int32_t* wgrad_b_starts;  // [E_l]: each expert's first row of B
+  void* wgrad_out;             // [E_l, H, I]: bf16 or float32 as `wgrad` says
+
   // ---- diagnostics: the timeline (layout/mega.cuh, MegaTraceCta / MegaTraceTask), or null
   int64_t* trace_ctas;         // [num_ctas, kTraceCtaWords]
   int64_t* trace_tasks;        // [R, max_tasks, kTraceTaskWords]
@@ -116,10 +129,13 @@ struct MegaParams {
 
 // One task: L1 (m-tile, n-tile of 2I) or L2 (m-tile, n-tile of H). A task of a padding m-tile
 // (tile >= the round's m-tiles, see MegaTaskOrder) is skipped by producer and consumers alike.
+// The backward's down-weight gradient task (wgrad): tile is the expert, n its tile of the
+// expert's [H, I] gradient, n * wgrad_mtiles + m (m-tile of H, n-tile of I).
 struct MegaTask {
   bool l2;
   int tile;
   int n;
+  bool wgrad = false;
 };
 
 using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
@@ -146,22 +162,39 @@ using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 // L = min(nb, max(1, ceil(G / (16 n1)))) keeps about one wave of L1 tasks ahead of the L2 tasks.
 // In clusters of C CTAs the order is over clusters: n1, n2 count n-tiles in groups of C (a task's
 // n is the group, the cluster's CTA of rank c runs n-tile C n + c) and G counts clusters.
+// D (the backward with MegaParams::wgrad): the down-weight gradient tasks after C, expert by
+// expert, each expert's tiles n-major (m, the tile of H, fastest): a wave of tasks then reads the
+// expert's A (its d_out rows) whole, which L2 holds, and a few n-tiles of B. m-major streamed
+// all of the expert's B again for every m-tile (mixtral-8x7b's B is 58 MB an expert). D reads
+// only pulled rows and B, made before the launch, so it waits on no task.
+// NOTE: D in chunks after each step of phase B instead (d2dd0f4, 510d1b6), so that the
+// HBM-bound epilogues ran beside the data gradients' mainloops on other SMs, was no faster:
+// slower with the consumers' own read-modify-write of main_grad (8.59 against 7.83 ms for
+// qwen3-30b-a3b's forward + backward into main_grad on one H100), level with the TMA
+// reduce-add epilogue (docs/perf_notes.md, session 39).
 struct MegaTaskOrder {
   int num_mtiles;
   int n1;
   int n2;
   int num_blocks;
   int lag;
+  int wg_per_expert;  // D: tiles per expert (0: no phase D)
+  int wg_tasks;
 
-  MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_ctas)
+  MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_ctas, int wg_mtiles = 0,
+                           int wg_ntiles = 0, int wg_experts = 0)
       : num_mtiles(num_mtiles_), n1(n1_), n2(n2_) {
     num_blocks = (num_mtiles + kOrderBlockTiles - 1) / kOrderBlockTiles;
     const int block_l1 = kOrderBlockTiles * n1;
     lag = min(num_blocks, max(1, (num_ctas + block_l1 - 1) / block_l1));
+    wg_per_expert = wg_mtiles * wg_ntiles;
+    wg_tasks = wg_per_expert * wg_experts;
   }
 
-  // Tickets of the round, padding tasks included.
-  MOK_DEVICE int num_tasks() const { return num_blocks * kOrderBlockTiles * (n1 + n2); }
+  // Tickets of phases A to C, padding tasks included.
+  MOK_DEVICE int dgrad_tasks() const { return num_blocks * kOrderBlockTiles * (n1 + n2); }
+  // Tickets of the round.
+  MOK_DEVICE int num_tasks() const { return dgrad_tasks() + wg_tasks; }
 
   // Task i (n-tile-major) of block b's L1 or L2 tasks.
   MOK_DEVICE static MegaTask in_block(bool l2, int b, int i) {
@@ -169,6 +202,8 @@ struct MegaTaskOrder {
   }
 
   MOK_DEVICE MegaTask decode(int t) const {
+    const int d = t - dgrad_tasks();
+    if (d >= 0) return {false, d / wg_per_expert, d % wg_per_expert, true};  // phase D
     const int l1_block = kOrderBlockTiles * n1, l2_block = kOrderBlockTiles * n2;
     const int phase_a = lag * l1_block;
     if (t < phase_a) return in_block(false, t / l1_block, t % l1_block);
@@ -183,7 +218,9 @@ struct MegaTaskOrder {
     return in_block(true, num_blocks - lag + v / l2_block, v % l2_block);
   }
 
-  MOK_DEVICE bool skipped(const MegaTask& task) const { return task.tile >= num_mtiles; }
+  MOK_DEVICE bool skipped(const MegaTask& task) const {
+    return !task.wgrad && task.tile >= num_mtiles;
+  }
 };
 
 // ---- the timeline (diagnostics; each a no-op without trace buffers)
