@@ -67,7 +67,8 @@ TORCH_LIBRARY(mok, m) {
       "Tensor h_ring, Tensor w_gate_up, Tensor w_down, Tensor? shared_dx, int[] comm, "
       "int num_experts, int row_capacity, int minibatch, int macrobatch, int num_comm_sms, "
       "int num_sms, int stall_minibatch, bool trace=False, int cluster=1, int round=-1, "
-      "Tensor(a!)? wgrad_down=None, bool wgrad_accumulate=False) -> Tensor[]");
+      "Tensor(a!)? wgrad_down=None, bool wgrad_accumulate=False, bool wgrad_interleave=False) "
+      "-> Tensor[]");
   m.def("moe_gather_routing(Tensor topk, Tensor weights, int[] comm) -> (Tensor, Tensor)");
   m.def("routing_to_topk(Tensor probs, Tensor routing_map, int topk) -> (Tensor, Tensor)");
   m.def(

@@ -93,8 +93,10 @@ def parse_args(argv=None):
         "--mok-bwd-wgrad",
         action="store_true",
         help="also time MoK's forward + backward with MoKConfig.bwd_wgrad='down' (the down "
-        "weight's gradient inside the backward megakernel's launch), as 'mok_bwd_wgrad', in the "
-        "same process, beside the default (its grouped GEMM after the launch)",
+        "weight's gradient inside the backward megakernel's launch, after its data-gradient "
+        "tasks) and 'down_interleaved' (among them), as 'mok_bwd_wgrad' and "
+        "'mok_bwd_wgrad_interleaved', in the same process, beside the default (its grouped GEMM "
+        "after the launch)",
     )
     p.add_argument(
         "--mok-pull",
@@ -512,6 +514,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_stage1_bwd", layer, {"cuda_backward": "stage1"}))
         if args.mok_bwd_wgrad and backward:
             contenders.append(("mok_bwd_wgrad", layer, {"bwd_wgrad": "down"}))
+            contenders.append(
+                ("mok_bwd_wgrad_interleaved", layer, {"bwd_wgrad": "down_interleaved"})
+            )
         if args.mok_pull:
             contenders.append(("mok_pull", layer, {"fwd_rows": "pull"}))
         if args.mok_cluster2:
@@ -593,6 +598,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result["rounds_bwd_speedup"] = _ratio(result, "mok_rounds_stage1_bwd", "mok_rounds")
         if "mok_bwd_wgrad" in result:  # > 1: the down weight's gradient in the launch wins
             result["bwd_wgrad_speedup"] = _ratio(result, "mok", "mok_bwd_wgrad")
+            result["bwd_wgrad_interleaved_speedup"] = _ratio(
+                result, "mok", "mok_bwd_wgrad_interleaved"
+            )
         if "mok_stage1_bwd" in result:  # > 1: the backward megakernel beats stage 1's
             result["stage1_bwd_speedup"] = _ratio(result, "mok_stage1_bwd", "mok")
         # > 1: MoK's default expert GEMMs beat this setting
@@ -735,6 +743,8 @@ def _report(case, name, tokens, routing) -> None:
         engine += f", pingpong weight gradients: fwd+bwd {fb['wgrad_pingpong_speedup']:.2f}x"
     if "bwd_wgrad_speedup" in fb:
         engine += f", down weight's gradient in the launch: fwd+bwd {fb['bwd_wgrad_speedup']:.2f}x"
+        if "bwd_wgrad_interleaved_speedup" in fb:
+            engine += f" ({fb['bwd_wgrad_interleaved_speedup']:.2f}x interleaved)"
     if "rounds_bwd_speedup" in fb:
         engine += (
             f", in rounds the backward megakernel vs stage 1's: {fb['rounds_bwd_speedup']:.2f}x"

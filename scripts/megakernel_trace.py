@@ -158,7 +158,7 @@ def gap_stats(tasks: list) -> dict:
     for mine in by_cta.values():
         mine.sort(key=lambda t: t["got"])
         for prev, nxt in zip(mine, mine[1:]):
-            gemm = "wgrad" if nxt["wgrad"] else "l2" if nxt["l2"] else "l1"
+            gemm = "wgrad" if nxt.get("wgrad") else "l2" if nxt["l2"] else "l1"
             gaps[gemm].append(nxt["got"] - prev["epi_end"])
             late[gemm] += nxt["take"] > prev["epi_end"]
     out = {}
@@ -194,7 +194,7 @@ def summarise(ctas, tasks, k1, k2) -> dict:
         "tasks": {
             "l1": sum(t["l2"] is False for t in tasks),
             "l2": sum(t["l2"] is True for t in tasks),
-            "wgrad": sum(t["wgrad"] for t in tasks),
+            "wgrad": sum(bool(t.get("wgrad")) for t in tasks),
         },
         "first_l1_ready_us": (first_l1 - t0) / 1e3,
         "mainloop": ktile_times(tasks, k_tiles),

@@ -200,35 +200,43 @@ def rounds_rows(paths):
 
 def bwd_wgrad_rows(paths):
     """bench_moe.py --mok-bwd-wgrad records: forward + backward of MoK with the down weight's
-    gradient inside the backward megakernel's launch ('mok_bwd_wgrad', MoKConfig.bwd_wgrad='down')
-    beside the default (its grouped GEMM after the launch) and the baseline, same process."""
+    gradient inside the backward megakernel's launch ('mok_bwd_wgrad', MoKConfig.bwd_wgrad='down';
+    'mok_bwd_wgrad_interleaved', 'down_interleaved', where the record has it) beside the default
+    (its grouped GEMM after the launch) and the baseline, same process."""
     for path, record in load(paths):
         env, mode = record["environment"], main_grad_tag(record).strip(" ()") or ".grad"
         for case in record["cases"]:
             r = case.get("fwd_bwd", {})
             if "mok_bwd_wgrad" not in r:
                 continue
-            cells = [f"{_ms(r[k])}, {r[k]['peak_mem_bytes'] / 2**30:.2f}"
-                     for k in ("baseline", "mok", "mok_bwd_wgrad")]  # fmt: skip
+            cells = [
+                f"{_ms(r[k])}, {r[k]['peak_mem_bytes'] / 2**30:.2f}" if k in r else "-"
+                for k in ("baseline", "mok", "mok_bwd_wgrad", "mok_bwd_wgrad_interleaved")
+            ]
+            ratios = [
+                f"**{r[k]:.2f}x**" if k in r else "-"
+                for k in ("bwd_wgrad_speedup", "bwd_wgrad_interleaved_speedup")
+            ]
             yield (
                 f"| `{os.path.basename(path)}` | {env.get('gpu')} | `{env.get('commit')}` "
                 f"| {case['shape']} | {case['tokens_per_rank']} | {mode} | {' | '.join(cells)} "
-                f"| **{r['bwd_wgrad_speedup']:.2f}x** |"
+                f"| {' | '.join(ratios)} |"
             )
 
 
 BWD_WGRAD_HEAD = (
     "## The down weight's gradient inside the backward launch (forward + backward)\n\n"
     "`bench_moe.py --mok-bwd-wgrad`: MoK with `MoKConfig.bwd_wgrad='down'` (the down weight's "
-    "gradient as tasks of the backward megakernel, docs/MEGAKERNEL.md) beside the default (its "
-    "grouped GEMM after the launch) and the baseline, same process, uniform routing, EP 1. Each "
-    "cell: median ms (p10-p90), peak GiB. Ratio: the default over `bwd_wgrad='down'` (> 1: the "
-    "launch's is faster). Mode: where the expert weight gradients go. Records named "
-    "`..._<name>-<build>_ab` ran several builds of the extension in one call: the file name "
-    "names the build (the commit of its csrc).\n\n"
-    "| record | GPU | commit | shape | tokens/rank | mode | baseline | mok | mok, bwd_wgrad='down' "
-    "| ratio |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "gradient as tasks of the backward megakernel after its data-gradient tasks, "
+    "docs/MEGAKERNEL.md) and, in the records that have it, `'down_interleaved'` (the same tasks "
+    "among the data gradients') beside the default (its grouped GEMM after the launch) and the "
+    "baseline, same process, uniform routing, EP 1. Each cell: median ms (p10-p90), peak GiB. "
+    "Ratios: the default over each (> 1: the launch's is faster). Mode: where the expert weight "
+    "gradients go. Records named `..._<name>-<build>_ab` ran several builds of the extension in "
+    "one call: the file name names the build (the commit of its csrc).\n\n"
+    "| record | GPU | commit | shape | tokens/rank | mode | baseline | mok | mok, 'down' "
+    "| mok, 'down_interleaved' | ratio, 'down' | ratio, interleaved |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 

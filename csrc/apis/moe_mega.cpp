@@ -442,7 +442,7 @@ std::vector<at::Tensor> moe_mega_backward(
     at::IntArrayRef comm_ints, int64_t num_experts, int64_t row_capacity, int64_t minibatch,
     int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch,
     bool trace, int64_t cluster, int64_t round,
-    const std::optional<at::Tensor>& wgrad_down, bool wgrad_accumulate) {
+    const std::optional<at::Tensor>& wgrad_down, bool wgrad_accumulate, bool wgrad_interleave) {
   const auto comm = comm_of(comm_ints);
   const auto& lay = comm.lay;
   check(d_out, "d_out", at::kBFloat16, 2);
@@ -492,6 +492,9 @@ std::vector<at::Tensor> moe_mega_backward(
   c10::cuda::CUDAGuard guard(d_out.device());
   const cudaStream_t stream = stream_of(d_out);
   const int grid = mega_grid(d_out, num_sms, num_comm_sms, cluster, true, "bwd_num_comm_sms");
+  TORCH_CHECK(wgrad_down.has_value() || !wgrad_interleave,
+              "mok::moe_mega_backward: wgrad_interleave orders the down weight's gradient tasks: "
+              "it needs wgrad_down");
   if (wgrad_down.has_value()) {
     const at::Tensor& dw = *wgrad_down;
     TORCH_CHECK(dw.scalar_type() == (wgrad_accumulate ? at::kFloat : at::kBFloat16),
@@ -557,6 +560,7 @@ std::vector<at::Tensor> moe_mega_backward(
     a.wgrad_b_starts = wgrad_starts.data_ptr<int32_t>();
     a.wgrad_out = wgrad_down->data_ptr();
     a.wgrad_mode = wgrad_accumulate ? layout::kWgradAddF32 : layout::kWgradStore;
+    a.wgrad_interleave = wgrad_interleave;
   }
   launch::moe_megakernel(a, stream);
 

@@ -80,8 +80,9 @@ std::vector<at::Tensor> moe_mega_forward(
 // d_x rows into the sources' slots, and round 0's sums the slots (d_x is [0, H] in the others).
 // `wgrad_down` (one round, cluster 1; MoKConfig.bwd_wgrad="down"): the down weight's gradient
 // [E_l, H, I] computed inside the launch, after the data gradients' tasks: stored into it (bf16),
-// or with `wgrad_accumulate` added into it (float32: main_grad); d_rows is still returned (the
-// caller's to drop).
+// or with `wgrad_accumulate` added into it (float32: main_grad); with `wgrad_interleave` its tasks
+// run among the data gradients' (MoKConfig.bwd_wgrad="down_interleaved"); d_rows is still
+// returned (the caller's to drop).
 // -> MOK_MEGA_BACKWARD_FIELDS. Collective.
 std::vector<at::Tensor> moe_mega_backward(
     const at::Tensor& d_out, const at::Tensor& topk, at::TensorList plan,
@@ -89,6 +90,7 @@ std::vector<at::Tensor> moe_mega_backward(
     const at::Tensor& w_down, const std::optional<at::Tensor>& shared_dx, at::IntArrayRef comm,
     int64_t num_experts, int64_t row_capacity, int64_t minibatch, int64_t macrobatch,
     int64_t num_comm_sms, int64_t num_sms, int64_t stall_minibatch, bool trace, int64_t cluster,
-    int64_t round, const std::optional<at::Tensor>& wgrad_down, bool wgrad_accumulate);
+    int64_t round, const std::optional<at::Tensor>& wgrad_down, bool wgrad_accumulate,
+    bool wgrad_interleave);
 
 }  // namespace mok::apis

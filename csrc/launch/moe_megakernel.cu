@@ -210,13 +210,16 @@ void check_args(const MegaArgs& a) {
                    "(MoKConfig.bwd_wgrad='down') runs in one macrobatch round without clusters "
                    "(rounds=%lld, cluster_ctas=%d); use bwd_wgrad='off'",
                    static_cast<long long>(s.num_rounds()), a.cluster_ctas);
+    MOK_HOST_CHECK(wgrad || !a.wgrad_interleave,
+                   "backward megakernel: wgrad_interleave orders the down weight's gradient "
+                   "tasks; it needs them (wgrad_mode)");
     MOK_HOST_CHECK(!wgrad || (aligned16(a.wgrad_b) && aligned16(a.wgrad_out)),
                    "backward megakernel: wgrad_b and wgrad_out must be 16-byte aligned");
   } else {
     MOK_HOST_CHECK(a.round == -1, "forward megakernel: round=%d; the forward runs every round "
                    "in one launch (round=-1)", a.round);
     MOK_HOST_CHECK(a.wgrad_mode == layout::kWgradNone && a.wgrad_b == nullptr &&
-                       a.wgrad_out == nullptr,
+                       a.wgrad_out == nullptr && !a.wgrad_interleave,
                    "forward megakernel: the down weight's gradient is the backward's");
     MOK_HOST_CHECK(a.dh_ring == nullptr && a.w_rows == nullptr && a.rw_partials == nullptr,
                    "forward megakernel: dh_ring, w_rows and rw_partials are the backward's only");
@@ -287,6 +290,7 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.rw_partials = a.rw_partials;
   p.rw_parts = p.l1_ntiles;
   p.wgrad = a.wgrad_mode;
+  p.wgrad_interleave = a.wgrad_interleave ? 1 : 0;
   p.wgrad_mtiles = to_int32(s.wgrad_mtiles(), "wgrad_mtiles");
   p.wgrad_ntiles = to_int32(s.wgrad_ntiles(), "wgrad_ntiles");
   p.wgrad_ends = a.wgrad_ends;

@@ -77,8 +77,11 @@ struct MegaArgs {
   const int32_t* wgrad_b_starts = nullptr;  // [E_l]: multiples of kWgradRowAlign
   void* wgrad_out = nullptr;              // [E_l, H, I]: bf16 (stored) or float32 (added
                                           // into: main_grad)
-  int wgrad_mode = 0;                     // a roles::MegaWgradOut: what the tiles do with
+  int wgrad_mode = 0;                     // a layout::MegaWgradOut: what the tiles do with
                                           // wgrad_out (0: no such tasks)
+  bool wgrad_interleave = false;          // those tasks among the data gradients' (in chunks),
+                                          // not after them (MoKConfig.bwd_wgrad=
+                                          // "down_interleaved")
 
   // ---- the FP8 forward's (fp8: MoKConfig.expert_precision="fp8_blockwise", roles/
   // megakernel_fp8.cuh): w_gate_up / w_down are then the weights' e4m3 (128, 128)-block copies,

@@ -47,8 +47,9 @@ CUDA_FORWARDS = ("auto", "megakernel", "stage1")
 #: The CUDA backend's backward paths (MoKConfig.cuda_backward).
 CUDA_BACKWARDS = ("auto", "megakernel", "stage1")
 #: The weight gradients the backward megakernel computes inside its launch (MoKConfig.bwd_wgrad):
-#: none ("off"), or the down weight's ("down").
-BWD_WGRADS = ("off", "down")
+#: none ("off"), or the down weight's, after the data gradients' tasks ("down") or among them
+#: ("down_interleaved").
+BWD_WGRADS = ("off", "down", "down_interleaved")
 #: CTAs per cluster of the megakernels (MoKConfig.megakernel_cluster; layout::kMaxClusterCtas).
 MEGAKERNEL_CLUSTERS = (1, 2)
 #: How the forward megakernel's L1 tiles get their token rows (MoKConfig.fwd_rows).
@@ -147,9 +148,10 @@ class MoKConfig:
     bwd_wgrad: str = _knob(
         "off",
         "Weight gradients the backward megakernel computes inside its launch: 'off' (all of "
-        "them stage 1's grouped GEMMs after it) or 'down' (the down weight's, as tasks after "
-        "its data-gradient tasks, each tile one CTA's over the expert's rows in order, bitwise "
-        "the engine's grouped GEMM; stored, or added into main_grad). 'down' needs the "
+        "them stage 1's grouped GEMMs after it), 'down' (the down weight's, as tasks after its "
+        "data-gradient tasks, each tile one CTA's over the expert's rows in order, bitwise the "
+        "engine's grouped GEMM; stored, or added into main_grad) or 'down_interleaved' (the "
+        "same tasks among the data gradients', in chunks: the same result). Either needs the "
         "backward megakernel in one macrobatch round with megakernel_cluster=1: a backward in "
         "rounds, or stage 1's, runs the grouped GEMM as with 'off'. Off by default until it is "
         "timed faster (docs/MEGAKERNEL.md).",

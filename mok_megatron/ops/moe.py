@@ -402,7 +402,8 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
 def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, *,
                       num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
                       stall_minibatch=-1, trace=False, cluster=1, round=-1,
-                      wgrad_down=None, wgrad_accumulate=False):  # fmt: skip
+                      wgrad_down=None, wgrad_accumulate=False,
+                      wgrad_interleave=False):  # fmt: skip
     """The data gradients of one forward pass in one op per macrobatch round: staging d_out
     (none at one rank: read in place), the backward megakernel (d_out rows pulled into the ring;
     the L2 dgrad with the SwiGLU backward and the router-weight gradient in its epilogue; the L1
@@ -422,13 +423,14 @@ def moe_mega_backward(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, sh
     weight's gradient d_rows^T bf16(w * a) computed inside the launch, after the data gradients'
     tasks, each tile by one CTA over the expert's rows in order (as ``grouped_gemm_tn``):
     stored into it (bf16), or with ``wgrad_accumulate`` added into it (float32: main_grad), each
-    element its old value plus the tile's sum rounded once (as ``grouped_gemm_tn_accumulate``).
+    element its old value plus the tile's sum rounded once (as ``grouped_gemm_tn_accumulate``);
+    ``wgrad_interleave``: its tasks among the data gradients' rather than after them.
     """
     given = [plan[name] for name in mega_plan_fields()]
     values = torch.ops.mok.moe_mega_backward(
         d_out, topk, given, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm, num_experts,
         row_capacity, minibatch, macrobatch, num_comm_sms, num_sms, stall_minibatch, trace,
-        cluster, round, wgrad_down, wgrad_accumulate,
+        cluster, round, wgrad_down, wgrad_accumulate, wgrad_interleave,
     )  # fmt: skip
     return dict(zip(mega_backward_fields(), values))
 
@@ -495,7 +497,8 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
 def _mega_backward_fake(d_out, topk, plan, act_ring, h_ring, w_gate_up, w_down, shared_dx, comm,
                         num_experts, row_capacity, minibatch, macrobatch, num_comm_sms, num_sms,
                         stall_minibatch, trace=False, cluster=1, round=-1,
-                        wgrad_down=None, wgrad_accumulate=False):  # fmt: skip
+                        wgrad_down=None, wgrad_accumulate=False,
+                        wgrad_interleave=False):  # fmt: skip
     inter, hidden = w_down.shape[2], d_out.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring = shape.ring_rows

@@ -690,7 +690,8 @@ def test_rounds_rows_render_each_contender_and_targets_read_h200_records_only(tm
 def test_bwd_wgrad_rows_render_each_case_that_timed_it(tmp_path):
     """perf_report's table of the down weight's gradient in the backward launch (bench_moe
     --mok-bwd-wgrad): per case with 'mok_bwd_wgrad', the three contenders' forward + backward time
-    and peak memory, the mode and the ratio; a case without it gives no row."""
+    and peak memory, the mode and the ratio ('-' for the interleaved contender the record lacks);
+    a case without it gives no row."""
     perf_report = _script("perf_report")
 
     def timing(ms, gib):
@@ -709,7 +710,7 @@ def test_bwd_wgrad_rows_render_each_case_that_timed_it(tmp_path):
     (row,) = perf_report.bwd_wgrad_rows([str(path)])
     assert row == ("| `w.json` | NVIDIA H100 80GB HBM3 | `abc1234` | s | 8192 | .grad "
                    "| 9.000 (8.900-9.100), 3.00 | 6.000 (5.900-6.100), 2.00 "
-                   "| 5.000 (4.900-5.100), 2.50 | **1.20x** |")  # fmt: skip
+                   "| 5.000 (4.900-5.100), 2.50 | - | **1.20x** | - |")  # fmt: skip
 
 
 def test_bench_bwd_wgrad_needs_the_megakernel_forward():

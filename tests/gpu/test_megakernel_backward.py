@@ -42,6 +42,11 @@ pytestmark = [
 
 MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8, bwd_num_comm_sms=8)
 MEGA_WGRAD = dataclasses.replace(MEGA, bwd_wgrad="down")
+#: The down-weight gradient's task orders: after the data gradients' tasks, or among them.
+WGRAD_ORDERS = {
+    "last": MEGA_WGRAD,
+    "interleaved": dataclasses.replace(MEGA, bwd_wgrad="down_interleaved"),
+}
 MEGA_STAGE1_BWD = F.MoKConfig(cuda_forward="megakernel", cuda_backward="stage1",
                               fwd_num_comm_sms=8)  # fmt: skip
 
@@ -196,18 +201,22 @@ WGRAD_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(WGRAD_CASES))
-def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, backward_calls):
+@pytest.mark.parametrize(
+    "case,order",
+    [(case, "last") for case in WGRAD_CASES]
+    + [(case, "interleaved") for case in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")],
+)
+def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, order, backward_calls):
     """MoKConfig.bwd_wgrad="down": the down weight's gradient as tasks of the backward launch,
     each tile one CTA's over the expert's rows in 64-row k-tiles from its first row, is bitwise
     the engine's grouped_gemm_tn after the launch (the same tiles and k order; a last k-tile's
     rows past the expert meet zero rows of B), and every other output is the launch's without
     them; against the oracle; bitwise run to run. Outputs poisoned (Run): an expert without rows
-    must store its zeros."""
+    must store its zeros. "down_interleaved" (the tasks among the data gradients'): the same."""
     tokens, shape, kwargs = WGRAD_CASES[case]
     problem = _problem(tokens, shape, seed=17, **kwargs)
     _, want = Run(problem, "cuda", config=MEGA, form="fused")()
-    run = Run(problem, "cuda", config=MEGA_WGRAD, form="fused")
+    run = Run(problem, "cuda", config=WGRAD_ORDERS[order], form="fused")
     _, got = run()
     assert len(backward_calls) == 2, "the backward megakernel did not run"
     failures = [f"{n}: not bitwise the engine's" for n in _bitwise_equal(want, got)]
@@ -217,15 +226,18 @@ def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, back
     assert not failures, failures
 
 
-@pytest.mark.parametrize("case", ["deepseek-v3", "experts_without_tokens"])
-def test_down_wgrad_in_the_launch_adds_into_caller_buffers(case, backward_calls):
+@pytest.mark.parametrize(
+    "case,order",
+    [("deepseek-v3", "last"), ("experts_without_tokens", "last"), ("deepseek-v3", "interleaved")],
+)
+def test_down_wgrad_in_the_launch_adds_into_caller_buffers(case, order, backward_calls):
     """Into Megatron's float32 main_grad: each element its old value plus the tile's float32 sum
     rounded once, bitwise grouped_gemm_tn_accumulate's; an expert without rows keeps its
     buffer's bits; every other output as without the accumulators."""
     tokens, shape, kwargs = WGRAD_CASES[case]
     problem = _problem(tokens, shape, seed=23, **kwargs)
     off = Run(problem, "cuda", config=MEGA, form="fused")
-    on = Run(problem, "cuda", config=MEGA_WGRAD, form="fused")
+    on = Run(problem, "cuda", config=WGRAD_ORDERS[order], form="fused")
     old = off.make_accumulators("random", seed=5)
     want, got = _clone(old), _clone(old)
     _, plain = off(accumulators=want)

@@ -17,8 +17,8 @@ the SwiGLU backward and the router-weight gradient's partial sums in their epilo
 tiles whose rows go straight into their sources' slots; the unweighted slot sum with the shared
 expert's d_x; the rows' router-weight gradients), then the weight gradients run as stage 1's
 grouped GEMMs from the rows it returns, in stage 1's two autograd steps; with
-MoKConfig.bwd_wgrad="down" the down weight's is computed inside the launch instead, as tasks after
-the data gradients' (one round).
+MoKConfig.bwd_wgrad="down" (or "down_interleaved") the down weight's is computed inside the launch
+instead, as tasks after (or among) the data gradients' (one round).
 
 A forward of several macrobatch rounds keeps the received tokens and its act and h rings, which
 end holding the last round with rows. Its backward (``_backward_rounds``) takes the rounds last
@@ -297,7 +297,7 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
     # MoKConfig.bwd_wgrad="down": the down weight's gradient inside the launch, into the caller's
     # buffer (added) or a fresh one (stored)
     wgrad_down = None
-    if c.bwd_wgrad == "down":
+    if c.bwd_wgrad != "off":
         wgrad_down = acc_w[2] if acc_w is not None else torch.empty_like(routed.down)
     outs = mops.moe_mega_backward(
         d_out.contiguous(), sched.inputs[0], ctx.mega_plan, act.a, act.h, routed.gate_up,
@@ -306,6 +306,7 @@ def backward_steps(ws, sched: MoKSchedule, ctx: stage1.CudaContext, d_out, x, ro
         num_comm_sms=c.bwd_num_comm_sms, num_sms=ws.buffers.num_sms,
         stall_minibatch=ws.buffers.stall_minibatch, trace=ws.buffers.trace,
         cluster=c.megakernel_cluster, wgrad_down=wgrad_down, wgrad_accumulate=acc_w is not None,
+        wgrad_interleave=c.bwd_wgrad == "down_interleaved",
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_backward_trace = (outs["trace_ctas"], outs["trace_tasks"])

@@ -110,13 +110,14 @@ struct MegaShape {
   }
   // Task records of a round at most: every block of the task order padded to kOrderBlockTiles
   // m-tiles (roles/megakernel_tasks.cuh, MegaTaskOrder::num_tasks), and each GEMM's n-tiles to a
-  // whole cluster of the largest size (a ticket's C tasks have records C ticket + rank); then the
-  // backward's down-weight gradient tasks where it runs them (one CTA per ticket).
+  // whole cluster of the largest size (a ticket's C tasks have records C ticket + rank); and the
+  // backward's down-weight gradient tasks where it runs them (one CTA per ticket; interleaved,
+  // in chunks whose last is padded).
   MOK_HOST_DEVICE int64_t max_tasks() const {
     const int64_t blocks = ceil_div(max_tiles(), kOrderBlockTiles);
     const auto whole = [](int64_t n) { return ceil_div(n, kMaxClusterCtas) * kMaxClusterCtas; };
     return blocks * kOrderBlockTiles * (whole(l1_ntiles()) + whole(l2_ntiles())) +
-           wgrad_tasks();
+           wgrad_tasks() + blocks;  // + interleaved D's last chunk's padding (< one per block)
   }
 
   MOK_HOST_DEVICE int64_t arrive_word() const { return kCounterHeader; }

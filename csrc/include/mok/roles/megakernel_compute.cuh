@@ -129,7 +129,7 @@ MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
   const MegaTaskOrder order(p.tile_count[round], (p.l1_ntiles + kCluster - 1) / kCluster,
                             (p.l2_ntiles + kCluster - 1) / kCluster, p.num_ctas / kCluster,
                             wgrad ? p.wgrad_mtiles : 0, p.wgrad_ntiles,
-                            wgrad ? p.num_local_experts : 0);
+                            wgrad ? p.num_local_experts : 0, p.wgrad_interleave != 0);
   return {round, p.generation(round), order};
 }
 

@@ -100,8 +100,10 @@ struct MegaParams {
   // 0 / null: none). Expert e's gradient [H, I] = d_rows^T bf16(w * a) over its ring rows
   // [end of e - 1, wgrad_ends[e]), K in kWgradRowAlign-row k-tiles from its first row: A the
   // d_out rows of x_ring, B its rows of wgrad_b from wgrad_b_starts[e] (zeros past its rows).
-  int wgrad;                   // a MegaWgradOut: each round's tasks end with the wgrad tasks
+  int wgrad;                   // a MegaWgradOut: each round's tasks include the wgrad tasks
                                // (one round), their tiles into wgrad_out so; 0 (kWgradNone)
+  int wgrad_interleave;        // 1: among the data gradients' tasks, else after them
+                               // (MegaTaskOrder, phase D)
   int wgrad_mtiles;            // tiles of H (kBlockM rows)
   int wgrad_ntiles;            // tiles of I (kBlockN columns)
   const int32_t* wgrad_ends;   // [E_l]: each expert's group end in the ring (window offsets)
@@ -162,16 +164,19 @@ using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 // L = min(nb, max(1, ceil(G / (16 n1)))) keeps about one wave of L1 tasks ahead of the L2 tasks.
 // In clusters of C CTAs the order is over clusters: n1, n2 count n-tiles in groups of C (a task's
 // n is the group, the cluster's CTA of rank c runs n-tile C n + c) and G counts clusters.
-// D (the backward with MegaParams::wgrad): the down-weight gradient tasks after C, expert by
-// expert, each expert's tiles n-major (m, the tile of H, fastest): a wave of tasks then reads the
-// expert's A (its d_out rows) whole, which L2 holds, and a few n-tiles of B. m-major streamed
-// all of the expert's B again for every m-tile (mixtral-8x7b's B is 58 MB an expert). D reads
-// only pulled rows and B, made before the launch, so it waits on no task.
-// NOTE: D in chunks after each step of phase B instead (d2dd0f4, 510d1b6), so that the
-// HBM-bound epilogues ran beside the data gradients' mainloops on other SMs, was no faster:
-// slower with the consumers' own read-modify-write of main_grad (8.59 against 7.83 ms for
-// qwen3-30b-a3b's forward + backward into main_grad on one H100), level with the TMA
-// reduce-add epilogue (docs/perf_notes.md, session 39).
+// D (the backward with MegaParams::wgrad): the down-weight gradient tasks, expert by expert, each
+// expert's tiles n-major (m, the tile of H, fastest): a wave of tasks then reads the expert's A
+// (its d_out rows) whole, which L2 holds, and a few n-tiles of B. m-major streamed all of the
+// expert's B again for every m-tile (mixtral-8x7b's B is 58 MB an expert). D reads only pulled
+// rows and B, made before the launch, so it waits on no task. Where: after C, or with
+// MegaParams::wgrad_interleave in chunks of wg_chunk, chunk j after step j of phase B (its last
+// chunk padded with skipped tasks; all after C where B has no step), so that D's HBM-bound
+// epilogues run beside the data gradients' mainloops on other SMs.
+// NOTE: on one H100 the interleaved order was no faster than D last on qwen3-30b-a3b and
+// mixtral-8x7b (0.98x / 1.01x and 0.95x / 1.04x of the grouped GEMM against 0.99x / 1.00x,
+// docs/perf_notes.md session 39), and slower with the consumers' own read-modify-write of
+// main_grad; its case is deepseek-v3, whose down-weight gradient into main_grad moves about 30 GB
+// beside 12 ms of data-gradient work (MoKConfig.bwd_wgrad="down_interleaved" keeps it to time).
 struct MegaTaskOrder {
   int num_mtiles;
   int n1;
@@ -179,47 +184,58 @@ struct MegaTaskOrder {
   int num_blocks;
   int lag;
   int wg_per_expert;  // D: tiles per expert (0: no phase D)
+  int wg_experts;
   int wg_tasks;
+  int wg_chunk;       // interleaved: D's tasks after each step of phase B (0: all of D after C)
 
   MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_ctas, int wg_mtiles = 0,
-                           int wg_ntiles = 0, int wg_experts = 0)
-      : num_mtiles(num_mtiles_), n1(n1_), n2(n2_) {
+                           int wg_ntiles = 0, int wg_experts_ = 0, bool wg_interleave = false)
+      : num_mtiles(num_mtiles_), n1(n1_), n2(n2_), wg_experts(wg_experts_) {
     num_blocks = (num_mtiles + kOrderBlockTiles - 1) / kOrderBlockTiles;
     const int block_l1 = kOrderBlockTiles * n1;
     lag = min(num_blocks, max(1, (num_ctas + block_l1 - 1) / block_l1));
     wg_per_expert = wg_mtiles * wg_ntiles;
     wg_tasks = wg_per_expert * wg_experts;
+    const int steps = num_blocks - lag;
+    wg_chunk = wg_interleave && wg_tasks > 0 && steps > 0 ? (wg_tasks + steps - 1) / steps : 0;
   }
 
-  // Tickets of phases A to C, padding tasks included.
-  MOK_DEVICE int dgrad_tasks() const { return num_blocks * kOrderBlockTiles * (n1 + n2); }
-  // Tickets of the round.
-  MOK_DEVICE int num_tasks() const { return dgrad_tasks() + wg_tasks; }
+  // Tickets of the round, padding tasks included.
+  MOK_DEVICE int num_tasks() const {
+    const int d = wg_chunk > 0 ? wg_chunk * (num_blocks - lag) : wg_tasks;
+    return num_blocks * kOrderBlockTiles * (n1 + n2) + d;
+  }
 
   // Task i (n-tile-major) of block b's L1 or L2 tasks.
   MOK_DEVICE static MegaTask in_block(bool l2, int b, int i) {
     return {l2, b * kOrderBlockTiles + i % kOrderBlockTiles, i / kOrderBlockTiles};
   }
 
+  // Task d of phase D (d >= wg_tasks: a padding task).
+  MOK_DEVICE MegaTask wgrad_task(int d) const {
+    return {false, d / wg_per_expert, d % wg_per_expert, true};
+  }
+
   MOK_DEVICE MegaTask decode(int t) const {
-    const int d = t - dgrad_tasks();
-    if (d >= 0) return {false, d / wg_per_expert, d % wg_per_expert, true};  // phase D
     const int l1_block = kOrderBlockTiles * n1, l2_block = kOrderBlockTiles * n2;
     const int phase_a = lag * l1_block;
     if (t < phase_a) return in_block(false, t / l1_block, t % l1_block);
     const int u = t - phase_a;
-    const int step = l1_block + l2_block;
+    const int step = l1_block + l2_block + wg_chunk;
     const int phase_b = (num_blocks - lag) * step;
     if (u < phase_b) {
       const int j = u / step, w = u % step;
-      return w < l1_block ? in_block(false, lag + j, w) : in_block(true, j, w - l1_block);
+      if (w < l1_block) return in_block(false, lag + j, w);
+      if (w < l1_block + l2_block) return in_block(true, j, w - l1_block);
+      return wgrad_task(j * wg_chunk + w - l1_block - l2_block);
     }
-    const int v = u - phase_b;
-    return in_block(true, num_blocks - lag + v / l2_block, v % l2_block);
+    const int v = u - phase_b, phase_c = lag * l2_block;
+    if (v < phase_c) return in_block(true, num_blocks - lag + v / l2_block, v % l2_block);
+    return wgrad_task(v - phase_c);  // D after C (wg_chunk 0)
   }
 
   MOK_DEVICE bool skipped(const MegaTask& task) const {
-    return !task.wgrad && task.tile >= num_mtiles;
+    return task.wgrad ? task.tile >= wg_experts : task.tile >= num_mtiles;
   }
 };
 
