@@ -22,11 +22,13 @@ from test_cuda_backend import (
     ROUTED,
     SHAPES,
     Run,
+    VirtualRuns,
     _bitwise_equal,
     _check_accuracy,
     _check_against_reference,
     _clone,
     _problem,
+    _virtual_run_failures,
 )
 from test_megakernel import _child, _child_script
 
@@ -247,6 +249,22 @@ def test_down_wgrad_in_the_launch_adds_into_caller_buffers(case, order, backward
                 for i, (a, b) in enumerate(zip(got, want))
                 if a is not None and not torch.equal(a.view(torch.int32), b.view(torch.int32))]  # fmt: skip
     failures += [f"{n}: differs" for n in _bitwise_equal(plain, fused)]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("bwd_wgrad", ["down", "down_interleaved"])
+def test_down_wgrad_in_the_launch_with_virtual_ranks(bwd_wgrad):
+    """Two virtual ranks on one GPU, each rank's experts' down-weight gradient from its own ring
+    and B: against the oracle, bitwise run to run, and bitwise bwd_wgrad='off''s rank by rank."""
+    problem = _problem([150, 190], SHAPES["qwen3-30b-a3b"], seed=43)
+    base = dict(cuda_forward="megakernel", fwd_num_comm_sms=4, minibatch_size=128,
+                schedule_capacity_multiplier=2.0)  # fmt: skip
+    _, want = VirtualRuns(problem, 2, config=F.MoKConfig(**base), form="fused")()
+    on = VirtualRuns(problem, 2, config=F.MoKConfig(**base, bwd_wgrad=bwd_wgrad), form="fused")
+    failures = _virtual_run_failures(problem, on)
+    _, got = on()
+    failures += [f"rank {r}: {n} not bitwise bwd_wgrad='off''s"
+                 for r, (a, b) in enumerate(zip(want, got)) for n in _bitwise_equal(a, b)]  # fmt: skip
     assert not failures, failures
 
 
