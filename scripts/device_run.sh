@@ -22,6 +22,11 @@
 #               --mok-macrobatch, the backward megakernel in rounds against stage 1's backward
 #               after the same forward, 8192 tokens, about four rounds per shape (ROUNDS: the
 #               shape:macrobatch_size pairs)
+#   bwd_wgrad   the down weight's gradient inside the backward megakernel at EP 1 (not in the
+#               default steps): bench_moe.py --mok-bwd-wgrad (MoKConfig.bwd_wgrad 'down' and
+#               'down_interleaved' beside the default), 8192 tokens, into main_grad and in .grad
+#               mode; deepseek-v3 where the GPU has its memory, else qwen3-30b-a3b and
+#               mixtral-8x7b (BWD_WGRAD_SHAPES overrides)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
 # BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
 # BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
@@ -105,6 +110,17 @@ if step rounds; then
       --routing uniform --mok-cuda-forward megakernel --mok-macrobatch "${pair##*:}" \
       --out "$OUT/bench_rounds_$shape.json" > "$OUT/bench_rounds_$shape.log" 2>&1
     echo "[device_run] rounds $shape exit $?"; grep -E "speedup|Error" "$OUT/bench_rounds_$shape.log" | tail -3
+  done
+fi
+if step bwd_wgrad; then
+  big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+  shapes="${BWD_WGRAD_SHAPES:-$([[ $big == 1 ]] && echo deepseek-v3 || echo qwen3-30b-a3b,mixtral-8x7b)}"
+  for mode in main_grad grad; do
+    extra=""; [[ $mode == main_grad ]] && extra="--main-grad"
+    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --shapes "$shapes" --tokens 8192 \
+      --routing uniform --mok-cuda-forward megakernel --mok-bwd-wgrad $extra \
+      --out "$OUT/bench_bwd_wgrad_$mode.json" > "$OUT/bench_bwd_wgrad_$mode.log" 2>&1
+    echo "[device_run] bwd_wgrad $mode exit $?"; grep -E "speedup|Error" "$OUT/bench_bwd_wgrad_$mode.log" | tail -3
   done
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
