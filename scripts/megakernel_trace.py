@@ -76,8 +76,18 @@ def parse_args(argv=None):
         action="store_true",
         help="trace the backward megakernel (forward + backward passes)",
     )
+    p.add_argument(
+        "--bwd-wgrad",
+        default=None,
+        choices=("off", "down", "down_interleaved"),
+        help="MoKConfig.bwd_wgrad with --backward (the down weight's gradient as tasks of the "
+        "backward launch: their records are 'wgrad', with their own gaps and epilogue times)",
+    )
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.bwd_wgrad not in (None, "off") and not args.backward:
+        p.error("--bwd-wgrad orders tasks of the backward megakernel: it needs --backward")
+    return args
 
 
 def decode(trace_ctas: torch.Tensor, trace_tasks: torch.Tensor) -> tuple[list, list]:
@@ -158,7 +168,7 @@ def gap_stats(tasks: list) -> dict:
     for mine in by_cta.values():
         mine.sort(key=lambda t: t["got"])
         for prev, nxt in zip(mine, mine[1:]):
-            gemm = "wgrad" if nxt.get("wgrad") else "l2" if nxt["l2"] else "l1"
+            gemm = kind(nxt)
             gaps[gemm].append(nxt["got"] - prev["epi_end"])
             late[gemm] += nxt["take"] > prev["epi_end"]
     out = {}
@@ -181,6 +191,12 @@ def ceiling_ns_per_ktile() -> float:
     return 2 * TILE_M * TILE_N * TILE_K / per_sm * 1e9
 
 
+def kind(task: dict) -> str:
+    """A task record's GEMM: "l1" or "l2" (the pass's first or second), or "wgrad" (the
+    backward's down-weight gradient; records without the key are not)."""
+    return "wgrad" if task.get("wgrad") else "l2" if task["l2"] else "l1"
+
+
 def summarise(ctas, tasks, k1, k2) -> dict:
     """``k1`` / ``k2``: the K of the pass's first and second GEMM."""
     k_tiles = {"l1": -(-k1 // TILE_K), "l2": -(-k2 // TILE_K)}
@@ -200,9 +216,9 @@ def summarise(ctas, tasks, k1, k2) -> dict:
         "mainloop": ktile_times(tasks, k_tiles),
         "gaps": gap_stats(tasks),
         "epilogue_median_ns": {
-            g: statistics.median([t["epi_end"] - t["mma_end"] for t in tasks if t["l2"] == l2])
-            for g, l2 in (("l1", False), ("l2", True))
-            if any(t["l2"] == l2 for t in tasks)
+            g: statistics.median([t["epi_end"] - t["mma_end"] for t in tasks if kind(t) == g])
+            for g in ("l1", "l2", "wgrad")
+            if any(kind(t) == g for t in tasks)
         },  # fmt: skip
     }
 
@@ -220,6 +236,8 @@ def trace_case(name, args, rank) -> dict:
         knobs["expert_precision"] = "fp8_blockwise"
     if args.fwd_rows is not None:
         knobs["fwd_rows"] = args.fwd_rows
+    if args.bwd_wgrad is not None:
+        knobs["bwd_wgrad"] = args.bwd_wgrad
     if knobs:
         runtime.mok_config = dataclasses.replace(runtime.mok_config, **knobs)
     sets = bench_moe.make_inputs(1, args.tokens, shape, args.routing, "cuda",
@@ -253,6 +271,7 @@ def trace_case(name, args, rank) -> dict:
             "fwd_num_comm_sms": resolved.fwd_num_comm_sms,
             "minibatch_size": resolved.minibatch_size, "num_ctas": len(ctas),
             "megakernel_cluster": resolved.megakernel_cluster,
+            "bwd_wgrad": resolved.bwd_wgrad,
             "fwd_rows": resolved.fwd_rows,
             "expert_precision": resolved.expert_precision,
             "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip

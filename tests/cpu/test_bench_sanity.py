@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = [os.path.join(ROOT, "scripts", "bench_moe.py"), "--tiny", "--device", "cpu",
@@ -499,6 +500,34 @@ def test_trace_gaps_split_by_the_next_task_and_count_tickets_taken_late():
     assert gaps["l2"] == {"gaps": 2, "sum_ns": 3 + 3, "median_ns": 3, "p90_ns": 3,
                           "taken_late": 1}  # fmt: skip
     assert gaps["l1"] == {"gaps": 1, "sum_ns": 3, "median_ns": 3, "p90_ns": 3, "taken_late": 0}
+
+
+def test_trace_decodes_down_weight_gradient_tasks_apart():
+    """megakernel_trace: a task id with bit 41 set (the backward's down-weight gradient task,
+    layout/mega.cuh) decodes as 'wgrad' with l2 None and its expert as the tile; its gaps and
+    epilogue times are filed apart from the data gradients'; ids without it as before."""
+    megakernel_trace = _script("megakernel_trace")
+    from mok_megatron.ops.moe import MEGA_TRACE_CTA_FIELDS, MEGA_TRACE_TASK_FIELDS
+
+    def record(cta, task_id, take, got, mma_end, epi_end):
+        words = {"cta": cta + 1, "task": task_id, "take": take, "ready": got, "got": got,
+                 "mma_end": mma_end, "epi_end": epi_end}  # fmt: skip
+        return [words.get(k, 0) if k else 0 for k in MEGA_TRACE_TASK_FIELDS]
+
+    tasks = torch.tensor([[record(0, (1 << 40) | (3 << 20) | 2, 0, 1, 8, 10),
+                           record(0, (1 << 41) | (5 << 20) | 7, 9, 12, 20, 26),
+                           record(1, 4, 0, 2, 9, 11)]])  # fmt: skip
+    ctas = torch.tensor([[0, 0, 0, 30], [0, 0, 0, 30]])
+    assert len(MEGA_TRACE_CTA_FIELDS) == ctas.shape[1]
+    _, decoded = megakernel_trace.decode(ctas, tasks)
+    l2, wgrad, l1 = decoded
+    assert (l2["l2"], l2["wgrad"], l2["tile"], l2["n"]) == (True, False, 3, 2)
+    assert (wgrad["l2"], wgrad["wgrad"], wgrad["tile"], wgrad["n"]) == (None, True, 5, 7)
+    assert (l1["l2"], l1["wgrad"]) == (False, False)
+    assert megakernel_trace.gap_stats(decoded)["wgrad"]["sum_ns"] == 12 - 10
+    summary = megakernel_trace.summarise(megakernel_trace.decode(ctas, tasks)[0], decoded, 64, 64)
+    assert summary["tasks"] == {"l1": 1, "l2": 1, "wgrad": 1}
+    assert summary["epilogue_median_ns"] == {"l1": 2, "l2": 2, "wgrad": 6}
 
 
 def test_trace_table_has_a_gap_column_only_where_the_record_has_gaps():
