@@ -174,28 +174,39 @@ def stage1_rows(records, contender="mok_stage1", ratio="stage1_speedup",
                 )
 
 
+def _fwd_bwd_cases(paths, contender: str):
+    """(file name, record, its GPU and commit cells, mode, the forward + backward entry, case) for
+    every case of bench_moe.py records whose forward + backward timed ``contender``; mode: where
+    the expert weight gradients went (``.grad``, or main_grad)."""
+    for path, record in load(paths):
+        env, mode = record["environment"], main_grad_tag(record).strip(" ()") or ".grad"
+        head = f"| `{os.path.basename(path)}` | {env.get('gpu')} | `{env.get('commit')}` "
+        for case in record["cases"]:
+            r = case.get("fwd_bwd", {})
+            if contender in r:
+                yield head, record, mode, r, case
+
+
+def _time_mem_cells(r, keys) -> str:
+    """Each contender's "median (p10-p90), peak GiB" cell, or "-" where the entry lacks it."""
+    return " | ".join(
+        f"{_ms(r[k])}, {r[k]['peak_mem_bytes'] / 2**30:.2f}" if k in r else "-" for k in keys
+    )
+
+
 def rounds_rows(paths):
     """bench_moe.py --mok-macrobatch records: forward + backward of MoK in macrobatch rounds
     ('mok_rounds': the backward megakernel per round; 'mok_rounds_stage1_bwd': stage 1's backward
     after the same forward) beside MoK in one round and the baseline, same process: each one's
     time and peak memory."""
-    for path, record in load(paths):
-        env, mode = record["environment"], main_grad_tag(record).strip(" ()") or ".grad"
-        for case in record["cases"]:
-            r = case.get("fwd_bwd", {})
-            if "mok_rounds" not in r:
-                continue
-            cells = [
-                f"{_ms(r[k])}, {r[k]['peak_mem_bytes'] / 2**30:.2f}" if k in r else "-"
-                for k in ("baseline", "mok", "mok_rounds", "mok_rounds_stage1_bwd")
-            ]
-            ratio = r.get("rounds_bwd_speedup")
-            yield (
-                f"| `{os.path.basename(path)}` | {env.get('gpu')} | `{env.get('commit')}` "
-                f"| {case['shape']} | {case['tokens_per_rank']} "
-                f"| {record['args'].get('mok_macrobatch')} | {mode} | {' | '.join(cells)} "
-                f"| {'-' if ratio is None else f'{ratio:.2f}x'} |"
-            )
+    for head, record, mode, r, case in _fwd_bwd_cases(paths, "mok_rounds"):
+        cells = _time_mem_cells(r, ("baseline", "mok", "mok_rounds", "mok_rounds_stage1_bwd"))
+        ratio = r.get("rounds_bwd_speedup")
+        yield (
+            f"{head}| {case['shape']} | {case['tokens_per_rank']} "
+            f"| {record['args'].get('mok_macrobatch')} | {mode} | {cells} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}x'} |"
+        )
 
 
 def bwd_wgrad_rows(paths):
@@ -203,25 +214,15 @@ def bwd_wgrad_rows(paths):
     gradient inside the backward megakernel's launch ('mok_bwd_wgrad', MoKConfig.bwd_wgrad='down';
     'mok_bwd_wgrad_interleaved', 'down_interleaved', where the record has it) beside the default
     (its grouped GEMM after the launch) and the baseline, same process."""
-    for path, record in load(paths):
-        env, mode = record["environment"], main_grad_tag(record).strip(" ()") or ".grad"
-        for case in record["cases"]:
-            r = case.get("fwd_bwd", {})
-            if "mok_bwd_wgrad" not in r:
-                continue
-            cells = [
-                f"{_ms(r[k])}, {r[k]['peak_mem_bytes'] / 2**30:.2f}" if k in r else "-"
-                for k in ("baseline", "mok", "mok_bwd_wgrad", "mok_bwd_wgrad_interleaved")
-            ]
-            ratios = [
-                f"**{r[k]:.2f}x**" if k in r else "-"
-                for k in ("bwd_wgrad_speedup", "bwd_wgrad_interleaved_speedup")
-            ]
-            yield (
-                f"| `{os.path.basename(path)}` | {env.get('gpu')} | `{env.get('commit')}` "
-                f"| {case['shape']} | {case['tokens_per_rank']} | {mode} | {' | '.join(cells)} "
-                f"| {' | '.join(ratios)} |"
-            )
+    for head, _, mode, r, case in _fwd_bwd_cases(paths, "mok_bwd_wgrad"):
+        cells = _time_mem_cells(
+            r, ("baseline", "mok", "mok_bwd_wgrad", "mok_bwd_wgrad_interleaved")
+        )
+        ratios = " | ".join(
+            f"**{r[k]:.2f}x**" if k in r else "-"
+            for k in ("bwd_wgrad_speedup", "bwd_wgrad_interleaved_speedup")
+        )
+        yield f"{head}| {case['shape']} | {case['tokens_per_rank']} | {mode} | {cells} | {ratios} |"
 
 
 BWD_WGRAD_HEAD = (

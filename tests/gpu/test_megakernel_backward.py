@@ -67,6 +67,24 @@ def backward_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def wgrad_calls(monkeypatch):
+    """What each ops.moe.moe_mega_backward call was asked of the down weight's gradient (a list,
+    one entry per call): None (none in the launch), or (its buffer's dtype, added into it,
+    interleaved)."""
+    calls = []
+    real = mops.moe_mega_backward
+
+    def spy(*args, **kwargs):
+        dw = kwargs.get("wgrad_down")
+        calls.append(None if dw is None else (dw.dtype, kwargs["wgrad_accumulate"],
+                                              kwargs["wgrad_interleave"]))  # fmt: skip
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mops, "moe_mega_backward", spy)
+    return calls
+
+
 def _close(got: dict, want: dict, tol: float) -> list[str]:
     bad = []
     for name, w in want.items():
@@ -208,7 +226,7 @@ WGRAD_CASES = {
     [(case, "last") for case in WGRAD_CASES]
     + [(case, "interleaved") for case in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")],
 )
-def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, order, backward_calls):
+def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, order, wgrad_calls):
     """MoKConfig.bwd_wgrad="down": the down weight's gradient as tasks of the backward launch,
     each tile one CTA's over the expert's rows in 64-row k-tiles from its first row, is bitwise
     the engine's grouped_gemm_tn after the launch (the same tiles and k order; a last k-tile's
@@ -220,7 +238,8 @@ def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, orde
     _, want = Run(problem, "cuda", config=MEGA, form="fused")()
     run = Run(problem, "cuda", config=WGRAD_ORDERS[order], form="fused")
     _, got = run()
-    assert len(backward_calls) == 2, "the backward megakernel did not run"
+    # the default ran the grouped GEMM; the knob put the down weight's gradient into the launch
+    assert wgrad_calls == [None, (torch.bfloat16, False, order == "interleaved")], wgrad_calls
     failures = [f"{n}: not bitwise the engine's" for n in _bitwise_equal(want, got)]
     failures += _check_accuracy(problem, got)
     _, again = run()
@@ -232,7 +251,7 @@ def test_down_wgrad_in_the_launch_is_the_engines_grouped_gemm_bitwise(case, orde
     "case,order",
     [("deepseek-v3", "last"), ("experts_without_tokens", "last"), ("deepseek-v3", "interleaved")],
 )
-def test_down_wgrad_in_the_launch_adds_into_caller_buffers(case, order, backward_calls):
+def test_down_wgrad_in_the_launch_adds_into_caller_buffers(case, order, wgrad_calls):
     """Into Megatron's float32 main_grad: each element its old value plus the tile's float32 sum
     rounded once, bitwise grouped_gemm_tn_accumulate's; an expert without rows keeps its
     buffer's bits; every other output as without the accumulators."""
@@ -244,7 +263,7 @@ def test_down_wgrad_in_the_launch_adds_into_caller_buffers(case, order, backward
     want, got = _clone(old), _clone(old)
     _, plain = off(accumulators=want)
     _, fused = on(accumulators=got)
-    assert len(backward_calls) == 2
+    assert wgrad_calls == [None, (torch.float32, True, order == "interleaved")], wgrad_calls
     failures = [f"accumulator {i}: not bitwise the engine's"
                 for i, (a, b) in enumerate(zip(got, want))
                 if a is not None and not torch.equal(a.view(torch.int32), b.view(torch.int32))]  # fmt: skip
@@ -268,14 +287,14 @@ def test_down_wgrad_in_the_launch_with_virtual_ranks(bwd_wgrad):
     assert not failures, failures
 
 
-def test_down_wgrad_in_rounds_runs_the_grouped_gemm(backward_calls):
+def test_down_wgrad_in_rounds_runs_the_grouped_gemm(wgrad_calls):
     """In macrobatch rounds the down weight's gradient stays the grouped GEMM after each launch
     (bwd_wgrad is one round's): the results are bwd_wgrad='off''s, bitwise."""
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=13)
     _, want = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS), form="fused")()
     run = Run(problem, "cuda", config=F.MoKConfig(**ROUNDS, bwd_wgrad="down"), form="fused")
     _, got = run()
-    assert run.rounds > 1
+    assert run.rounds > 1 and wgrad_calls == [None] * (2 * run.rounds), wgrad_calls
     assert not _bitwise_equal(want, got)
 
 

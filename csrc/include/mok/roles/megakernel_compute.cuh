@@ -231,6 +231,17 @@ MOK_DEVICE void prefetch_dswiglu_rows(const MegaParams& p, const MegaTile& tile,
   }
 }
 
+// Producer warp (all 32 lanes): waits until ring rows [row_begin, row_end) of the round have
+// landed: every minibatch covering them was released (the first GEMM's rows wait, its phase).
+MOK_DEVICE void wait_rows_landed(const MegaParams& p, const MegaRound& rd, int row_begin,
+                                 int row_end) {
+  const int mb_first = row_begin / p.minibatch_rows;
+  const int mb_last = (row_end - 1) / p.minibatch_rows;
+  const int num_mb = row_end > row_begin ? mb_last - mb_first + 1 : 0;
+  wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
+                {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
+}
+
 // Producer warp (all 32 lanes): waits for one task's inputs, then lane 0 issues its loads.
 // `task` is this CTA's (cta_task); `slot` its trace record.
 template <bool kBackward, int kCluster, bool kFp8>
@@ -253,12 +264,8 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
       // Its A rows landed: the expert's, and a last k-tile's past them (to the ring's end, where
       // TMA zero-fills), every minibatch covering them pulled (comm_round pulls that far).
       const int k_tiles = wgrad_ktiles(tile);
-      const int k_end = min(tile.row_begin + k_tiles * layout::kWgradRowAlign, p.ring_rows);
-      const int mb_first = tile.row_begin / p.minibatch_rows;
-      const int num_mb = k_end > tile.row_begin ? (k_end - 1) / p.minibatch_rows - mb_first + 1
-                                                : 0;
-      wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
-                    {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
+      wait_rows_landed(p, rd, tile.row_begin,
+                       min(tile.row_begin + k_tiles * layout::kWgradRowAlign, p.ring_rows));
       if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
       if (leader) {
         const gemm::MegaWgradLoad load{tile.row_begin,           tile.reserved,
@@ -287,12 +294,7 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
         return;
       }
     }
-    // The rows [row_begin, row_end) landed: every minibatch covering them was released.
-    const int mb_first = tile.row_begin / p.minibatch_rows;
-    const int mb_last = (tile.row_end - 1) / p.minibatch_rows;
-    const int num_mb = tile.row_end > tile.row_begin ? mb_last - mb_first + 1 : 0;
-    wait_counters(p, p.arrive_word + mb_first, num_mb, rd.gen,
-                  {pass_phase(p, MegaPhase::kL1WaitRows), rd.round, mb_first, 1});
+    wait_rows_landed(p, rd, tile.row_begin, tile.row_end);
     if (leader) trace_task(p, rd.round, slot, layout::kTraceReady);
     if (leader) {
       if constexpr (kFp8) {
@@ -348,6 +350,17 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
   }
 }
 
+// Consumers' thread 0: a task's first trace records, as its consumers get its ticket: the time,
+// the CTA and the task's id (layout/mega.cuh, kTraceTaskId).
+MOK_DEVICE void trace_task_got(const MegaParams& p, const MegaRound& rd, int slot,
+                               const MegaTask& task) {
+  trace_task(p, rd.round, slot, layout::kTraceGot);
+  trace_task(p, rd.round, slot, layout::kTraceTaskCta, 1 + blockIdx.x);
+  trace_task(p, rd.round, slot, layout::kTraceTaskId,
+             (int64_t{task.wgrad} << 41) | (int64_t{task.l2} << 40) |
+                 (int64_t{task.tile} << 20) | task.n);
+}
+
 // Consumers (both warpgroups): one down-weight gradient task (MegaParams::wgrad), its trace
 // records as consume_task's. An expert without rows has no k-tile: its tile is zeros (stored), or
 // nothing to add.
@@ -360,12 +373,7 @@ CUTLASS_DEVICE void consume_wgrad_task(const MegaParams& p,
                                        const MegaRound& rd, int slot, const MegaTask& task,
                                        const MegaTile& tile, int mma_thread_idx) {
   const bool tracer = mma_thread_idx == 0;
-  if (tracer) {
-    trace_task(p, rd.round, slot, layout::kTraceGot);
-    trace_task(p, rd.round, slot, layout::kTraceTaskCta, 1 + blockIdx.x);
-    trace_task(p, rd.round, slot, layout::kTraceTaskId,
-               (int64_t{1} << 41) | (int64_t{task.tile} << 20) | task.n);
-  }
+  if (tracer) trace_task_got(p, rd, slot, task);
   const int k_tiles = wgrad_ktiles(tile);
   MegaAccumulators acc;
   if (k_tiles > 0) {
@@ -412,13 +420,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
       return;
     }
   }
-  if (tracer) {
-    trace_task(p, rd.round, slot, layout::kTraceGot);
-    trace_task(p, rd.round, slot, layout::kTraceTaskCta, 1 + blockIdx.x);
-    trace_task(p, rd.round, slot, layout::kTraceTaskId,
-               (int64_t{task.wgrad} << 41) | (int64_t{task.l2} << 40) |
-                   (int64_t{task.tile} << 20) | task.n);
-  }
+  if (tracer) trace_task_got(p, rd, slot, task);
   const int k_tiles = task.l2 ? p.l2_ktiles : p.l1_ktiles;
   if (gemm::consumer_rows_idle(mma_thread_idx, rows)) {
     // This warpgroup has no row of the tile: nothing to compute or store; an L1 task's release

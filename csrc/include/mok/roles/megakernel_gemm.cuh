@@ -214,6 +214,44 @@ CUTLASS_DEVICE void acquire_slot(const roles::MegaParams& p, Pipeline& pipeline,
   }
 }
 
+// Producer (one thread, the pipeline's leader): k_tiles stages from `state` on, stage k holding
+// k-tile k of gA (BLK_M, BLK_K, k) and gB (BLK_N, BLK_K, k), the TMA coordinate tiles of one
+// task (load_task, load_wgrad_task). In a cluster (1, C, 1): this CTA loads its slice of the
+// shared A tile into every CTA of the cluster (each one's full barrier counts the bytes), and all
+// of its own B tile. `row_arrivals`: as acquire_slot's.
+template <class Mainloop, class TileA, class TileB>
+CUTLASS_DEVICE void issue_task_stages(const roles::MegaParams& p,
+                                      typename Mainloop::Params const& mp,
+                                      MegaPipeline& pipeline, MegaPipelineState state,
+                                      typename Mainloop::TensorStorage& smem, const TileA& gA,
+                                      const TileB& gB, int k_tiles, int round,
+                                      uint32_t row_arrivals) {
+  using namespace cute;
+  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
+  constexpr int kCluster = size<1>(typename Mainloop::DispatchPolicy::ClusterShape{});
+  auto block_tma_a = mp.tma_load_a.get_slice(kCluster > 1 ? cute::block_rank_in_cluster() : 0);
+  auto block_tma_b = mp.tma_load_b.get_slice(0);
+  Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
+  Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
+  Tensor tBgB = block_tma_b.partition_S(gB);
+  Tensor tBsB = block_tma_b.partition_D(sB);
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int k = 0; k < k_tiles; ++k) {
+    acquire_slot(p, pipeline, state, round, NoArmHook{}, row_arrivals);  // arms the bytes
+    auto* full = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    if constexpr (kCluster > 1) {
+      constexpr auto kEveryCta = static_cast<uint16_t>((1u << kCluster) - 1);
+      copy(mp.tma_load_a.with(*full, kEveryCta), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+    } else {
+      copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
+    }
+    copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
+    ++state;
+  }
+}
+
 // Producer (one thread: warp 0's lane 0, the pipeline's leader): issues the k-tiles of one task
 // from `state` on (the caller advances its state by k_tiles, in every lane). A is the TMA
 // coordinate tensor of the whole ring shifted by row_begin (domain_offset), so a tile may start
@@ -236,31 +274,8 @@ CUTLASS_DEVICE void load_task(const roles::MegaParams& p, typename Mainloop::Par
                          select<0, 2>(MegaTileShape{}), make_coord(0, _));  // (BLK_M, BLK_K, k)
   Tensor gB = local_tile(mB(_, _, load.expert), select<1, 2>(MegaTileShape{}),
                          make_coord(load.n_tile, _));  // (BLK_N, BLK_K, k)
-  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
-  // In a cluster (1, C, 1): this CTA loads its slice of the shared A tile into every CTA of the
-  // cluster (each one's full barrier counts the bytes), and all of its own B tile.
-  constexpr int kCluster = size<1>(typename Mainloop::DispatchPolicy::ClusterShape{});
-  auto block_tma_a = mp.tma_load_a.get_slice(kCluster > 1 ? cute::block_rank_in_cluster() : 0);
-  auto block_tma_b = mp.tma_load_b.get_slice(0);
-  Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
-  Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
-  Tensor tBgB = block_tma_b.partition_S(gB);
-  Tensor tBsB = block_tma_b.partition_D(sB);
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int k = 0; k < load.k_tiles; ++k) {
-    acquire_slot(p, pipeline, state, load.round, NoArmHook{}, row_arrivals);  // arms the bytes
-    auto* full = pipeline.producer_get_barrier(state);
-    const int stage = state.index();
-    if constexpr (kCluster > 1) {
-      constexpr auto kEveryCta = static_cast<uint16_t>((1u << kCluster) - 1);
-      copy(mp.tma_load_a.with(*full, kEveryCta), tAgA(_, _, _, k), tAsA(_, _, _, stage));
-    } else {
-      copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
-    }
-    copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
-    ++state;
-  }
+  issue_task_stages<Mainloop>(p, mp, pipeline, state, smem, gA, gB, load.k_tiles, load.round,
+                              row_arrivals);
 }
 
 // One down-weight gradient task's operands (MegaParams::wgrad): expert rows from ring row
@@ -295,23 +310,8 @@ CUTLASS_DEVICE void load_wgrad_task(const roles::MegaParams& p,
                          select<0, 2>(MegaTileShape{}), make_coord(load.m_tile, _));
   Tensor gB = local_tile(domain_offset(make_coord(0, load.b_begin), mB(_, _, 0)),
                          select<1, 2>(MegaTileShape{}), make_coord(load.n_tile, _));
-  Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Mainloop::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Mainloop::SmemLayoutB{});
-  auto block_tma_a = mp.tma_load_a.get_slice(0);
-  auto block_tma_b = mp.tma_load_b.get_slice(0);
-  Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
-  Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
-  Tensor tBgB = block_tma_b.partition_S(gB);
-  Tensor tBsB = block_tma_b.partition_D(sB);
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int k = 0; k < load.k_tiles; ++k) {
-    acquire_slot(p, pipeline, state, load.round);  // arms the bytes
-    auto* full = pipeline.producer_get_barrier(state);
-    const int stage = state.index();
-    copy(mp.tma_load_a.with(*full, 0), tAgA(_, _, _, k), tAsA(_, _, _, stage));
-    copy(mp.tma_load_b.with(*full, 0), tBgB(_, _, _, k), tBsB(_, _, _, stage));
-    ++state;
-  }
+  issue_task_stages<Mainloop>(p, mp, pipeline, state, smem, gA, gB, load.k_tiles, load.round,
+                              0);
 }
 
 // Rows in place (MoKConfig.fwd_rows="in_place", one rank): an L1 task reads its A rows straight
