@@ -373,6 +373,35 @@ def test_wgrad_accumulate(case, which, schedule, dtype):
             check(f"d_w[{g}]", total[g], a[r].double().T @ b[r].double(), a[r].T @ b[r])
 
 
+@pytest.mark.parametrize("schedule_name", SCHEDULES)
+def test_wgrad_accumulate_fp32_keeps_subnormals_and_signed_zeros(schedule_name):
+    """The fp32 accumulate's add (the L2's, by TMA reduce-add) is IEEE fp32 addition: where a
+    group's sum is exactly zero (a zero column of b) the buffer keeps its subnormals and its -0.0
+    becomes +0.0 (-0.0 + +0.0), as a separate fp32 add pass gives; elsewhere old + sum rounded
+    once, subnormal old values included."""
+    p = small_problem(1)
+    a, b = wgrad_operands(p, "w_down")
+    b = b.clone()
+    b[:, :8] = 0  # columns 0-7 of every group's sum are exactly +0.0
+    old = torch.randn(p.groups, a.shape[1], b.shape[1], device="cuda")
+    tiny = torch.tensor([1e-40, -3e-42, 1.4e-45, -1e-39], device="cuda")  # fp32 subnormals
+    old[:, ::5, :4] = tiny  # broadcast over the groups and rows
+    old[:, 1::5, :8] = -0.0
+    old[:, 2::5, 8:16] = tiny[0]  # subnormal old where the sum is not zero
+    tuning = gg.GemmTuning(schedule=schedule_name)
+    acc = old.clone()
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning)
+    total = torch.zeros_like(old)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning)
+    for g, c in enumerate(p.counts):
+        if c == 0:
+            assert same_bits(acc[g], old[g]), f"group {g} has no rows: its buffer must not change"
+            continue
+        assert torch.count_nonzero(total[g][:, :8]) == 0, f"group {g}: zero columns"
+        assert same_bits(acc[g], old[g] + total[g]), f"group {g}: acc != old + sum, bitwise"
+        assert same_bits(acc[g][::5, :4], old[g][::5, :4]), f"group {g}: subnormals flushed"
+
+
 def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
     """Raster / swizzle / schedule reorder tiles only (bitwise the same sums); a captured launch
     adds on every replay, bitwise as eager launches do; no host sync."""
