@@ -148,7 +148,7 @@ TORCH_LIBRARY_FRAGMENT(mok, m) {
         MOK_GEMM_TUNING_SCHEMA ") -> ()");
   // acc += the weight gradient, in the epilogue (fp32 acc: gradient-accumulation fusion).
   m.def("grouped_gemm_tn_accumulate_out(Tensor a, Tensor b, Tensor offs, Tensor(a!) acc, "
-        MOK_GEMM_TUNING_SCHEMA ") -> ()");
+        MOK_GEMM_TUNING_SCHEMA ", str store=\"auto\") -> ()");
   // The forward ops with the per-tile flag wait (csrc/include/mok/scheduler/flag_wait.cuh).
   m.def(
       "grouped_gemm_nt_wait_out(Tensor a, Tensor b, Tensor offs, Tensor ready, int rows_per_flag, "

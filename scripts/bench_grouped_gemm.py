@@ -14,7 +14,8 @@ bench's EP-1 problem) and a quarter of it. Ops:
   l1_dgrad  d_h @ [W_gate; W_up]
   wgrad_l1 / wgrad_l2  d_h^T @ x / d_y^T @ act per expert (torch: _grouped_mm with K offsets)
   wgrad_l1_acc / wgrad_l2_acc  the same into an fp32 buffer (Megatron's main_grad): ours adds in
-          the epilogue (grouped_gemm_tn_accumulate, cooperative and pingpong); torch:
+          the epilogue (grouped_gemm_tn_accumulate, cooperative and pingpong; store 'auto', and
+          mok_load / mok_reduce: the tile read back, or reduce-added by TMA); torch:
           _grouped_mm, then the add (the backend's fallback). Every call adds into the buffer.
 
 Writes JSON (GPU, driver, torch, commit, per (shape, op, impl): ms median + spread, TFLOP/s).
@@ -172,12 +173,20 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
             "mok": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t),
             "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1,
                                                                   tuning=pingpong),
+            "mok_load": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t,
+                                                              store="load"),
+            "mok_reduce": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t,
+                                                                store="reduce"),
             "torch_gemm+add": lambda: acc_l1.add_(torch_wgrad(h_cat, x, offs)),
         }),
         "wgrad_l2_acc": (l2_flops, {
             "mok": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t),
             "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2,
                                                                   tuning=pingpong),
+            "mok_load": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t,
+                                                              store="load"),
+            "mok_reduce": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t,
+                                                                store="reduce"),
             "torch_gemm+add": lambda: acc_l2.add_(torch_wgrad(d_y, act, offs)),
         }),
     }  # fmt: skip

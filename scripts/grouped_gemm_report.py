@@ -2,13 +2,20 @@
 """Markdown tables from a bench_grouped_gemm.py JSON (used to write docs/GEMM.md).
 
 python scripts/grouped_gemm_report.py docs/results/bench_grouped_gemm_h200.json
+python scripts/grouped_gemm_report.py --store RECORD.json [...] [--md docs/GEMM.md]
+    the fp32 accumulate's two stores (the tile read back, or TMA reduce-add) and 'auto' by rows
+    a group (the records' mok_load / mok_reduce / mok rows), filling the page's store table
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mok_megatron.testing.records import fill_markdown_table  # noqa: E402
 
 # (op, ours, torch baseline it must beat)
 PAIRS = [
@@ -147,5 +154,57 @@ def sweep_table(doc: dict) -> None:
         print(f"| {model} | {op} | {impl} | " + " | ".join(vals) + " |")
 
 
+STORE_BEGIN, STORE_END = (
+    "<!-- accumulate store table begin -->",
+    "<!-- accumulate store table end -->",
+)
+
+
+def store_table(paths: list[str]) -> str:
+    """The fp32 accumulate by rows a group (the mainloop's K): the tile read back by the epilogue
+    (mok_load), reduce-added by TMA (mok_reduce), 'auto' (mok) and torch's GEMM + add, each row's
+    times from one process."""
+    lines = []
+    for path in paths:
+        doc = json.load(open(path))
+        lines.append(f"- `{os.path.basename(path)}`: {doc['gpu']}, torch {doc['torch']}, commit "
+                     f"`{doc['commit'][:7]}`, EP {doc['ep']}, {doc['timing']}")  # fmt: skip
+    lines += ["", "| model | rows | rows a group | op | load ms (p10-p90) | reduce ms (p10-p90) "
+              "| load / reduce | auto ms | torch GEMM + add ms | auto over torch |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for path in paths:
+        by = defaultdict(dict)
+        for r in json.load(open(path))["results"]:
+            if r["op"].endswith("_acc") and "median_ms" in r:
+                by[(r["model"], r["rows"], r["groups"], r["op"])][r["impl"]] = r
+        for (model, rows, groups, op), impls in by.items():
+            load, red, auto, ref = (impls.get(k) for k in
+                                    ("mok_load", "mok_reduce", "mok", "torch_gemm+add"))  # fmt: skip
+            if load is None or red is None:
+                continue
+            span = lambda r: f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f})"  # noqa: E731
+            ms = lambda r: "-" if r is None else f"{r['median_ms']:.3f}"  # noqa: E731
+            over = (
+                "-"
+                if auto is None or ref is None
+                else f"{ref['median_ms'] / auto['median_ms']:.2f}x"
+            )
+            lines.append(f"| {model} | {rows} | {rows // groups} | {op} | {span(load)} | {span(red)} "
+                         f"| {load['median_ms'] / red['median_ms']:.2f}x | {ms(auto)} | {ms(ref)} "
+                         f"| {over} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/results/bench_grouped_gemm.json")
+    if len(sys.argv) > 1 and sys.argv[1] == "--store":
+        args = sys.argv[2:]
+        md = None
+        if "--md" in args:
+            i = args.index("--md")
+            md, args = args[i + 1], args[:i] + args[i + 2 :]
+        table = store_table(args)
+        print(table)
+        if md:
+            fill_markdown_table(md, table, STORE_BEGIN, STORE_END)
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "docs/results/bench_grouped_gemm.json")

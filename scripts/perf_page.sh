@@ -32,6 +32,8 @@ records=(
   bench_moe_h200_ep1_deepseek_fc524bd.json
 )
 compares=(  # BEFORE AFTER pairs
+  bench_moe_h100_ep1_main_grad_main_91efcac.json bench_moe_h100_ep1_main_grad_2c295e3.json
+  bench_moe_h100_ep1_main_grad_main_91efcac.json bench_moe_h100_ep1_main_grad_reduce_89e1648.json
   bench_moe_h200_ep1_graph_82f068c.json bench_moe_h200_ep1_graph_ac16e4f_rows.json
   bench_moe_h200_ep1_maingrad_deepseek_82f068c.json bench_moe_h200_ep1_maingrad_deepseek_f92b268.json
   bench_moe_h200_ep1_hostab_82f068c_1.json bench_moe_h200_ep1_hostab_269f051_1.json

@@ -215,15 +215,31 @@ void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Ten
 void grouped_gemm_tn_accumulate_out(const at::Tensor& a, const at::Tensor& b,
                                     const at::Tensor& offs, const at::Tensor& acc,
                                     std::string_view schedule, std::string_view raster,
-                                    int64_t swizzle) {
+                                    int64_t swizzle, std::string_view store) {
   constexpr const char* kOp = "mok::grouped_gemm_tn_accumulate";
   const bool bf16 = acc.scalar_type() == at::kBFloat16;
   check_matrix(kOp, "acc", acc, 3, a, bf16 ? at::kBFloat16 : at::kFloat,
                "float32 (like Megatron's main_grad) or bfloat16 (a .grad summed in place)");
   auto args = wgrad_args(kOp, a, b, offs, acc, "acc", schedule, raster, swizzle);
-  launch_with_workspace(a, args,
-                        bf16 ? launch::grouped_gemm_tn_accumulate_bf16
-                             : launch::grouped_gemm_tn_accumulate);
+  launch::AccumulateStore how = launch::AccumulateStore::kAuto;
+  if (store == "load") {
+    how = launch::AccumulateStore::kLoad;
+  } else if (store == "reduce") {
+    how = launch::AccumulateStore::kReduce;
+  } else {
+    TORCH_CHECK(store == "auto", kOp, ": store='", store,
+                "' must be 'auto' (the default), 'load' or 'reduce'");
+  }
+  TORCH_CHECK(!bf16 || how != launch::AccumulateStore::kReduce, kOp,
+              ": store='reduce' adds float32 accumulators only (a bfloat16 reduce would round the "
+              "sum before adding it); use 'auto' or 'load' for a bfloat16 acc");
+  if (bf16) {
+    launch_with_workspace(a, args, launch::grouped_gemm_tn_accumulate_bf16);
+    return;
+  }
+  launch_with_workspace(a, args, [&](const launch::GroupedGemmArgs& gemm, cudaStream_t stream) {
+    launch::grouped_gemm_tn_accumulate(gemm, how, a.size(0), stream);
+  });
 }
 
 void grouped_gemm_nt_wait_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs,

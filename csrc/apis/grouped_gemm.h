@@ -48,12 +48,13 @@ void grouped_gemm_tn_out(const at::Tensor& a, const at::Tensor& b, const at::Ten
                          const at::Tensor& out, std::string_view schedule, std::string_view raster,
                          int64_t swizzle);
 
-// acc [G, M, N] += a_g^T @ b_g over group g's rows (fp32 acc, 16-byte aligned: the epilogue reads
-// and writes it), in grouped_gemm_tn's order; a group without rows leaves acc[g] untouched.
+// acc [G, M, N] += a_g^T @ b_g over group g's rows (fp32 or bf16 acc, 16-byte aligned: TMA
+// reads and writes it), in grouped_gemm_tn's order; a group without rows leaves acc[g] untouched.
+// store: "auto" | "load" | "reduce" (fp32 only), launch::AccumulateStore.
 void grouped_gemm_tn_accumulate_out(const at::Tensor& a, const at::Tensor& b,
                                     const at::Tensor& offs, const at::Tensor& acc,
                                     std::string_view schedule, std::string_view raster,
-                                    int64_t swizzle);
+                                    int64_t swizzle, std::string_view store);
 
 // The same two forward ops with the per-tile flag wait: a tile reading rows [r0, r1) of a / x first
 // waits until ready[f] >= epoch for f in [r0 / rows_per_flag, (r1 - 1) / rows_per_flag];

@@ -60,11 +60,25 @@ void grouped_gemm_dswiglu(const GroupedGemmArgs& args, cudaStream_t stream);
 // rows in a fixed order; a group with no rows gets zeros.
 void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream);
 
+// How the fp32 accumulating weight gradient adds a tile into its buffer; every choice lands the
+// same bits (old + the tile's fp32 sum, rounded once). Mirrors ops.grouped_gemm.ACCUMULATE_STORES.
+//   kLoad    the epilogue loads the buffer's tile by TMA, adds, stores it back: the consumer
+//            warpgroups wait for the load, tile by tile.
+//   kReduce  the tile leaves by TMA reduce-add and the L2 adds it: the consumers go on at once,
+//            but the L2's reduce rate bounds the op where the mainloops are short.
+//   kAuto    kReduce where the groups average at least kReduceAddMinRowsPerGroup rows (the
+//            mainloop's K: rows of `a` over groups, known on the host), else kLoad.
+enum class AccumulateStore { kAuto, kLoad, kReduce };
+// On one H100 (session 40): 512 rows a group (qwen3-30b-a3b at EP 1) ran 1.25x slower reduced,
+// 2048 (mixtral-8x7b) 1.1-1.25x faster.
+constexpr int kReduceAddMinRowsPerGroup = 1024;
+
 // Accumulating weight gradient (gradient-accumulation fusion): out is an fp32 [G, m, n] buffer
-// (16-byte aligned) and out[g] += a_g^T @ b_g in the GEMM's epilogue (fp32 C = D = out, beta 1),
-// summed over group g's rows in the same fixed order as grouped_gemm_tn; a group with no rows
-// leaves its part of out untouched.
-void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, cudaStream_t stream);
+// (16-byte aligned) and out[g] += a_g^T @ b_g in the GEMM's epilogue, summed over group g's rows
+// in the same fixed order as grouped_gemm_tn, added as `store` says (rows: a's, for kAuto); a
+// group with no rows leaves its part of out untouched.
+void grouped_gemm_tn_accumulate(const GroupedGemmArgs& args, AccumulateStore store, int64_t rows,
+                                cudaStream_t stream);
 // The same into a bf16 [G, m, n] buffer: out[g] = bf16(out[g] + a_g^T @ b_g), the sum in fp32
 // rounded once (a weight's .grad summed over macrobatch rounds in place).
 void grouped_gemm_tn_accumulate_bf16(const GroupedGemmArgs& args, cudaStream_t stream);

@@ -45,6 +45,7 @@ import torch
 from mok_megatron.ops._extension import extension_available, has_op
 
 __all__ = [
+    "ACCUMULATE_STORES",
     "GEMM_SCHEDULES",
     "GEMM_RASTERS",
     "GEMM_SWIZZLES",
@@ -213,9 +214,16 @@ def grouped_gemm_tn(
     return out
 
 
+#: How the float32 accumulate adds a tile into ``acc`` (the same bits every way), mirroring
+#: csrc/launch/grouped_gemm.h's AccumulateStore: "load" (the epilogue reads the tile back, adds,
+#: stores it), "reduce" (TMA reduce-add: the L2 adds it and the SM goes on), "auto" (reduce where
+#: the groups average enough rows, that header's kReduceAddMinRowsPerGroup, else load).
+ACCUMULATE_STORES = ("auto", "load", "reduce")
+
+
 def grouped_gemm_tn_accumulate(
     a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, acc: torch.Tensor,
-    tuning: GemmTuning | None = None,
+    tuning: GemmTuning | None = None, store: str = "auto",
 ) -> None:  # fmt: skip
     """acc[g] += a_g^T @ b_g over each group's rows, in the GEMM's epilogue (in place).
 
@@ -225,8 +233,15 @@ def grouped_gemm_tn_accumulate(
     fixed order and lands once: ``acc + fp32(a_g^T @ b_g)`` computed in fp32 and rounded once to
     acc's type, so over a zero buffer it is bitwise :func:`grouped_gemm_tn`'s output (``bf16`` of
     it, for a float32 acc). A group without rows leaves its ``acc[g]`` untouched (not even -0.0
-    becomes +0.0)."""
-    torch.ops.mok.grouped_gemm_tn_accumulate_out(a, b, offs, acc, *_tuning_args(tuning))
+    becomes +0.0). ``store`` picks how a float32 acc's tile is added (:data:`ACCUMULATE_STORES`;
+    a bfloat16 acc is always loaded and stored back)."""
+    if store not in ACCUMULATE_STORES:
+        raise ValueError(
+            f"store={store!r} must be one of {ACCUMULATE_STORES}; 'auto' is the default"
+        )
+    torch.ops.mok.grouped_gemm_tn_accumulate_out(
+        a, b, offs, acc, *_tuning_args(tuning), store=store
+    )
 
 
 # ------------------------------------------------------------------------------- flag wait

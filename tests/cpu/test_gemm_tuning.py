@@ -43,3 +43,23 @@ def test_every_op_schema_ends_with_the_tuning_arguments(name):
     tail = [(a.name, str(a.type), a.default_value) for a in schema.arguments[-3:]]
     assert tail == [("schedule", "str", "cooperative"), ("raster", "str", "m"),
                     ("swizzle", "int", 1)]  # fmt: skip
+
+
+@pytest.mark.skipif(not ops.grouped_gemm_available(), reason="mok::grouped_gemm_* not built")
+def test_accumulate_schema_ends_with_the_tuning_arguments_then_the_store():
+    if not ops.has_op("grouped_gemm_tn_accumulate_out"):
+        pytest.skip("mok::grouped_gemm_tn_accumulate_out not built")
+    schema = torch.ops.mok.grouped_gemm_tn_accumulate_out.default._schema
+    tail = [(a.name, str(a.type), a.default_value) for a in schema.arguments[-4:]]
+    assert tail == [("schedule", "str", "cooperative"), ("raster", "str", "m"),
+                    ("swizzle", "int", 1), ("store", "str", gg.ACCUMULATE_STORES[0])]  # fmt: skip
+
+
+def test_accumulate_store_is_checked_before_the_op():
+    """A bad ``store`` names the allowed ones, and no op runs (the tensors are CPU ones)."""
+    assert gg.ACCUMULATE_STORES == ("auto", "load", "reduce")
+    x = torch.zeros(8, 8)
+    with pytest.raises(ValueError) as info:
+        gg.grouped_gemm_tn_accumulate(x, x, torch.zeros(1, dtype=torch.int32), x[None], store="sum")
+    for word in ("store='sum'", "'auto'", "'load'", "'reduce'"):
+        assert word in str(info.value)

@@ -332,29 +332,41 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
 
+#: (accumulator dtype, store): float32 both ways the tile can be added, bf16 read back (its only way).
+ACCUMULATE_KINDS = [
+    pytest.param((torch.float32, "load"), id="fp32-load"),
+    pytest.param((torch.float32, "reduce"), id="fp32-reduce"),
+    pytest.param((torch.bfloat16, "auto"), id="bf16"),
+]
+
+
 @pytest.mark.parametrize("case", ACCUMULATE_CASES)
 @pytest.mark.parametrize("which", ["w_gu", "w_down"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_wgrad_accumulate(case, which, schedule, dtype):
-    """acc += a_g^T @ b_g in the epilogue, into fp32 (main_grad) or bf16 (a .grad summed over
-    macrobatch rounds in place): over fp32 zeros it is the plain op's fp32 accumulator (bf16 of
-    it equals grouped_gemm_tn's output, and so does the sum over bf16 zeros); over a buffer it is
-    buffer + that sum, added in fp32 and rounded once to the buffer's type, bit for bit; empty
-    groups untouched (NaN and -0.0 kept); repeats are bitwise; the sum meets the float64 rule."""
+@pytest.mark.parametrize("kind", ACCUMULATE_KINDS)
+def test_wgrad_accumulate(case, which, schedule, kind):
+    """acc += a_g^T @ b_g in the epilogue, into fp32 (main_grad; the tile read back and stored,
+    or reduce-added by TMA) or bf16 (a .grad summed over macrobatch rounds in place): over fp32
+    zeros it is the plain op's fp32 accumulator (bf16 of it equals grouped_gemm_tn's output, and
+    so does the sum over bf16 zeros); over a buffer it is buffer + that sum, added in fp32 and
+    rounded once to the buffer's type, bit for bit; empty groups untouched (NaN and -0.0 kept);
+    repeats are bitwise; the sum meets the float64 rule."""
+    dtype, store = kind
     p, limit = problem_of(case)
     a, b = wgrad_operands(p, which)
     tuning = gg.GemmTuning(schedule=schedule)
     old = start_buffer(p, a.shape[1], b.shape[1]).to(dtype)
     acc = old.clone()
-    gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning, store=store)
     again = old.clone()
-    gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning, store=store)
     assert same_bits(acc, again), "repeat is not bitwise identical"
     del again
-    total = torch.zeros(old.shape, device="cuda")  # the fp32 sum
-    gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning)
+    total = torch.zeros(old.shape, device="cuda")  # the fp32 sum (read back: the other way)
+    gg.grouped_gemm_tn_accumulate(
+        a, b, p.offs, total, tuning=tuning, store="reduce" if store == "load" else "load"
+    )
     over_zeros = torch.zeros_like(old)
-    gg.grouped_gemm_tn_accumulate(a, b, p.offs, over_zeros, tuning=tuning)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, over_zeros, tuning=tuning, store=store)
     plain = gg.grouped_gemm_tn(a, b, p.offs, tuning=tuning)
     for g, c in enumerate(p.counts):
         if c == 0:
@@ -371,6 +383,59 @@ def test_wgrad_accumulate(case, which, schedule, dtype):
         r = rows_of(p.counts, g)
         if r.stop > r.start:
             check(f"d_w[{g}]", total[g], a[r].double().T @ b[r].double(), a[r].T @ b[r])
+
+
+@pytest.mark.parametrize("store", ["load", "reduce"])
+@pytest.mark.parametrize("schedule_name", SCHEDULES)
+def test_wgrad_accumulate_fp32_keeps_subnormals_and_signed_zeros(schedule_name, store):
+    """The fp32 accumulate's add (the epilogue's, or the L2's by TMA reduce-add) is IEEE fp32
+    addition: where a group's sum is exactly zero (a zero column of b) the buffer keeps its
+    subnormals and its -0.0 becomes +0.0 (-0.0 + +0.0), as a separate fp32 add pass gives;
+    elsewhere old + sum rounded once, subnormal old values included."""
+    p = small_problem(1)
+    a, b = wgrad_operands(p, "w_down")
+    b = b.clone()
+    b[:, :8] = 0  # columns 0-7 of every group's sum are exactly +0.0
+    old = torch.randn(p.groups, a.shape[1], b.shape[1], device="cuda")
+    tiny = torch.tensor([1e-40, -3e-42, 1.4e-45, -1e-39], device="cuda")  # fp32 subnormals
+    old[:, ::5, :4] = tiny  # broadcast over the groups and rows
+    old[:, 1::5, :8] = -0.0
+    old[:, 2::5, 8:16] = tiny[0]  # subnormal old where the sum is not zero
+    tuning = gg.GemmTuning(schedule=schedule_name)
+    acc = old.clone()
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning, store=store)
+    total = torch.zeros_like(old)
+    gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning, store=store)
+    for g, c in enumerate(p.counts):
+        if c == 0:
+            assert same_bits(acc[g], old[g]), f"group {g} has no rows: its buffer must not change"
+            continue
+        assert torch.count_nonzero(total[g][:, :8]) == 0, f"group {g}: zero columns"
+        assert same_bits(acc[g], old[g] + total[g]), f"group {g}: acc != old + sum, bitwise"
+        assert same_bits(acc[g][::5, :4], old[g][::5, :4]), f"group {g}: subnormals flushed"
+
+
+@pytest.mark.parametrize("rows_per_group", [256, 1024])
+def test_wgrad_accumulate_auto_store_is_bitwise_either_way(rows_per_group):
+    """store='auto' picks the reduce-add at kReduceAddMinRowsPerGroup (1024) rows a group on
+    average, the read-back below it: both sides of that line land the bits of both explicit
+    ways."""
+    groups, m, n = 6, 264, 200
+    counts = [rows_per_group] * groups
+    counts[1], counts[4] = 0, 2 * rows_per_group  # an empty group; the same total
+    gen = torch.Generator(device="cuda").manual_seed(rows_per_group)
+    a = torch.randn(sum(counts), m, generator=gen, device="cuda").bfloat16()
+    b = torch.randn(sum(counts), n, generator=gen, device="cuda").bfloat16()
+    offs = offs_of(counts)
+    old = torch.randn(groups, m, n, generator=gen, device="cuda")
+    got = {}
+    for store in gg.ACCUMULATE_STORES:
+        got[store] = old.clone()
+        gg.grouped_gemm_tn_accumulate(a, b, offs, got[store], store=store)
+    assert same_bits(got["auto"], got["load"]) and same_bits(got["auto"], got["reduce"])
+    assert same_bits(got["auto"][1], old[1]), "the empty group must not change"
+    r = rows_of(counts, 4)
+    check("d_w[4]", got["auto"][4] - old[4], a[r].double().T @ b[r].double(), a[r].T @ b[r])
 
 
 def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
@@ -422,6 +487,12 @@ def test_wgrad_accumulate_bad_input_errors():
     ]:  # fmt: skip
         with pytest.raises(RuntimeError, match=match):
             gg.grouped_gemm_tn_accumulate(a, b, p.offs, buf)
+    with pytest.raises(RuntimeError, match=r"store='reduce' adds float32 accumulators only"):
+        gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc.bfloat16(), store="reduce")
+    with pytest.raises(RuntimeError, match=r"store='sum' must be 'auto' \(the default\)"):
+        torch.ops.mok.grouped_gemm_tn_accumulate_out(a, b, p.offs, acc, store="sum")
+    with pytest.raises(ValueError, match=r"store='sum' must be one of"):
+        gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, store="sum")
 
 
 # ------------------------------------------------------------------------- sync and graphs

@@ -9,7 +9,10 @@
 // output tile is reduced by one CTA over K in order, so results are bitwise reproducible.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/thread/linear_combination.h>
@@ -79,6 +82,46 @@ using AccumulateEpilogue = typename cutlass::epilogue::collective::CollectiveBui
     cutlass::epilogue::fusion::LinearCombination<ElementAcc, Accumulator, ElementAcc,
                                                  Accumulator>>::CollectiveOp;
 
+// TMA reduce-add as the grouped epilogue's store: cp.reduce.async.bulk.tensor .add sends each
+// epilogue subtile from shared memory to be added into global memory by the L2, so an fp32
+// accumulator is read, added to and written there, and the consumer warpgroups go on to their
+// next tile without waiting for it. CuTe has the op (SM90_TMA_REDUCE_ADD) but not the
+// descriptor-swapping `with()` the ptr-array epilogue calls once per group; these two ops add it,
+// as SM90_TMA_STORE / SM90_TMA_STORE_PTR do for the plain store (traits below, in cute).
+struct TmaReduceAddGrouped : cute::SM90_TMA_REDUCE_ADD {};
+struct TmaReduceAddGroupedPtr : cute::SM90_TMA_REDUCE_ADD {};
+
+template <class Epilogue>
+struct WithReduceAddStore;
+template <class Policy, class Tile, class EpiTile, class C, class StrideC, class D, class StrideD,
+          class Fusion, class G2S, class SmemAtomC, class S2R, class S2G, class SmemAtomD,
+          class R2S, class CopyAtomC, class R2R>
+struct WithReduceAddStore<cutlass::epilogue::collective::CollectiveEpilogue<
+    Policy, Tile, EpiTile, C, StrideC, D, StrideD, Fusion, G2S, SmemAtomC, S2R, S2G, SmemAtomD,
+    R2S, CopyAtomC, R2R>> {
+  static_assert(std::is_same_v<S2G, cute::SM90_TMA_STORE> && std::is_void_v<C>,
+                "the reduce-add store replaces a plain TMA store of a sourceless epilogue");
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<
+      Policy, Tile, EpiTile, C, StrideC, D, StrideD, Fusion, G2S, SmemAtomC, S2R,
+      TmaReduceAddGrouped, SmemAtomD, R2S, CopyAtomC, R2R>;
+};
+
+// The fp32 accumulating epilogue (Megatron's main_grad): D += accumulator, with no source
+// operand; D's subtiles leave by TMA reduce-add. NOTE: the L2 adds in fp32 and rounds once, so
+// what lands is old + accumulator rounded once to fp32, the same bits as AccumulateEpilogue's
+// fma(1, C, 1 * acc) and as a separate fp32 add pass; output tiles never overlap, so each
+// element gets exactly one add per launch (deterministic). bf16 accumulators keep
+// AccumulateEpilogue: a bf16 reduce would round the accumulator to bf16 before adding.
+template <class LayoutD, class Schedule = Cooperative>
+using ReduceAddEpilogue = typename WithReduceAddStore<
+    typename cutlass::epilogue::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
+        ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator,
+        Accumulator, void, LayoutD*, 16 / sizeof(AccumElement), AccumElement, LayoutD*,
+        16 / sizeof(AccumElement), typename Schedule::EpilogueSchedule,
+        cutlass::epilogue::fusion::LinearCombination<AccumElement, Accumulator>>::CollectiveOp>::
+    type;
+
 // The mainloop + kernel for one (LayoutA, LayoutB, epilogue, schedule) choice. `Shape` picks the
 // tile scheduler: ProblemShape gets CUTLASS's group scheduler, scheduler/flag_wait.cuh's
 // FlagWaitProblemShape the one with the per-tile flag wait.
@@ -98,3 +141,65 @@ struct GroupedGemm {
 };
 
 }  // namespace mok::gemm
+
+namespace cute {
+// Copy_Traits of mok::gemm::TmaReduceAddGrouped: SM90_TMA_REDUCE_ADD's, plus `with(desc)` giving
+// the same op on another descriptor (the ptr-array epilogue's per-group tensormap).
+template <class NumBitsPerTMA, class AuxParams_>
+struct Copy_Traits<mok::gemm::TmaReduceAddGrouped, NumBitsPerTMA, AuxParams_> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+
+  TmaDescriptor tma_desc_;
+  using AuxParams = AuxParams_;
+  AuxParams aux_params_;
+
+  CUTE_HOST_DEVICE constexpr TmaDescriptor const* get_tma_descriptor() const { return &tma_desc_; }
+
+  template <class GShape>
+  CUTE_HOST_DEVICE constexpr auto get_tma_tensor(GShape const& g_shape) const {
+    static_assert(is_congruent<decltype(g_shape), decltype(aux_params_.g_stride_)>::value);
+    return make_coord_tensor(make_layout(g_shape, aux_params_.g_stride_));
+  }
+
+  CUTE_HOST_DEVICE constexpr Copy_Traits<mok::gemm::TmaReduceAddGroupedPtr, NumBitsPerTMA> with(
+      TmaDescriptor const* new_tma_desc) const {
+    return {new_tma_desc};
+  }
+
+  template <class TS, class SLayout, class TD, class DLayout>
+  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
+                                                     Tensor<TS, SLayout> const& src,
+                                                     Tensor<TD, DLayout>& dst) {
+    static_assert(is_smem<TS>::value, "TMA reduce-add reads shared memory");
+    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
+                                 make_tuple(&traits.tma_desc_, raw_pointer_cast(src.data())),
+                                 seq<0, 1>{}, dst.data().coord_,
+                                 tuple_seq<decltype(dst.data().coord_)>{});
+  }
+};
+
+template <class NumBitsPerTMA>
+struct Copy_Traits<mok::gemm::TmaReduceAddGroupedPtr, NumBitsPerTMA> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+
+  TmaDescriptor const* tma_desc_;
+
+  template <class TS, class SLayout, class TD, class DLayout>
+  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
+                                                     Tensor<TS, SLayout> const& src,
+                                                     Tensor<TD, DLayout>& dst) {
+    static_assert(is_smem<TS>::value, "TMA reduce-add reads shared memory");
+    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
+                                 make_tuple(static_cast<void const*>(traits.tma_desc_),
+                                            raw_pointer_cast(src.data())),
+                                 seq<0, 1>{}, dst.data().coord_,
+                                 tuple_seq<decltype(dst.data().coord_)>{});
+  }
+};
+}  // namespace cute
