@@ -11,7 +11,9 @@
 #    gpu_check_<kind>_<UTC date>.json under docs/results/ and $OUT (when set).
 # Env: PYTHON (default python3), MOK_COMMIT (commit id when the copy has no .git),
 #      MOK_DEVICE_KIND (name in the record), MAX_JOBS (build jobs), PYTEST_ARGS (extra args,
-#      split as the shell splits a command line: PYTEST_ARGS='-k "a or b"' passes one -k value).
+#      split as the shell splits a command line: PYTEST_ARGS='-k "a or b"' passes one -k value),
+#      TEST_PATHS (the single-GPU run's test files or folders, default tests/gpu: a path given in
+#      PYTEST_ARGS is added to tests/gpu, not run instead of it).
 # Exit status: non-zero when a test run failed; the record is written either way.
 set -uo pipefail
 
@@ -60,9 +62,10 @@ JUNIT_LOGGING=(-o junit_logging=system-out -o junit_log_passing_tests=true)
 
 # NOTE: eval, so that quotes inside PYTEST_ARGS group words (a -k expression with spaces).
 eval "EXTRA_ARGS=(${PYTEST_ARGS:-})"
-SINGLE_CMD="$PY -m pytest -m \"gpu and not multigpu\" tests/gpu -v -rA ${PYTEST_ARGS:-}"
+read -r -a PATHS <<< "${TEST_PATHS:-tests/gpu}"
+SINGLE_CMD="$PY -m pytest -m \"gpu and not multigpu\" ${PATHS[*]} -v -rA ${PYTEST_ARGS:-}"
 log "$SINGLE_CMD"
-"$PY" -m pytest -m "gpu and not multigpu" tests/gpu -v -rA "${EXTRA_ARGS[@]}" \
+"$PY" -m pytest -m "gpu and not multigpu" "${PATHS[@]}" -v -rA "${EXTRA_ARGS[@]}" \
   --junitxml="$RESULTS/junit_gpu.xml" "${JUNIT_LOGGING[@]}" 2>&1 | tee "$RESULTS/pytest_gpu.log"
 rc=${PIPESTATUS[0]}
 [[ $rc -eq 5 ]] && rc=0  # no test collected is not a failure here
