@@ -27,6 +27,11 @@
 #               'down_interleaved' beside the default), 8192 tokens, into main_grad and in .grad
 #               mode; deepseek-v3 where the GPU has its memory, else qwen3-30b-a3b and
 #               mixtral-8x7b (BWD_WGRAD_SHAPES overrides)
+#   acc_store   the fp32 accumulating weight gradient's two stores (the tile read back, or TMA
+#               reduce-add) and 'auto' by rows a group at EP 1 (not in the default steps):
+#               bench_grouped_gemm.py on qwen3-30b-a3b at 1x, 2x, 4x its rows and mixtral-8x7b at
+#               0.25x, 0.5x, 1x, plus deepseek-v3 at 1x, 2x, 4x where the GPU has the memory for
+#               its fp32 buffers (docs/GEMM.md's store table: grouped_gemm_report.py --store)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
 # BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
 # BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
@@ -122,6 +127,18 @@ if step bwd_wgrad; then
       --out "$OUT/bench_bwd_wgrad_$mode.json" > "$OUT/bench_bwd_wgrad_$mode.log" 2>&1
     echo "[device_run] bwd_wgrad $mode exit $?"; grep -E "speedup|Error" "$OUT/bench_bwd_wgrad_$mode.log" | tail -3
   done
+fi
+if step acc_store; then
+  big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+  sweeps="qwen3-30b-a3b:1,2,4 mixtral-8x7b:0.25,0.5,1"; [[ $big == 1 ]] && sweeps="$sweeps deepseek-v3:1,2,4"
+  for spec in $sweeps; do
+    model=${spec%%:*}; scales=${spec##*:}
+    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_grouped_gemm.py --ep 1 --models "$model" \
+      --scales ${scales//,/ } --ops wgrad_l1_acc wgrad_l2_acc --impls mok mok_load mok_reduce \
+      torch_gemm+add --out "$OUT/bench_grouped_gemm_acc_store_$model.json" > "$OUT/acc_store_$model.log" 2>&1
+    echo "[device_run] acc_store $model exit $?"; grep -E "Error" "$OUT/acc_store_$model.log" | tail -3
+  done
+  python3 scripts/grouped_gemm_report.py --store "$OUT"/bench_grouped_gemm_acc_store_*.json | tail -40
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.
