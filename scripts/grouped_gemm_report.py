@@ -160,18 +160,29 @@ STORE_BEGIN, STORE_END = (
 )
 
 
+def accumulate_bytes(row: dict) -> int:
+    """The HBM bytes an fp32 accumulate moves at the least: the [G, M, N] buffer read and written
+    once (8 bytes an element) and its two bf16 row operands read once (wgrad_l1_acc: d_h [R, 2I]
+    and x [R, H] into [G, 2I, H]; wgrad_l2_acc: d_y [R, H] and act [R, I] into [G, H, I])."""
+    hidden, inter, rows, groups = row["hidden"], row["intermediate"], row["rows"], row["groups"]
+    m, n = (2 * inter, hidden) if row["op"] == "wgrad_l1_acc" else (hidden, inter)
+    return 8 * groups * m * n + 2 * rows * (m + n)
+
+
 def store_table(paths: list[str]) -> str:
     """The fp32 accumulate by rows a group (the mainloop's K): the tile read back by the epilogue
     (mok_load), reduce-added by TMA (mok_reduce), 'auto' (mok) and torch's GEMM + add, each row's
-    times from one process."""
+    times from one process; TB/s: accumulate_bytes over the median, the HBM rate each way
+    reached."""
     lines = []
     for path in paths:
         doc = json.load(open(path))
         lines.append(f"- `{os.path.basename(path)}`: {doc['gpu']}, torch {doc['torch']}, commit "
                      f"`{doc['commit'][:7]}`, EP {doc['ep']}, {doc['timing']}")  # fmt: skip
     lines += ["", "| model | rows | rows a group | op | load ms (p10-p90) | reduce ms (p10-p90) "
-              "| load / reduce | auto ms | torch GEMM + add ms | auto over torch |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| load / reduce | load, reduce TB/s | auto ms | torch GEMM + add ms "
+              "| auto over torch |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for path in paths:
         by = defaultdict(dict)
         for r in json.load(open(path))["results"]:
@@ -189,8 +200,10 @@ def store_table(paths: list[str]) -> str:
                 if auto is None or ref is None
                 else f"{ref['median_ms'] / auto['median_ms']:.2f}x"
             )
+            rate = lambda r: accumulate_bytes(r) / (r["median_ms"] * 1e-3) / 1e12  # noqa: E731
             lines.append(f"| {model} | {rows} | {rows // groups} | {op} | {span(load)} | {span(red)} "
-                         f"| {load['median_ms'] / red['median_ms']:.2f}x | {ms(auto)} | {ms(ref)} "
+                         f"| {load['median_ms'] / red['median_ms']:.2f}x "
+                         f"| {rate(load):.2f}, {rate(red):.2f} | {ms(auto)} | {ms(ref)} "
                          f"| {over} |")  # fmt: skip
     return "\n".join(lines)
 

@@ -804,10 +804,12 @@ def test_store_table_gives_load_over_reduce_and_auto_over_torch_by_rows_a_group(
     report = _script("grouped_gemm_report")
     rows = []
     for impl, ms in (("mok", 2.0), ("mok_load", 2.5), ("mok_reduce", 2.0), ("torch_gemm+add", 3.0)):
-        rows.append({"model": "m", "rows": 4096, "groups": 2, "op": "wgrad_l1_acc", "impl": impl,
-                     "median_ms": ms, "p10_ms": ms, "p90_ms": ms})  # fmt: skip
-    rows.append({"model": "m", "rows": 4096, "groups": 2, "op": "wgrad_l1", "impl": "mok",
-                 "median_ms": 1.0, "p10_ms": 1.0, "p90_ms": 1.0})  # fmt: skip
+        rows.append({"model": "m", "rows": 4096, "groups": 2, "hidden": 4096, "intermediate": 2048,
+                     "op": "wgrad_l1_acc", "impl": impl, "median_ms": ms, "p10_ms": ms,
+                     "p90_ms": ms})  # fmt: skip
+    rows.append({"model": "m", "rows": 4096, "groups": 2, "hidden": 4096, "intermediate": 2048,
+                 "op": "wgrad_l1", "impl": "mok", "median_ms": 1.0, "p10_ms": 1.0,
+                 "p90_ms": 1.0})  # fmt: skip
     doc = {"gpu": "GPU", "torch": "t", "commit": "abcdef0123", "ep": 1, "timing": "median",
            "results": rows}  # fmt: skip
     path = tmp_path / "rec.json"
@@ -816,7 +818,9 @@ def test_store_table_gives_load_over_reduce_and_auto_over_torch_by_rows_a_group(
     md.write_text(f"x\n{report.STORE_BEGIN}\nold\n{report.STORE_END}\ny\n")
     table = report.store_table([str(path)])
     body = [line for line in table.splitlines() if line.startswith("| m |")]
+    # 8 B x 2 x 4096 x 4096 of the buffer + 2 B x 4096 rows x 8192 of operands = 335544320 B
+    assert report.accumulate_bytes(rows[0]) == 335544320
     assert body == ["| m | 4096 | 2048 | wgrad_l1_acc | 2.500 (2.500-2.500) | 2.000 (2.000-2.000) "
-                    "| 1.25x | 2.000 | 3.000 | 1.50x |"]  # fmt: skip
+                    "| 1.25x | 0.13, 0.17 | 2.000 | 3.000 | 1.50x |"]  # fmt: skip
     report.fill_markdown_table(str(md), table, report.STORE_BEGIN, report.STORE_END)
     assert "old" not in md.read_text() and body[0] in md.read_text()
