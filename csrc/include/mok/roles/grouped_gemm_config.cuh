@@ -140,6 +140,19 @@ struct GroupedGemm {
   using StrideB = typename Kernel::InternalStrideB;
 };
 
+// What both reduce-add traits below issue: the shared-memory tile `src` added into global memory
+// at `dst`'s TMA coordinates, through descriptor `desc`.
+template <class TS, class SLayout, class TD, class DLayout>
+CUTE_HOST_DEVICE void tma_reduce_add(cute::TmaDescriptor const* desc,
+                                     cute::Tensor<TS, SLayout> const& src,
+                                     cute::Tensor<TD, DLayout>& dst) {
+  static_assert(cute::is_smem<TS>::value, "TMA reduce-add reads shared memory");
+  cute::detail::explode_tuple(
+      cute::detail::CallCOPY<cute::SM90_TMA_REDUCE_ADD>{},
+      cute::make_tuple(static_cast<void const*>(desc), cute::raw_pointer_cast(src.data())),
+      cute::seq<0, 1>{}, dst.data().coord_, cute::tuple_seq<decltype(dst.data().coord_)>{});
+}
+
 }  // namespace mok::gemm
 
 namespace cute {
@@ -173,11 +186,7 @@ struct Copy_Traits<mok::gemm::TmaReduceAddGrouped, NumBitsPerTMA, AuxParams_> {
   CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
                                                      Tensor<TS, SLayout> const& src,
                                                      Tensor<TD, DLayout>& dst) {
-    static_assert(is_smem<TS>::value, "TMA reduce-add reads shared memory");
-    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
-                                 make_tuple(&traits.tma_desc_, raw_pointer_cast(src.data())),
-                                 seq<0, 1>{}, dst.data().coord_,
-                                 tuple_seq<decltype(dst.data().coord_)>{});
+    mok::gemm::tma_reduce_add(&traits.tma_desc_, src, dst);
   }
 };
 
@@ -194,12 +203,7 @@ struct Copy_Traits<mok::gemm::TmaReduceAddGroupedPtr, NumBitsPerTMA> {
   CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits,
                                                      Tensor<TS, SLayout> const& src,
                                                      Tensor<TD, DLayout>& dst) {
-    static_assert(is_smem<TS>::value, "TMA reduce-add reads shared memory");
-    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
-                                 make_tuple(static_cast<void const*>(traits.tma_desc_),
-                                            raw_pointer_cast(src.data())),
-                                 seq<0, 1>{}, dst.data().coord_,
-                                 tuple_seq<decltype(dst.data().coord_)>{});
+    mok::gemm::tma_reduce_add(traits.tma_desc_, src, dst);
   }
 };
 }  // namespace cute
