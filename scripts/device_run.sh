@@ -46,6 +46,8 @@ if [[ $NGPU -ge 2 ]]; then KIND=nvidia-h200-x$NGPU; DEFAULT="tests bench_ep2 ben
 else KIND=nvidia-h200; DEFAULT="tests bench_ep1 profile"; fi
 STEPS="${STEPS:-$DEFAULT}"
 step() { [[ " $STEPS " == *" $1 "* ]]; }
+# 1 where the GPU has the memory for deepseek-v3's layer and fp32 buffers (an H200), else 0.
+big_gpu() { python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))"; }
 if step tests; then
   MOK_DEVICE_KIND="${MOK_DEVICE_KIND:-$KIND}" bash scripts/gpu_check.sh "$([[ $NGPU -ge 2 ]] && echo 2 || echo 0)" \
     > "$OUT/gpu_check.log" 2>&1
@@ -78,7 +80,7 @@ if step fp8; then
   echo "[device_run] fp8_accuracy exit $?"; grep -E "d_x=|Error" "$OUT/fp8_accuracy.log" | tail -8
 fi
 if step wgrad; then
-  big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+  big=$(big_gpu)
   models="qwen3-30b-a3b mixtral-8x7b"; [[ $big == 1 ]] && models="qwen3-30b-a3b deepseek-v3 mixtral-8x7b"
   timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_grouped_gemm.py --ep 1 --models $models \
     --scales 1.0 --ops wgrad_l1 wgrad_l2 wgrad_l1_acc wgrad_l2_acc \
@@ -118,7 +120,7 @@ if step rounds; then
   done
 fi
 if step bwd_wgrad; then
-  big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+  big=$(big_gpu)
   shapes="${BWD_WGRAD_SHAPES:-$([[ $big == 1 ]] && echo deepseek-v3 || echo qwen3-30b-a3b,mixtral-8x7b)}"
   for mode in main_grad grad; do
     extra=""; [[ $mode == main_grad ]] && extra="--main-grad"
@@ -129,7 +131,7 @@ if step bwd_wgrad; then
   done
 fi
 if step acc_store; then
-  big=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100e9))")
+  big=$(big_gpu)
   sweeps="qwen3-30b-a3b:1,2,4 mixtral-8x7b:0.25,0.5,1"; [[ $big == 1 ]] && sweeps="$sweeps deepseek-v3:1,2,4"
   for spec in $sweeps; do
     model=${spec%%:*}; scales=${spec##*:}

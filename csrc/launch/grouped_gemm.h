@@ -69,8 +69,8 @@ void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream);
 //   kAuto    kReduce where the groups average at least kReduceAddMinRowsPerGroup rows (the
 //            mainloop's K: rows of `a` over groups, known on the host), else kLoad.
 enum class AccumulateStore { kAuto, kLoad, kReduce };
-// On one H100 (session 40): 512 rows a group (qwen3-30b-a3b at EP 1) ran 1.25x slower reduced,
-// 2048 (mixtral-8x7b) 1.1-1.25x faster.
+// Where the line comes from: docs/GEMM.md's store table (one H100: the reduce behind the
+// read-back at 512 rows a group, level at 1024, ahead at 2048).
 constexpr int kReduceAddMinRowsPerGroup = 1024;
 
 // Accumulating weight gradient (gradient-accumulation fusion): out is an fp32 [G, m, n] buffer

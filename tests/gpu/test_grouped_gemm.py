@@ -361,7 +361,7 @@ def test_wgrad_accumulate(case, which, schedule, kind):
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning, store=store)
     assert same_bits(acc, again), "repeat is not bitwise identical"
     del again
-    total = torch.zeros(old.shape, device="cuda")  # the fp32 sum (read back: the other way)
+    total = torch.zeros(old.shape, device="cuda")  # the fp32 sum, by the other fp32 store
     gg.grouped_gemm_tn_accumulate(
         a, b, p.offs, total, tuning=tuning, store="reduce" if store == "load" else "load"
     )

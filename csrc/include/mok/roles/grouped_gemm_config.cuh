@@ -54,14 +54,15 @@ struct Pingpong {
 };
 using TileShape = Cooperative::TileShape;  // the SwiGLU epilogues' tile
 
-// The plain epilogue: D = bf16(accumulator), stored by TMA, no source operand; on the
-// schedule's tile and cluster.
-template <class LayoutD, class Schedule = Cooperative>
+// The plain epilogue: D = ElementD(accumulator) (bf16 unless asked), stored by TMA, no source
+// operand; on the schedule's tile and cluster. TMA alignment: 16 bytes of ElementD.
+template <class LayoutD, class Schedule = Cooperative, class ElementD = Element>
 using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
-    typename Schedule::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void,
-    LayoutD*, kAlignment, Element, LayoutD*, kAlignment, typename Schedule::EpilogueSchedule,
-    cutlass::epilogue::fusion::LinearCombination<Element, Accumulator>>::CollectiveOp;
+    typename Schedule::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator,
+    Accumulator, void, LayoutD*, 16 / sizeof(ElementD), ElementD, LayoutD*, 16 / sizeof(ElementD),
+    typename Schedule::EpilogueSchedule,
+    cutlass::epilogue::fusion::LinearCombination<ElementD, Accumulator>>::CollectiveOp;
 
 // The weight-gradient accumulators: fp32 (Megatron's main_grad) by default; bf16 where a
 // weight's .grad is summed over macrobatch rounds in place (functional/cuda/stage1.py).
@@ -106,21 +107,15 @@ struct WithReduceAddStore<cutlass::epilogue::collective::CollectiveEpilogue<
       TmaReduceAddGrouped, SmemAtomD, R2S, CopyAtomC, R2R>;
 };
 
-// The fp32 accumulating epilogue (Megatron's main_grad): D += accumulator, with no source
-// operand; D's subtiles leave by TMA reduce-add. NOTE: the L2 adds in fp32 and rounds once, so
+// The fp32 accumulating epilogue (Megatron's main_grad): D += accumulator, the fp32 plain
+// epilogue whose subtiles leave by TMA reduce-add. NOTE: the L2 adds in fp32 and rounds once, so
 // what lands is old + accumulator rounded once to fp32, the same bits as AccumulateEpilogue's
 // fma(1, C, 1 * acc) and as a separate fp32 add pass; output tiles never overlap, so each
 // element gets exactly one add per launch (deterministic). bf16 accumulators keep
 // AccumulateEpilogue: a bf16 reduce would round the accumulator to bf16 before adding.
 template <class LayoutD, class Schedule = Cooperative>
-using ReduceAddEpilogue = typename WithReduceAddStore<
-    typename cutlass::epilogue::collective::CollectiveBuilder<
-        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
-        ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator,
-        Accumulator, void, LayoutD*, 16 / sizeof(AccumElement), AccumElement, LayoutD*,
-        16 / sizeof(AccumElement), typename Schedule::EpilogueSchedule,
-        cutlass::epilogue::fusion::LinearCombination<AccumElement, Accumulator>>::CollectiveOp>::
-    type;
+using ReduceAddEpilogue =
+    typename WithReduceAddStore<PlainEpilogue<LayoutD, Schedule, AccumElement>>::type;
 
 // The mainloop + kernel for one (LayoutA, LayoutB, epilogue, schedule) choice. `Shape` picks the
 // tile scheduler: ProblemShape gets CUTLASS's group scheduler, scheduler/flag_wait.cuh's
