@@ -438,6 +438,29 @@ def test_wgrad_accumulate_auto_store_is_bitwise_either_way(rows_per_group):
     check("d_w[4]", got["auto"][4] - old[4], a[r].double().T @ b[r].double(), a[r].T @ b[r])
 
 
+@pytest.mark.parametrize(
+    "rows_per_group,store,reduced",
+    [(256, "load", False), (256, "reduce", True), (256, "auto", False), (1024, "auto", True),
+     (1024, "load", False)],
+)  # fmt: skip
+def test_wgrad_accumulate_store_picks_the_kernel(rows_per_group, store, reduced):
+    """``store`` changes what runs: one GEMM launch, whose epilogue's store is the TMA reduce-add
+    (its copy op, gemm::TmaReduceAddGrouped, in the kernel's name) exactly where the store asks
+    for it, 'auto' at kReduceAddMinRowsPerGroup (1024) rows a group and above."""
+    groups, m, n = 4, 256, 256
+    counts = [rows_per_group] * groups
+    a = torch.randn(sum(counts), m, device="cuda").bfloat16()
+    b = torch.randn(sum(counts), n, device="cuda").bfloat16()
+    acc = torch.randn(groups, m, n, device="cuda")
+    offs = offs_of(counts)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        gg.grouped_gemm_tn_accumulate(a, b, offs, acc, store=store)
+        torch.cuda.synchronize()
+    gemms = [e.name for e in prof.events() if "GemmUniversal" in e.name]
+    assert len(gemms) == 1, gemms
+    assert ("TmaReduceAddGrouped" in gemms[0]) == reduced, gemms[0][:300]
+
+
 def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
     """Raster / swizzle / schedule reorder tiles only (bitwise the same sums); a captured launch
     adds on every replay, bitwise as eager launches do; no host sync."""
