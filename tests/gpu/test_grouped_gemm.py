@@ -406,10 +406,12 @@ def test_wgrad_accumulate_fp32_keeps_subnormals_and_signed_zeros(schedule_name, 
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning, store=store)
     total = torch.zeros_like(old)
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, total, tuning=tuning, store=store)
+    plain = gg.grouped_gemm_tn(a, b, p.offs, tuning=tuning)  # every tile written: bf16 of total
     for g, c in enumerate(p.counts):
         if c == 0:
             assert same_bits(acc[g], old[g]), f"group {g} has no rows: its buffer must not change"
             continue
+        assert torch.equal(total[g].bfloat16(), plain[g]), f"group {g}: a tile was not added"
         assert torch.count_nonzero(total[g][:, :8]) == 0, f"group {g}: zero columns"
         assert same_bits(acc[g], old[g] + total[g]), f"group {g}: acc != old + sum, bitwise"
         assert same_bits(acc[g][::5, :4], old[g][::5, :4]), f"group {g}: subnormals flushed"
