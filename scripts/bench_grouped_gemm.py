@@ -12,9 +12,11 @@ bench's EP-1 problem) and a quarter of it. Ops:
   l2_dgrad  ours: d_y @ W_down with the SwiGLU backward fused; torch: _grouped_mm + the
           SwiGLU backward in bf16 torch ops
   l1_dgrad  d_h @ [W_gate; W_up]
-  wgrad_l1 / wgrad_l2  d_h^T @ x / d_y^T @ act per expert (torch: _grouped_mm with K offsets)
+  wgrad_l1 / wgrad_l2  d_h^T @ x / d_y^T @ act per expert (torch: _grouped_mm with K offsets);
+          ours cooperative, pingpong and cooperative_cluster2 (mok_cluster2: two CTAs share B)
   wgrad_l1_acc / wgrad_l2_acc  the same into an fp32 buffer (Megatron's main_grad): ours adds in
-          the epilogue (grouped_gemm_tn_accumulate, cooperative and pingpong; store 'auto', and
+          the epilogue (grouped_gemm_tn_accumulate, cooperative, pingpong and
+          cooperative_cluster2; store 'auto', and
           mok_load / mok_reduce: the tile read back, or reduce-added by TMA); torch:
           _grouped_mm, then the add (the backend's fallback). Every call adds into the buffer.
 
@@ -125,6 +127,7 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
     if not args.ops or "wgrad_l2_acc" in args.ops:
         acc_l2 = torch.randn(groups, hidden, inter, device="cuda")
     pingpong = gg.GemmTuning("pingpong")
+    cluster2 = gg.GemmTuning("cooperative_cluster2")
 
     l1_flops = 2.0 * rows * hidden * 2 * inter
     l2_flops = 2.0 * rows * hidden * inter
@@ -162,17 +165,21 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
         "wgrad_l1": (l1_flops, {
             "mok": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=t),
             "mok_pingpong": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=pingpong),
+            "mok_cluster2": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=cluster2),
             "torch_gemm": lambda: torch_wgrad(h_cat, x, offs),
         }),
         "wgrad_l2": (l2_flops, {
             "mok": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=t),
             "mok_pingpong": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=pingpong),
+            "mok_cluster2": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=cluster2),
             "torch_gemm": lambda: torch_wgrad(d_y, act, offs),
         }),
         "wgrad_l1_acc": (l1_flops, {
             "mok": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t),
             "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1,
                                                                   tuning=pingpong),
+            "mok_cluster2": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1,
+                                                                  tuning=cluster2),
             "mok_load": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t,
                                                               store="load"),
             "mok_reduce": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t,
@@ -183,6 +190,8 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
             "mok": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t),
             "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2,
                                                                   tuning=pingpong),
+            "mok_cluster2": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2,
+                                                                  tuning=cluster2),
             "mok_load": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t,
                                                               store="load"),
             "mok_reduce": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t,
@@ -201,7 +210,7 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
                 continue
             if tuning and tuning.schedule == "pingpong" and op in PINGPONG_LESS:
                 continue  # the op would refuse it
-            if tuning and impl == "mok_pingpong":
+            if tuning and impl in ("mok_pingpong", "mok_cluster2"):
                 continue  # its schedule is its own: the sweep's "mok" rows cover it
             row = {"tuning": dataclasses.asdict(tuning)} if tuning else {}
             row |= {"model": model, "scale": scale, "rows": rows, "groups": groups,

@@ -133,6 +133,12 @@ def parse_args(argv=None):
         "them in the default schedule",
     )
     p.add_argument(
+        "--mok-wgrad-cluster2",
+        action="store_true",
+        help="the same as --mok-wgrad-pingpong in the engine's cooperative_cluster2 schedule (two "
+        "CTAs along M share each B tile by TMA multicast), as 'mok_wgrad_cluster2'",
+    )
+    p.add_argument(
         "--mok-fp8",
         action="store_true",
         help="also time MoK with MoKConfig.expert_precision='fp8_blockwise' (stage 1; weights "
@@ -523,6 +529,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_cluster2", layer, {"megakernel_cluster": 2}))
         if args.mok_wgrad_pingpong and backward:
             contenders.append(("mok_wgrad_pingpong", layer, WGRAD_PINGPONG_KNOBS))
+        if args.mok_wgrad_cluster2 and backward:
+            contenders.append(("mok_wgrad_cluster2", layer, WGRAD_CLUSTER2_KNOBS))
         if args.mok_macrobatch:
             rounds = {"macrobatch_size": args.mok_macrobatch}
             contenders.append(("mok_rounds", layer, rounds))
@@ -594,6 +602,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result["cluster2_speedup"] = _ratio(result, "mok", "mok_cluster2")
         if "mok_wgrad_pingpong" in result:  # > 1: the pingpong weight gradients beat the default
             result["wgrad_pingpong_speedup"] = _ratio(result, "mok", "mok_wgrad_pingpong")
+        if "mok_wgrad_cluster2" in result:  # > 1: the clustered weight gradients beat the default
+            result["wgrad_cluster2_speedup"] = _ratio(result, "mok", "mok_wgrad_cluster2")
         if "mok_rounds_stage1_bwd" in result:  # > 1: the backward megakernel in rounds wins
             result["rounds_bwd_speedup"] = _ratio(result, "mok_rounds_stage1_bwd", "mok_rounds")
         if "mok_bwd_wgrad" in result:  # > 1: the down weight's gradient in the launch wins
@@ -629,6 +639,12 @@ def _ratio(result: dict, slower: str, faster: str) -> float:
 WGRAD_PINGPONG_KNOBS = {
     "expert_gemm": ",".join((*AUTO_ENGINE_STEPS, "wgrad")),
     "wgrad_tuning": GemmTuning(schedule="pingpong"),
+}
+#: The 'mok_wgrad_cluster2' contender (``--mok-wgrad-cluster2``): the same in the engine's
+#: cooperative_cluster2 schedule.
+WGRAD_CLUSTER2_KNOBS = {
+    "expert_gemm": WGRAD_PINGPONG_KNOBS["expert_gemm"],
+    "wgrad_tuning": GemmTuning(schedule="cooperative_cluster2"),
 }
 
 #: The MoK knobs of the FP8-experts contenders: stage 1 (``--mok-fp8``; profile_moe.py's too)
@@ -741,6 +757,8 @@ def _report(case, name, tokens, routing) -> None:
     )
     if "wgrad_pingpong_speedup" in fb:
         engine += f", pingpong weight gradients: fwd+bwd {fb['wgrad_pingpong_speedup']:.2f}x"
+    if "wgrad_cluster2_speedup" in fb:
+        engine += f", clustered weight gradients: fwd+bwd {fb['wgrad_cluster2_speedup']:.2f}x"
     if "bwd_wgrad_speedup" in fb:
         engine += f", down weight's gradient in the launch: fwd+bwd {fb['bwd_wgrad_speedup']:.2f}x"
         if "bwd_wgrad_interleaved_speedup" in fb:

@@ -199,7 +199,8 @@ launch::GroupedGemmArgs wgrad_args(const char* kOp, const at::Tensor& a, const a
   auto args = base_args(a, b, offs, out);
   args.m = static_cast<int>(m);
   args.n = static_cast<int>(n);
-  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/true);
+  args.tuning = tuning_args(kOp, schedule, raster, swizzle, /*has_pingpong=*/true,
+                            /*has_cluster2=*/true);
   return args;
 }
 

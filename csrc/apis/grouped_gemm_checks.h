@@ -51,20 +51,27 @@ inline void check_dim(const char* op, const char* what, int64_t value, int64_t m
 }
 
 // The tile order from an op's trailing arguments. `has_pingpong`: the op has a pingpong kernel
-// (the plain-epilogue ops); the SwiGLU ops refuse pingpong rather than ignore it.
+// (the plain-epilogue ops); the SwiGLU ops refuse pingpong rather than ignore it. `has_cluster2`:
+// the op has a cooperative_cluster2 kernel (the weight gradients); the others refuse it.
 inline launch::GemmTuning tuning_args(const char* op, std::string_view schedule, std::string_view raster,
-                               int64_t swizzle, bool has_pingpong) {
-  TORCH_CHECK(schedule == "cooperative" || schedule == "pingpong", op, ": schedule='", schedule,
-              "' must be 'cooperative' or 'pingpong'");
-  TORCH_CHECK(has_pingpong || schedule == "cooperative", op,
+                               int64_t swizzle, bool has_pingpong, bool has_cluster2 = false) {
+  TORCH_CHECK(schedule == "cooperative" || schedule == "pingpong" ||
+                  schedule == "cooperative_cluster2",
+              op, ": schedule='", schedule,
+              "' must be 'cooperative', 'pingpong' or 'cooperative_cluster2'");
+  TORCH_CHECK(has_pingpong || schedule != "pingpong", op,
               ": schedule='pingpong' is only for the plain-epilogue ops (grouped_gemm_nt, _nn, "
               "_tn, _nt_wait); the SwiGLU epilogue runs on the cooperative schedule: use "
               "'cooperative'");
+  TORCH_CHECK(has_cluster2 || schedule != "cooperative_cluster2", op,
+              ": schedule='cooperative_cluster2' is only for the weight-gradient ops "
+              "(grouped_gemm_tn, _tn_accumulate): use 'cooperative'");
   TORCH_CHECK(raster == "m" || raster == "n", op, ": raster='", raster, "' must be 'm' or 'n'");
   TORCH_CHECK(swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8, op,
               ": swizzle=", swizzle, " must be 1, 2, 4 or 8");
   launch::GemmTuning tuning;
   tuning.pingpong = schedule == "pingpong";
+  tuning.cluster2 = schedule == "cooperative_cluster2";
   tuning.raster_along_n = raster == "n";
   tuning.swizzle = static_cast<int>(swizzle);
   return tuning;

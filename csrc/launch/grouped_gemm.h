@@ -19,6 +19,7 @@ namespace mok::launch {
 // their trailing (schedule, raster, swizzle) arguments.
 struct GemmTuning {
   bool pingpong = false;        // schedule: cooperative (default) | pingpong (plain-epilogue ops)
+  bool cluster2 = false;        // schedule: cooperative_cluster2 (the weight-gradient ops only)
   bool raster_along_n = false;  // raster: m (default) | n, which tile index runs fastest
   int swizzle = 1;              // tile swizzle width: 1 (default) | 2 | 4 | 8
 };
@@ -35,7 +36,8 @@ struct GroupedGemmArgs {
   int n = 0;
   int k = 0;
   void* workspace = nullptr;  // 256-byte aligned, grouped_gemm_workspace_bytes(num_groups)
-  GemmTuning tuning;          // pingpong: nt, nn, tn and nt_wait only (the SwiGLU ops refuse it)
+  GemmTuning tuning;          // pingpong: nt, nn, tn and nt_wait only (the SwiGLU ops refuse it);
+                              // cluster2: tn and tn_accumulate only (the others refuse it)
 };
 
 // Scratch bytes any op below needs for `num_groups` groups on the current device.

@@ -171,9 +171,21 @@ void run_plain(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args
 }
 
 // The plain-epilogue GEMM on the schedule args.tuning picks; ConfigOf<Schedule> is its Config.
-template <template <class> class ConfigOf>
+// kHasCluster2: the op has a gemm::CooperativeCluster2 kernel (the weight gradient's); the
+// others refuse that schedule.
+template <template <class> class ConfigOf, bool kHasCluster2 = false>
 void run_plain_tuned(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
                      cudaStream_t stream) {
+  if constexpr (kHasCluster2) {
+    if (args.tuning.cluster2) {
+      run_plain<ConfigOf<gemm::CooperativeCluster2>>(desc, args, stream);
+      return;
+    }
+  } else {
+    MOK_HOST_CHECK(!args.tuning.cluster2,
+                   "grouped GEMM: the cooperative_cluster2 schedule is for the weight-gradient ops "
+                   "(grouped_gemm_tn, _tn_accumulate) only");
+  }
   if (args.tuning.pingpong) {
     run_plain<ConfigOf<gemm::Pingpong>>(desc, args, stream);
   } else {

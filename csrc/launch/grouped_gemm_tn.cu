@@ -28,7 +28,7 @@ void grouped_gemm_tn(const GroupedGemmArgs& args, cudaStream_t stream) {
   gemm::zero_empty_groups<gemm::Element><<<zero_grid, kThreads, 0, stream>>>(
       args.offs, static_cast<gemm::Element*>(args.out), group_elems);
   MOK_CUDA_CHECK(cudaGetLastError());
-  detail::run_plain_tuned<TNConfig>(desc, args, stream);
+  detail::run_plain_tuned<TNConfig, /*kHasCluster2=*/true>(desc, args, stream);
 }
 
 }  // namespace mok::launch

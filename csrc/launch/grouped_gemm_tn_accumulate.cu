@@ -44,7 +44,9 @@ void run_accumulate(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs&
 template <AccumulateStore kStore, class ElementAcc>
 void run_scheduled(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
                    cudaStream_t stream) {
-  if (args.tuning.pingpong) {
+  if (args.tuning.cluster2) {
+    run_accumulate<gemm::CooperativeCluster2, ElementAcc, kStore>(desc, args, stream);
+  } else if (args.tuning.pingpong) {
     run_accumulate<gemm::Pingpong, ElementAcc, kStore>(desc, args, stream);
   } else {
     run_accumulate<gemm::Cooperative, ElementAcc, kStore>(desc, args, stream);

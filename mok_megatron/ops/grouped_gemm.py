@@ -73,7 +73,7 @@ __all__ = [
 #: Gate/up block width (rows of w_gu, columns of h); mirrors mok::gemm::kSwigluInterleave.
 SWIGLU_INTERLEAVE = 8
 #: GemmTuning's values; mirrors mok::launch::GemmTuning (checked again by the ops).
-GEMM_SCHEDULES = ("cooperative", "pingpong")
+GEMM_SCHEDULES = ("cooperative", "pingpong", "cooperative_cluster2")
 GEMM_RASTERS = ("m", "n")
 GEMM_SWIZZLES = (1, 2, 4, 8)
 
@@ -83,9 +83,11 @@ class GemmTuning:
     """The order a grouped GEMM's output tiles run in; every setting gives bitwise the same
     result (each tile is computed the same way). docs/GEMM.md has the sweep behind the defaults.
 
-    schedule: "cooperative" (one 128-row tile over both consumer warpgroups) or "pingpong" (a
+    schedule: "cooperative" (one 128-row tile over both consumer warpgroups), "pingpong" (a
     128x128 tile per warpgroup; the plain-epilogue ops nt, nn, tn and nt_wait only: the SwiGLU
-    ops raise for it). raster: "m" or "n", the tile index that runs fastest. swizzle: 1, 2, 4
+    ops raise for it) or "cooperative_cluster2" (the cooperative tile in clusters of two CTAs
+    along M that load each B tile once, by TMA multicast; the weight-gradient ops tn and
+    tn_accumulate only: the others raise for it). raster: "m" or "n", the tile index that runs fastest. swizzle: 1, 2, 4
     or 8, the tile swizzle width.
     """
 

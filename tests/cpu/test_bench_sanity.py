@@ -89,20 +89,22 @@ def test_bench_with_main_grad_runs_on_cpu(tmp_path):
     assert case["fwd_bwd"]["mok"]["median_ms"] > 0 and case["fwd_bwd"]["baseline"]["median_ms"] > 0
 
 
-def test_bench_wgrad_pingpong_contender_times_the_backward_only(tmp_path):
-    """--mok-wgrad-pingpong: a forward + backward contender (the forward has no weight
-    gradients) with its ratio to the default; the engine's tile order is restored after it."""
+def test_bench_wgrad_schedule_contenders_time_the_backward_only(tmp_path):
+    """--mok-wgrad-pingpong / --mok-wgrad-cluster2: forward + backward contenders (the forward has
+    no weight gradients) with their ratios to the default; the engine's tile order is restored
+    after each."""
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, *BENCH, "--main-grad", "--mok-wgrad-pingpong", "--routing",
-                    "uniform", "--out", str(out)], check=True, env=_env(), cwd=ROOT,
-                   timeout=600)  # fmt: skip
+    subprocess.run([sys.executable, *BENCH, "--main-grad", "--mok-wgrad-pingpong",
+                    "--mok-wgrad-cluster2", "--routing", "uniform", "--out", str(out)],
+                   check=True, env=_env(), cwd=ROOT, timeout=600)  # fmt: skip
     (case,) = json.loads(out.read_text())["cases"]
-    assert "mok_wgrad_pingpong" not in case["fwd"]
     r = case["fwd_bwd"]
-    assert r["mok_wgrad_pingpong"]["median_ms"] > 0
-    assert r["wgrad_pingpong_speedup"] == pytest.approx(
-        r["mok"]["median_ms_all_ranks_max"] / r["mok_wgrad_pingpong"]["median_ms_all_ranks_max"]
-    )
+    for name in ("pingpong", "cluster2"):
+        assert f"mok_wgrad_{name}" not in case["fwd"]
+        assert r[f"mok_wgrad_{name}"]["median_ms"] > 0
+        assert r[f"wgrad_{name}_speedup"] == pytest.approx(
+            r["mok"]["median_ms_all_ranks_max"] / r[f"mok_wgrad_{name}"]["median_ms_all_ranks_max"]
+        )
 
 
 def test_bench_rounds_contenders_and_their_backward_ratio(tmp_path):
@@ -133,6 +135,10 @@ def test_mok_knobs_set_and_restore_the_wgrad_tuning():
     default = experts.WGRAD_TUNING
     with bench._mok_knobs(layer, **bench.WGRAD_PINGPONG_KNOBS):
         assert experts.WGRAD_TUNING == GemmTuning(schedule="pingpong")
+        assert runtime.mok_config.expert_gemm == "l1,l2,wgrad"
+    assert experts.WGRAD_TUNING is default and runtime.mok_config == MoKConfig()
+    with bench._mok_knobs(layer, **bench.WGRAD_CLUSTER2_KNOBS):
+        assert experts.WGRAD_TUNING == GemmTuning(schedule="cooperative_cluster2")
         assert runtime.mok_config.expert_gemm == "l1,l2,wgrad"
     assert experts.WGRAD_TUNING is default and runtime.mok_config == MoKConfig()
 

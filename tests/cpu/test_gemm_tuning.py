@@ -15,12 +15,16 @@ OPS = ("l1_swiglu", "nt", "nn", "dswiglu", "tn", "nt_wait", "l1_swiglu_wait")
 def test_defaults_and_op_args():
     assert gg.GemmTuning().op_args() == ("cooperative", "m", 1)
     assert gg.GemmTuning("pingpong", "n", 8).op_args() == ("pingpong", "n", 8)
+    assert gg.GemmTuning("cooperative_cluster2").op_args() == ("cooperative_cluster2", "m", 1)
 
 
 @pytest.mark.parametrize(
     "kwargs,words",
     [
-        ({"schedule": "ping"}, ["schedule='ping'", "'cooperative'", "'pingpong'"]),
+        (
+            {"schedule": "ping"},
+            ["schedule='ping'", "'cooperative'", "'pingpong'", "'cooperative_cluster2'"],
+        ),
         ({"raster": "k"}, ["raster='k'", "'m'", "'n'"]),
         ({"swizzle": 3}, ["swizzle=3", "(1, 2, 4, 8)"]),
         ({"swizzle": "4"}, ["swizzle='4'"]),

@@ -133,11 +133,19 @@ ALL_CASES = [pytest.param(i, id=f"small{i}") for i in range(len(SMALL))] + [
 
 
 SCHEDULES = ["cooperative", "pingpong"]  # GemmTuning.schedule: the plain-epilogue ops have both
+#: The weight-gradient ops (tn, tn_accumulate) also have the clustered cooperative schedule.
+WGRAD_SCHEDULES = [*SCHEDULES, "cooperative_cluster2"]
 
 
 @pytest.fixture(params=SCHEDULES)
 def schedule(request):
     """The schedule the plain-epilogue ops run on (the ops' trailing ``schedule`` argument)."""
+    return request.param
+
+
+@pytest.fixture(params=WGRAD_SCHEDULES)
+def wgrad_schedule(request):
+    """The schedule the weight-gradient ops run on."""
     return request.param
 
 
@@ -270,7 +278,7 @@ def torch_wgrad(a, b, offs, counts):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 @pytest.mark.parametrize("which", ["w_gu", "w_down"])
-def test_wgrad(case, which, schedule):
+def test_wgrad(case, which, wgrad_schedule):
     p, limit = problem_of(case)
     rows = p.x.shape[0]
     if which == "w_gu":  # d_w_gu[g] = d_h_g^T @ x_g
@@ -282,7 +290,7 @@ def test_wgrad(case, which, schedule):
 
     def run():
         out = poisoned(p.groups, a.shape[1], b.shape[1])
-        torch.ops.mok.grouped_gemm_tn_out(a, b, p.offs, out, schedule)
+        torch.ops.mok.grouped_gemm_tn_out(a, b, p.offs, out, wgrad_schedule)
         return (out,)
 
     (out,) = run_twice(run)
@@ -343,7 +351,7 @@ ACCUMULATE_KINDS = [
 @pytest.mark.parametrize("case", ACCUMULATE_CASES)
 @pytest.mark.parametrize("which", ["w_gu", "w_down"])
 @pytest.mark.parametrize("kind", ACCUMULATE_KINDS)
-def test_wgrad_accumulate(case, which, schedule, kind):
+def test_wgrad_accumulate(case, which, wgrad_schedule, kind):
     """acc += a_g^T @ b_g in the epilogue, into fp32 (main_grad; the tile read back and stored,
     or reduce-added by TMA) or bf16 (a .grad summed over macrobatch rounds in place): over fp32
     zeros it is the plain op's fp32 accumulator (bf16 of it equals grouped_gemm_tn's output, and
@@ -353,7 +361,7 @@ def test_wgrad_accumulate(case, which, schedule, kind):
     dtype, store = kind
     p, limit = problem_of(case)
     a, b = wgrad_operands(p, which)
-    tuning = gg.GemmTuning(schedule=schedule)
+    tuning = gg.GemmTuning(schedule=wgrad_schedule)
     old = start_buffer(p, a.shape[1], b.shape[1]).to(dtype)
     acc = old.clone()
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, acc, tuning=tuning, store=store)
@@ -386,7 +394,7 @@ def test_wgrad_accumulate(case, which, schedule, kind):
 
 
 @pytest.mark.parametrize("store", ["load", "reduce"])
-@pytest.mark.parametrize("schedule_name", SCHEDULES)
+@pytest.mark.parametrize("schedule_name", WGRAD_SCHEDULES)
 def test_wgrad_accumulate_fp32_keeps_subnormals_and_signed_zeros(schedule_name, store):
     """The fp32 accumulate's add (the epilogue's, or the L2's by TMA reduce-add) is IEEE fp32
     addition: where a group's sum is exactly zero (a zero column of b) the buffer keeps its
@@ -461,6 +469,62 @@ def test_wgrad_accumulate_store_picks_the_kernel(rows_per_group, store, reduced)
     gemms = [e.name for e in prof.events() if "GemmUniversal" in e.name]
     assert len(gemms) == 1, gemms
     assert ("TmaReduceAddGrouped" in gemms[0]) == reduced, gemms[0][:300]
+
+
+def _gemm_kernel_names(fn) -> list[str]:
+    """The names of the CUTLASS GEMM kernels ``fn`` launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "GemmUniversal" in e.name]
+
+
+@pytest.mark.parametrize("case", [0, 1, ("qwen3-30b-a3b", 0.25, "skewed")])
+def test_wgrad_cluster2_is_bitwise_cooperative_and_runs_its_own_kernel(case):
+    """cooperative_cluster2 (two CTAs along M share each B tile by TMA multicast) changes how the
+    operands reach the SMs, not a tile's arithmetic: the plain weight gradient and every
+    accumulate (fp32 both stores, bf16) land the cooperative schedule's bits, an odd m-tile count
+    included (small case 1's w_down: M = 264, three m-tiles, so a pair's second tile lies past M),
+    as do empty and 1-row groups; and it is another kernel, not the cooperative one renamed."""
+    p, _ = problem_of(case)
+    cooperative = gg.GemmTuning()
+    cluster2 = gg.GemmTuning(schedule="cooperative_cluster2")
+    for which in ("w_gu", "w_down"):
+        a, b = wgrad_operands(p, which)
+        want = gg.grouped_gemm_tn(a, b, p.offs, tuning=cooperative)
+        out = poisoned(p.groups, a.shape[1], b.shape[1])
+        torch.ops.mok.grouped_gemm_tn_out(a, b, p.offs, out, *cluster2.op_args())
+        assert torch.equal(out, want), f"{which}: cluster2's tn != cooperative's"
+        old = start_buffer(p, a.shape[1], b.shape[1])
+        for dtype, store in [(torch.float32, "load"), (torch.float32, "reduce"),
+                             (torch.bfloat16, "auto")]:  # fmt: skip
+            ref, got = old.to(dtype).clone(), old.to(dtype).clone()
+            gg.grouped_gemm_tn_accumulate(a, b, p.offs, ref, tuning=cooperative, store=store)
+            gg.grouped_gemm_tn_accumulate(a, b, p.offs, got, tuning=cluster2, store=store)
+            assert same_bits(got, ref), f"{which} {dtype} {store}: cluster2 != cooperative"
+    a, b = wgrad_operands(p, "w_down")
+    names = [_gemm_kernel_names(lambda t=t: gg.grouped_gemm_tn(a, b, p.offs, tuning=t))
+             for t in (cooperative, cluster2)]  # fmt: skip
+    assert len(names[0]) == 1 and len(names[1]) == 1, names
+    assert names[0] != names[1], "cooperative_cluster2 ran the cooperative kernel"
+
+
+def test_wgrad_cluster2_refused_by_the_other_ops():
+    """Only the weight-gradient ops have a cooperative_cluster2 kernel: every other op raises
+    for it, naming the ops that have it (never a silent fallback to another schedule)."""
+    p = small_problem(0)
+    cluster2 = gg.GemmTuning(schedule="cooperative_cluster2")
+    _, h = gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, save_h=True)
+    act = torch.randn(p.x.shape[0], p.inter, device="cuda").bfloat16()
+    match = "cooperative_cluster2.*weight-gradient ops.*use 'cooperative'"
+    for call in (
+        lambda: gg.grouped_gemm_l1_swiglu(p.x, p.w_gu, p.offs, tuning=cluster2),
+        lambda: gg.grouped_gemm_dswiglu(p.d_y, p.w_down, h, p.offs, tuning=cluster2),
+        lambda: gg.grouped_gemm_nt(act, p.w_down, p.offs, tuning=cluster2),
+        lambda: gg.grouped_gemm_nn(h, p.w_gu, p.offs, tuning=cluster2),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            call()
 
 
 def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
@@ -578,7 +642,7 @@ def test_tuning_an_op_cannot_honour_raises():
     out = poisoned(p.x.shape[0], p.hidden)
     for call, match in [
         (lambda: torch.ops.mok.grouped_gemm_nt_out(act, p.w_down, p.offs, out, "fast"),
-         "schedule='fast' must be 'cooperative' or 'pingpong'"),
+         "schedule='fast' must be 'cooperative', 'pingpong' or 'cooperative_cluster2'"),
         (lambda: torch.ops.mok.grouped_gemm_nt_out(act, p.w_down, p.offs, out, raster="k"),
          "raster='k' must be 'm' or 'n'"),
         (lambda: torch.ops.mok.grouped_gemm_nt_out(act, p.w_down, p.offs, out, swizzle=3),

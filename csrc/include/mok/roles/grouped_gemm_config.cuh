@@ -34,12 +34,13 @@ constexpr int kAlignment = 8;  // elements per 16 bytes: TMA needs 16-byte align
 // Operand layouts, CUTLASS naming: A is (M,K), B is (N,K) as stored in memory.
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
-// NOTE: 1x1x1 clusters: no TMA multicast between CTAs.
+// NOTE: 1x1x1 clusters, no TMA multicast between CTAs, unless a schedule says otherwise.
 using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 
-// Two schedules. Cooperative: both consumer warpgroups share one 128x256 tile (the default, and
+// Three schedules. Cooperative: both consumer warpgroups share one 128x256 tile (the default, and
 // the only one the SwiGLU epilogues use). Pingpong: each consumer warpgroup owns a 128x128 tile
-// and its epilogue overlaps the other's mainloop (helps short K).
+// and its epilogue overlaps the other's mainloop (helps short K). CooperativeCluster2: the
+// cooperative tile, two CTAs sharing B (the weight-gradient ops only).
 struct Cooperative {
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = gemm::ClusterShape;
@@ -51,6 +52,20 @@ struct Pingpong {
   using ClusterShape = gemm::ClusterShape;
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+// The cooperative tile in clusters of two CTAs along M (the weight gradients' schedule choice):
+// the pair computes two m-tiles of one n-tile, and each CTA loads half of the shared B tile and
+// multicasts it to both (TMA multicast inside the cluster, not NVLink multicast), so a k-tile
+// reads 16 + 16 KB from L2 per CTA instead of 16 + 32. Each tile's arithmetic is the
+// cooperative's: bitwise the same results. CUTLASS's group scheduler rounds each group's m-tiles
+// up to the pair, so an odd count gives the last pair a tile past M that computes on the TMA's
+// zero fill and stores nothing (the weight gradients' M, 2I or H, is a multiple of 256 for every
+// benchmark shape).
+struct CooperativeCluster2 {
+  using TileShape = Cooperative::TileShape;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = Cooperative::KernelSchedule;
+  using EpilogueSchedule = Cooperative::EpilogueSchedule;
 };
 using TileShape = Cooperative::TileShape;  // the SwiGLU epilogues' tile
 
@@ -77,8 +92,8 @@ using AccumElement = float;
 template <class LayoutD, class Schedule = Cooperative, class ElementAcc = AccumElement>
 using AccumulateEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Schedule::TileShape,
-    ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator,
-    ElementAcc, LayoutD*, 16 / sizeof(ElementAcc), ElementAcc, LayoutD*,
+    typename Schedule::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, Accumulator,
+    Accumulator, ElementAcc, LayoutD*, 16 / sizeof(ElementAcc), ElementAcc, LayoutD*,
     16 / sizeof(ElementAcc), typename Schedule::EpilogueSchedule,
     cutlass::epilogue::fusion::LinearCombination<ElementAcc, Accumulator, ElementAcc,
                                                  Accumulator>>::CollectiveOp;
@@ -125,7 +140,8 @@ template <class LayoutA, class LayoutB, class CollectiveEpilogue, class Schedule
 struct GroupedGemm {
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment, Element,
-      LayoutB*, kAlignment, Accumulator, typename Schedule::TileShape, ClusterShape,
+      LayoutB*, kAlignment, Accumulator, typename Schedule::TileShape,
+      typename Schedule::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
