@@ -32,6 +32,13 @@
 #               bench_grouped_gemm.py on qwen3-30b-a3b at 1x, 2x, 4x its rows and mixtral-8x7b at
 #               0.25x, 0.5x, 1x, plus deepseek-v3 at 1x, 2x, 4x where the GPU has the memory for
 #               its fp32 buffers (docs/GEMM.md's store table: grouped_gemm_report.py --store)
+#   wgrad_cluster2  the engine's weight gradients in clusters of two CTAs (GemmTuning schedule
+#               'cooperative_cluster2') against the cooperative schedule and torch at EP 1 (not in
+#               the default steps): bench_grouped_gemm.py (impl mok_cluster2) on qwen3-30b-a3b at
+#               1x and 2x its rows, mixtral-8x7b at 0.5x and 1x, deepseek-v3 at 1x (the plain ops;
+#               the fp32 ones too where the GPU has the memory), then the layer's forward +
+#               backward with --mok-wgrad-cluster2 on qwen3-30b-a3b at 8192 and 16384 tokens, in
+#               .grad mode (beside the engine's cooperative weight gradients) and into main_grad
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
 # BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
 # BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
@@ -141,6 +148,26 @@ if step acc_store; then
     echo "[device_run] acc_store $model exit $?"; grep -E "Error" "$OUT/acc_store_$model.log" | tail -3
   done
   python3 scripts/grouped_gemm_report.py --store "$OUT"/bench_grouped_gemm_acc_store_*.json | tail -40
+fi
+if step wgrad_cluster2; then
+  big=$(big_gpu)
+  deepseek_ops="wgrad_l1 wgrad_l2"; [[ $big == 1 ]] && deepseek_ops="$deepseek_ops wgrad_l1_acc wgrad_l2_acc"
+  for spec in "qwen3-30b-a3b:1,2" "mixtral-8x7b:0.5,1" "deepseek-v3:1"; do
+    model=${spec%%:*}; scales=${spec##*:}; ops="wgrad_l1 wgrad_l2 wgrad_l1_acc wgrad_l2_acc"
+    [[ $model == deepseek-v3 ]] && ops=$deepseek_ops
+    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_grouped_gemm.py --ep 1 --models "$model" \
+      --scales ${scales//,/ } --ops $ops --impls mok mok_cluster2 torch_gemm torch_gemm+add \
+      --out "$OUT/bench_grouped_gemm_cluster2_$model.json" > "$OUT/cluster2_$model.log" 2>&1
+    echo "[device_run] wgrad_cluster2 GEMMs $model exit $?"; grep -E "Error" "$OUT/cluster2_$model.log" | tail -3
+  done
+  for mode in grad main_grad; do
+    extra="--mok-expert-gemm l1+l2+wgrad"; [[ $mode == main_grad ]] && extra="--main-grad"
+    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/bench_moe.py --shapes qwen3-30b-a3b \
+      --tokens 8192,16384 --routing uniform --mok-cuda-forward megakernel --mok-wgrad-cluster2 \
+      $extra --out "$OUT/bench_wgrad_cluster2_$mode.json" > "$OUT/bench_wgrad_cluster2_$mode.log" 2>&1
+    echo "[device_run] wgrad_cluster2 layer $mode exit $?"
+    grep -E "speedup|Error" "$OUT/bench_wgrad_cluster2_$mode.log" | tail -3
+  done
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.
