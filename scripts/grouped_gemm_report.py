@@ -5,6 +5,9 @@ python scripts/grouped_gemm_report.py docs/results/bench_grouped_gemm_h200.json
 python scripts/grouped_gemm_report.py --store RECORD.json [...] [--md docs/GEMM.md]
     the fp32 accumulate's two stores (the tile read back, or TMA reduce-add) and 'auto' by rows
     a group (the records' mok_load / mok_reduce / mok rows), filling the page's store table
+python scripts/grouped_gemm_report.py --cluster2 RECORD.json [...] [--md docs/GEMM.md]
+    the weight gradients in the cooperative schedule against cooperative_cluster2 and torch by
+    rows a group (the records' mok / mok_cluster2 / torch rows), filling the page's cluster table
 """
 
 from __future__ import annotations
@@ -169,16 +172,21 @@ def accumulate_bytes(row: dict) -> int:
     return 8 * groups * m * n + 2 * rows * (m + n)
 
 
-def store_table(paths: list[str]) -> str:
-    """The fp32 accumulate by rows a group (the mainloop's K): the tile read back by the epilogue
-    (mok_load), reduce-added by TMA (mok_reduce), 'auto' (mok) and torch's GEMM + add, each row's
-    times from one process; TB/s: accumulate_bytes over the median, the HBM rate each way
-    reached."""
+def _record_lines(paths: list[str]) -> list[str]:
     lines = []
     for path in paths:
         doc = json.load(open(path))
         lines.append(f"- `{os.path.basename(path)}`: {doc['gpu']}, torch {doc['torch']}, commit "
                      f"`{doc['commit'][:7]}`, EP {doc['ep']}, {doc['timing']}")  # fmt: skip
+    return lines
+
+
+def store_table(paths: list[str]) -> str:
+    """The fp32 accumulate by rows a group (the mainloop's K): the tile read back by the epilogue
+    (mok_load), reduce-added by TMA (mok_reduce), 'auto' (mok) and torch's GEMM + add, each row's
+    times from one process; TB/s: accumulate_bytes over the median, the HBM rate each way
+    reached."""
+    lines = _record_lines(paths)
     lines += ["", "| model | rows | rows a group | op | load ms (p10-p90) | reduce ms (p10-p90) "
               "| load / reduce | load, reduce TB/s | auto ms | torch GEMM + add ms "
               "| auto over torch |",
@@ -208,16 +216,53 @@ def store_table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+CLUSTER2_BEGIN, CLUSTER2_END = (
+    "<!-- wgrad cluster2 table begin -->",
+    "<!-- wgrad cluster2 table end -->",
+)
+
+
+def cluster2_table(paths: list[str]) -> str:
+    """The weight gradients (plain, and into fp32 with store 'auto') by rows a group (the
+    mainloop's K): the engine's cooperative schedule (mok), cooperative_cluster2 (mok_cluster2:
+    two CTAs along M share each B tile) and torch (its GEMM, plus the add for the fp32 ops), each
+    row's times from one process; cooperative over cluster2 > 1 where the pairs win."""
+    lines = _record_lines(paths)
+    lines += ["", "| model | rows | rows a group | op | cooperative ms (p10-p90) "
+              "| cluster2 ms (p10-p90) | cooperative / cluster2 | torch ms | torch / cluster2 |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for path in paths:
+        by = defaultdict(dict)
+        for r in json.load(open(path))["results"]:
+            if r["op"].startswith("wgrad") and "median_ms" in r:
+                by[(r["model"], r["rows"], r["groups"], r["op"])][r["impl"]] = r
+        for (model, rows, groups, op), impls in by.items():
+            coop, pair = impls.get("mok"), impls.get("mok_cluster2")
+            ref = impls.get("torch_gemm+add" if op.endswith("_acc") else "torch_gemm")
+            if coop is None or pair is None:
+                continue
+            span = lambda r: f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f})"  # noqa: E731
+            torch_ms = "-" if ref is None else f"{ref['median_ms']:.3f}"
+            over = "-" if ref is None else f"{ref['median_ms'] / pair['median_ms']:.2f}x"
+            lines.append(f"| {model} | {rows} | {rows // groups} | {op} | {span(coop)} "
+                         f"| {span(pair)} | {coop['median_ms'] / pair['median_ms']:.2f}x "
+                         f"| {torch_ms} | {over} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--store":
+    tables = {"--store": (store_table, STORE_BEGIN, STORE_END),
+              "--cluster2": (cluster2_table, CLUSTER2_BEGIN, CLUSTER2_END)}  # fmt: skip
+    if len(sys.argv) > 1 and sys.argv[1] in tables:
+        make, begin, end = tables[sys.argv[1]]
         args = sys.argv[2:]
         md = None
         if "--md" in args:
             i = args.index("--md")
             md, args = args[i + 1], args[:i] + args[i + 2 :]
-        table = store_table(args)
+        table = make(args)
         print(table)
         if md:
-            fill_markdown_table(md, table, STORE_BEGIN, STORE_END)
+            fill_markdown_table(md, table, begin, end)
     else:
         main(sys.argv[1] if len(sys.argv) > 1 else "docs/results/bench_grouped_gemm.json")

@@ -141,6 +141,11 @@ for b in wgw-e1a044d_ab3 wgwi-56239db_ab3 wgw-e1a044d_ab wgred-999790f_ab2 wgred
   wgredi-510d1b6_ab wgsync-f38445e_ab d2dd0f4 abdc97f; do
   for m in main_grad grad; do args+=("$R/bench_moe_h100_ep1_bwd_wgrad_${m}_$b.json"); done
 done
+args+=(--wgrad-schedule)
+for m in grad main_grad; do
+  args+=("$R/bench_moe_h100_ep1_wgrad_cluster2_${m}_79c42ae.json" \
+    "$R/bench_moe_h100_ep1_wgrad_cluster2_${m}_mixtral_79c42ae.json")
+done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_379ca6f.json")
 args+=(--host "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \

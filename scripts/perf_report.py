@@ -225,6 +225,38 @@ def bwd_wgrad_rows(paths):
         yield f"{head}| {case['shape']} | {case['tokens_per_rank']} | {mode} | {cells} | {ratios} |"
 
 
+#: The engine's weight gradients in the cooperative schedule, as `--mok-expert-gemm l1+l2+wgrad`
+#: names them (in '.grad' mode the default's are torch's).
+ENGINE_WGRAD = "mok_gemm_l1+l2+wgrad"
+
+
+def wgrad_schedule_rows(paths):
+    """bench_moe.py --mok-wgrad-cluster2 records: forward + backward of MoK with the weight
+    gradients on the engine in its cooperative_cluster2 schedule ('mok_wgrad_cluster2') beside the
+    default, the engine's cooperative schedule where the record timed it (in '.grad' mode the
+    default's weight gradients are torch's; into main_grad they are the engine's cooperative ones)
+    and the baseline, same process."""
+    for head, _, mode, r, case in _fwd_bwd_cases(paths, "mok_wgrad_cluster2"):
+        cells = _time_mem_cells(r, ("baseline", "mok", ENGINE_WGRAD, "mok_wgrad_cluster2"))
+        ratio = f"**{r['wgrad_cluster2_speedup']:.2f}x**"
+        yield f"{head}| {case['shape']} | {case['tokens_per_rank']} | {mode} | {cells} | {ratio} |"
+
+
+WGRAD_SCHEDULE_HEAD = (
+    "## The weight gradients in clusters of two (forward + backward)\n\n"
+    "`bench_moe.py --mok-wgrad-cluster2`: MoK with its weight gradients on the expert GEMM "
+    "engine in the `cooperative_cluster2` schedule (two CTAs along M share each B tile by TMA "
+    "multicast, docs/GEMM.md) beside the default and the baseline, same process, uniform "
+    "routing, EP 1; in `.grad` mode also the engine's weight gradients in the cooperative "
+    "schedule (`--mok-expert-gemm l1+l2+wgrad`: the default's are torch's there; into "
+    "`main_grad` they are the engine's cooperative ones). Each cell: median ms (p10-p90), peak "
+    "GiB. Ratio: the default over the clustered (> 1: the clusters are faster).\n\n"
+    "| record | GPU | commit | shape | tokens/rank | mode | baseline | mok | mok, engine "
+    "cooperative | mok, engine cluster2 | ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 BWD_WGRAD_HEAD = (
     "## The down weight's gradient inside the backward launch (forward + backward)\n\n"
     "`bench_moe.py --mok-bwd-wgrad`: MoK with `MoKConfig.bwd_wgrad='down'` (the down weight's "
@@ -905,6 +937,12 @@ def main(argv=None) -> None:
         "--rounds", nargs="*", default=[], help="bench_moe.py --mok-macrobatch JSONs, one table"
     )
     p.add_argument(
+        "--wgrad-schedule",
+        nargs="*",
+        default=[],
+        help="bench_moe.py --mok-wgrad-cluster2 JSONs, one table",
+    )
+    p.add_argument(
         "--bwd-wgrad",
         nargs="*",
         default=[],
@@ -963,6 +1001,8 @@ def main(argv=None) -> None:
         parts += ["", ROUNDS_HEAD, *rounds_rows(args.rounds)]
     if args.bwd_wgrad:
         parts += ["", BWD_WGRAD_HEAD, *bwd_wgrad_rows(args.bwd_wgrad)]
+    if args.wgrad_schedule:
+        parts += ["", WGRAD_SCHEDULE_HEAD, *wgrad_schedule_rows(args.wgrad_schedule)]
     if args.compare:
         parts += ["", *compare_tables(args.compare)]
     if args.breakdown:

@@ -748,6 +748,32 @@ def test_bwd_wgrad_rows_render_each_case_that_timed_it(tmp_path):
                    "| 5.000 (4.900-5.100), 2.50 | - | **1.20x** | - |")  # fmt: skip
 
 
+def test_wgrad_schedule_rows_render_each_case_that_timed_it(tmp_path):
+    """perf_report's table of the clustered weight gradients (bench_moe --mok-wgrad-cluster2):
+    per case with 'mok_wgrad_cluster2', the baseline, the default, the engine's cooperative
+    weight gradients ('-' where the record lacks them) and the clustered ones, with the ratio; a
+    case without it gives no row."""
+    perf_report = _script("perf_report")
+
+    def timing(ms, gib):
+        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+                "fraction_of_floor": 0.5, "peak_mem_bytes": gib * 2**30}  # fmt: skip
+
+    fwd_bwd = {"baseline": timing(9.0, 3), "mok": timing(6.0, 2),
+               "mok_wgrad_cluster2": timing(6.6, 2), "wgrad_cluster2_speedup": 0.91}  # fmt: skip
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 8192, "routing": "uniform",
+            "mok_backend": "cuda/megakernel", "fwd": {"mok": timing(2.0, 1)},
+            "fwd_bwd": fwd_bwd}  # fmt: skip
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"environment": env, "args": {"main_grad": False},
+                                "cases": [case, {**case, "fwd_bwd": {"mok": timing(6.0, 2)}}]}))  # fmt: skip
+    (row,) = perf_report.wgrad_schedule_rows([str(path)])
+    assert row == ("| `c.json` | NVIDIA H100 80GB HBM3 | `abc1234` | s | 8192 | .grad "
+                   "| 9.000 (8.900-9.100), 3.00 | 6.000 (5.900-6.100), 2.00 | - "
+                   "| 6.600 (6.500-6.700), 2.00 | **0.91x** |")  # fmt: skip
+
+
 def test_bench_bwd_wgrad_needs_the_megakernel_forward():
     """--mok-bwd-wgrad without --mok-cuda-forward megakernel stops with the rule, before any
     layer is built (MoKConfig refuses bwd_wgrad='down' after stage 1's forward)."""
@@ -804,6 +830,30 @@ def test_ncu_gemm_record_from_recorded_pages(tmp_path, monkeypatch, capsys):
     assert abs(sum(shares) - 1) < 1e-9 and shares == sorted(shares, reverse=True)
     assert len(record["hot_instructions"]) == 5
     assert "DRAM Throughput" in capsys.readouterr().out
+
+
+def test_cluster2_table_gives_the_schedules_ratio_and_torch_over_the_pairs(tmp_path):
+    """grouped_gemm_report --cluster2: per weight-gradient op and rows a group, the cooperative
+    schedule's time over the clustered one and torch's (its GEMM, + add for the fp32 ops) over
+    the clustered one; ops without both schedules give no row."""
+    report = _script("grouped_gemm_report")
+    rows = []
+    for op, impl, ms in (("wgrad_l1", "mok", 1.0), ("wgrad_l1", "mok_cluster2", 0.8),
+                         ("wgrad_l1", "torch_gemm", 1.2), ("wgrad_l2_acc", "mok", 2.0),
+                         ("wgrad_l2_acc", "mok_cluster2", 2.5), ("wgrad_l2_acc", "torch_gemm+add", 3.0),
+                         ("wgrad_l2", "mok", 1.0)):  # fmt: skip
+        rows.append({"model": "m", "rows": 4096, "groups": 2, "hidden": 4096, "intermediate": 2048,
+                     "op": op, "impl": impl, "median_ms": ms, "p10_ms": ms, "p90_ms": ms})  # fmt: skip
+    doc = {"gpu": "GPU", "torch": "t", "commit": "abcdef0123", "ep": 1, "timing": "median",
+           "results": rows}  # fmt: skip
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(doc))
+    body = [line for line in report.cluster2_table([str(path)]).splitlines()
+            if line.startswith("| m |")]  # fmt: skip
+    assert body == ["| m | 4096 | 2048 | wgrad_l1 | 1.000 (1.000-1.000) | 0.800 (0.800-0.800) "
+                    "| 1.25x | 1.200 | 1.50x |",
+                    "| m | 4096 | 2048 | wgrad_l2_acc | 2.000 (2.000-2.000) | 2.500 (2.500-2.500) "
+                    "| 0.80x | 3.000 | 1.20x |"]  # fmt: skip
 
 
 def test_store_table_gives_load_over_reduce_and_auto_over_torch_by_rows_a_group(tmp_path):
