@@ -41,7 +41,9 @@ AUTO_ACCUMULATE_STEPS = ("wgrad",)
 #: other (scripts/wgrad_traffic.py's serial model); pingpong overlaps one warpgroup's epilogue
 #: with the other's mainloop. ``bench_moe.py --mok-wgrad-pingpong`` times the layer with it in
 #: the same process as this default: on one H200 at 81286a8 pingpong was 0.97-1.00x of it
-#: (docs/results/bench_moe_h200_ep1_wgrad_*_81286a8.json), so cooperative stays.
+#: (docs/results/bench_moe_h200_ep1_wgrad_*_81286a8.json), so cooperative stays; so did
+#: ``--mok-wgrad-cluster2`` (clusters of two CTAs sharing B, 0.98-1.00x of it on one H100 at
+#: 79c42ae, docs/results/bench_moe_h100_ep1_wgrad_cluster2_*_79c42ae.json).
 WGRAD_TUNING = gg.GemmTuning()
 
 
