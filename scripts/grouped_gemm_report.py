@@ -181,6 +181,21 @@ def _record_lines(paths: list[str]) -> list[str]:
     return lines
 
 
+def _timed_cells(paths: list[str], keep):
+    """Each record's ((model, rows, groups, op), {impl: row}) over its timed rows whose op
+    ``keep`` accepts, record by record."""
+    for path in paths:
+        by = defaultdict(dict)
+        for r in json.load(open(path))["results"]:
+            if keep(r["op"]) and "median_ms" in r:
+                by[(r["model"], r["rows"], r["groups"], r["op"])][r["impl"]] = r
+        yield from by.items()
+
+
+def _span(r: dict) -> str:
+    return f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f})"
+
+
 def store_table(paths: list[str]) -> str:
     """The fp32 accumulate by rows a group (the mainloop's K): the tile read back by the epilogue
     (mok_load), reduce-added by TMA (mok_reduce), 'auto' (mok) and torch's GEMM + add, each row's
@@ -191,28 +206,20 @@ def store_table(paths: list[str]) -> str:
               "| load / reduce | load, reduce TB/s | auto ms | torch GEMM + add ms "
               "| auto over torch |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for path in paths:
-        by = defaultdict(dict)
-        for r in json.load(open(path))["results"]:
-            if r["op"].endswith("_acc") and "median_ms" in r:
-                by[(r["model"], r["rows"], r["groups"], r["op"])][r["impl"]] = r
-        for (model, rows, groups, op), impls in by.items():
-            load, red, auto, ref = (impls.get(k) for k in
-                                    ("mok_load", "mok_reduce", "mok", "torch_gemm+add"))  # fmt: skip
-            if load is None or red is None:
-                continue
-            span = lambda r: f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f})"  # noqa: E731
-            ms = lambda r: "-" if r is None else f"{r['median_ms']:.3f}"  # noqa: E731
-            over = (
-                "-"
-                if auto is None or ref is None
-                else f"{ref['median_ms'] / auto['median_ms']:.2f}x"
-            )
-            rate = lambda r: accumulate_bytes(r) / (r["median_ms"] * 1e-3) / 1e12  # noqa: E731
-            lines.append(f"| {model} | {rows} | {rows // groups} | {op} | {span(load)} | {span(red)} "
-                         f"| {load['median_ms'] / red['median_ms']:.2f}x "
-                         f"| {rate(load):.2f}, {rate(red):.2f} | {ms(auto)} | {ms(ref)} "
-                         f"| {over} |")  # fmt: skip
+    for (model, rows, groups, op), impls in _timed_cells(paths, lambda op: op.endswith("_acc")):
+        load, red, auto, ref = (impls.get(k) for k in
+                                ("mok_load", "mok_reduce", "mok", "torch_gemm+add"))  # fmt: skip
+        if load is None or red is None:
+            continue
+        ms = lambda r: "-" if r is None else f"{r['median_ms']:.3f}"  # noqa: E731
+        over = (
+            "-" if auto is None or ref is None else f"{ref['median_ms'] / auto['median_ms']:.2f}x"
+        )
+        rate = lambda r: accumulate_bytes(r) / (r["median_ms"] * 1e-3) / 1e12  # noqa: E731
+        lines.append(f"| {model} | {rows} | {rows // groups} | {op} | {_span(load)} | {_span(red)} "
+                     f"| {load['median_ms'] / red['median_ms']:.2f}x "
+                     f"| {rate(load):.2f}, {rate(red):.2f} | {ms(auto)} | {ms(ref)} "
+                     f"| {over} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -231,22 +238,16 @@ def cluster2_table(paths: list[str]) -> str:
     lines += ["", "| model | rows | rows a group | op | cooperative ms (p10-p90) "
               "| cluster2 ms (p10-p90) | cooperative / cluster2 | torch ms | torch / cluster2 |",
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for path in paths:
-        by = defaultdict(dict)
-        for r in json.load(open(path))["results"]:
-            if r["op"].startswith("wgrad") and "median_ms" in r:
-                by[(r["model"], r["rows"], r["groups"], r["op"])][r["impl"]] = r
-        for (model, rows, groups, op), impls in by.items():
-            coop, pair = impls.get("mok"), impls.get("mok_cluster2")
-            ref = impls.get("torch_gemm+add" if op.endswith("_acc") else "torch_gemm")
-            if coop is None or pair is None:
-                continue
-            span = lambda r: f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}-{r['p90_ms']:.3f})"  # noqa: E731
-            torch_ms = "-" if ref is None else f"{ref['median_ms']:.3f}"
-            over = "-" if ref is None else f"{ref['median_ms'] / pair['median_ms']:.2f}x"
-            lines.append(f"| {model} | {rows} | {rows // groups} | {op} | {span(coop)} "
-                         f"| {span(pair)} | {coop['median_ms'] / pair['median_ms']:.2f}x "
-                         f"| {torch_ms} | {over} |")  # fmt: skip
+    for (model, rows, groups, op), impls in _timed_cells(paths, lambda op: op.startswith("wgrad")):
+        coop, pair = impls.get("mok"), impls.get("mok_cluster2")
+        ref = impls.get("torch_gemm+add" if op.endswith("_acc") else "torch_gemm")
+        if coop is None or pair is None:
+            continue
+        torch_ms = "-" if ref is None else f"{ref['median_ms']:.3f}"
+        over = "-" if ref is None else f"{ref['median_ms'] / pair['median_ms']:.2f}x"
+        lines.append(f"| {model} | {rows} | {rows // groups} | {op} | {_span(coop)} "
+                     f"| {_span(pair)} | {coop['median_ms'] / pair['median_ms']:.2f}x "
+                     f"| {torch_ms} | {over} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -722,27 +722,34 @@ def test_rounds_rows_render_each_contender_and_targets_read_h200_records_only(tm
     assert len(list(perf_report.target_rows([("r.json", record)]))) == 2  # fwd and fwd+bwd
 
 
+def _timing(ms, gib):
+    """A bench_moe.py contender entry: ms median (+-0.1 spread), peak GiB."""
+    return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+            "fraction_of_floor": 0.5, "peak_mem_bytes": gib * 2**30}  # fmt: skip
+
+
+def _fwd_bwd_record(path, fwd_bwd: dict) -> str:
+    """A one-GPU .grad-mode bench_moe.py record of two cases: one whose forward + backward timed
+    ``fwd_bwd`` (with the baseline and mok added) and one that timed MoK only."""
+    fwd_bwd = {"baseline": _timing(9.0, 3), "mok": _timing(6.0, 2), **fwd_bwd}
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 8192, "routing": "uniform",
+            "mok_backend": "cuda/megakernel", "fwd": {"mok": _timing(2.0, 1)},
+            "fwd_bwd": fwd_bwd}  # fmt: skip
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}
+    path.write_text(json.dumps({"environment": env, "args": {"main_grad": False},
+                                "cases": [case, {**case, "fwd_bwd": {"mok": _timing(6.0, 2)}}]}))  # fmt: skip
+    return str(path)
+
+
 def test_bwd_wgrad_rows_render_each_case_that_timed_it(tmp_path):
     """perf_report's table of the down weight's gradient in the backward launch (bench_moe
     --mok-bwd-wgrad): per case with 'mok_bwd_wgrad', the three contenders' forward + backward time
     and peak memory, the mode and the ratio ('-' for the interleaved contender the record lacks);
     a case without it gives no row."""
     perf_report = _script("perf_report")
-
-    def timing(ms, gib):
-        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
-                "fraction_of_floor": 0.5, "peak_mem_bytes": gib * 2**30}  # fmt: skip
-
-    fwd_bwd = {"baseline": timing(9.0, 3), "mok": timing(6.0, 2),
-               "mok_bwd_wgrad": timing(5.0, 2.5), "bwd_wgrad_speedup": 1.2}  # fmt: skip
-    case = {"shape": "s", "ep": 1, "tokens_per_rank": 8192, "routing": "uniform",
-            "mok_backend": "cuda/megakernel", "fwd": {"mok": timing(2.0, 1)},
-            "fwd_bwd": fwd_bwd}  # fmt: skip
-    env = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}
-    path = tmp_path / "w.json"
-    path.write_text(json.dumps({"environment": env, "args": {"main_grad": False},
-                                "cases": [case, {**case, "fwd_bwd": {"mok": timing(6.0, 2)}}]}))  # fmt: skip
-    (row,) = perf_report.bwd_wgrad_rows([str(path)])
+    path = _fwd_bwd_record(tmp_path / "w.json",
+                           {"mok_bwd_wgrad": _timing(5.0, 2.5), "bwd_wgrad_speedup": 1.2})  # fmt: skip
+    (row,) = perf_report.bwd_wgrad_rows([path])
     assert row == ("| `w.json` | NVIDIA H100 80GB HBM3 | `abc1234` | s | 8192 | .grad "
                    "| 9.000 (8.900-9.100), 3.00 | 6.000 (5.900-6.100), 2.00 "
                    "| 5.000 (4.900-5.100), 2.50 | - | **1.20x** | - |")  # fmt: skip
@@ -754,21 +761,10 @@ def test_wgrad_schedule_rows_render_each_case_that_timed_it(tmp_path):
     weight gradients ('-' where the record lacks them) and the clustered ones, with the ratio; a
     case without it gives no row."""
     perf_report = _script("perf_report")
-
-    def timing(ms, gib):
-        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
-                "fraction_of_floor": 0.5, "peak_mem_bytes": gib * 2**30}  # fmt: skip
-
-    fwd_bwd = {"baseline": timing(9.0, 3), "mok": timing(6.0, 2),
-               "mok_wgrad_cluster2": timing(6.6, 2), "wgrad_cluster2_speedup": 0.91}  # fmt: skip
-    case = {"shape": "s", "ep": 1, "tokens_per_rank": 8192, "routing": "uniform",
-            "mok_backend": "cuda/megakernel", "fwd": {"mok": timing(2.0, 1)},
-            "fwd_bwd": fwd_bwd}  # fmt: skip
-    env = {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc1234"}
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"environment": env, "args": {"main_grad": False},
-                                "cases": [case, {**case, "fwd_bwd": {"mok": timing(6.0, 2)}}]}))  # fmt: skip
-    (row,) = perf_report.wgrad_schedule_rows([str(path)])
+    path = _fwd_bwd_record(tmp_path / "c.json",
+                           {"mok_wgrad_cluster2": _timing(6.6, 2),
+                            "wgrad_cluster2_speedup": 0.91})  # fmt: skip
+    (row,) = perf_report.wgrad_schedule_rows([path])
     assert row == ("| `c.json` | NVIDIA H100 80GB HBM3 | `abc1234` | s | 8192 | .grad "
                    "| 9.000 (8.900-9.100), 3.00 | 6.000 (5.900-6.100), 2.00 | - "
                    "| 6.600 (6.500-6.700), 2.00 | **0.91x** |")  # fmt: skip
