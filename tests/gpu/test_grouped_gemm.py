@@ -536,7 +536,9 @@ def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
     base = old.clone()
     gg.grouped_gemm_tn_accumulate(a, b, p.offs, base)
     for tuning in (gg.GemmTuning(raster="n"), gg.GemmTuning(swizzle=4),
-                   gg.GemmTuning(schedule="pingpong", raster="n", swizzle=8)):  # fmt: skip
+                   gg.GemmTuning(schedule="pingpong", raster="n", swizzle=8),
+                   gg.GemmTuning(schedule="cooperative_cluster2", raster="n", swizzle=8),
+                   gg.GemmTuning(schedule="cooperative_cluster2", swizzle=2)):  # fmt: skip
         again = old.clone()
         gg.grouped_gemm_tn_accumulate(a, b, p.offs, again, tuning=tuning)
         assert same_bits(again, base), tuning
@@ -560,6 +562,35 @@ def test_wgrad_accumulate_tile_order_graph_and_no_host_sync():
         graph.replay()
     torch.cuda.synchronize()
     assert same_bits(replayed, eager)
+
+
+def test_wgrad_cluster2_graph_and_no_host_sync():
+    """The clustered weight gradient (a cluster launch) is captured into a CUDA graph and
+    replayed with the eager launch's bits, plain and accumulating; eager launches never sync the
+    host."""
+    p = big_problem("qwen3-30b-a3b", 0.25, "skewed")
+    a, b = wgrad_operands(p, "w_gu")
+    args = gg.GemmTuning(schedule="cooperative_cluster2").op_args()
+    old = start_buffer(p, a.shape[1], b.shape[1])
+    eager_out, eager_acc = poisoned(p.groups, a.shape[1], b.shape[1]), old.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.ops.mok.grouped_gemm_tn_out(a, b, p.offs, eager_out, *args)
+        torch.ops.mok.grouped_gemm_tn_accumulate_out(a, b, p.offs, eager_acc, *args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out, acc = poisoned(p.groups, a.shape[1], b.shape[1]), old.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        torch.ops.mok.grouped_gemm_tn_out(a, b, p.offs, out, *args)
+        torch.ops.mok.grouped_gemm_tn_accumulate_out(a, b, p.offs, acc, *args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and same_bits(acc, eager_acc)
 
 
 def test_wgrad_accumulate_bad_input_errors():
