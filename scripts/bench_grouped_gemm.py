@@ -129,6 +129,28 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
     pingpong = gg.GemmTuning("pingpong")
     cluster2 = gg.GemmTuning("cooperative_cluster2")
 
+    def wgrad_impls(a, b):  # out[g] = a_g^T @ b_g
+        return {
+            "mok": lambda: gg.grouped_gemm_tn(a, b, offs, tuning=t),
+            "mok_pingpong": lambda: gg.grouped_gemm_tn(a, b, offs, tuning=pingpong),
+            "mok_cluster2": lambda: gg.grouped_gemm_tn(a, b, offs, tuning=cluster2),
+            "torch_gemm": lambda: torch_wgrad(a, b, offs),
+        }
+
+    def wgrad_acc_impls(a, b, acc):  # acc[g] += a_g^T @ b_g, fp32
+        def ours(tuning, store="auto"):
+            return lambda: gg.grouped_gemm_tn_accumulate(a, b, offs, acc, tuning=tuning,
+                                                         store=store)  # fmt: skip
+
+        return {
+            "mok": ours(t),
+            "mok_pingpong": ours(pingpong),
+            "mok_cluster2": ours(cluster2),
+            "mok_load": ours(t, "load"),
+            "mok_reduce": ours(t, "reduce"),
+            "torch_gemm+add": lambda: acc.add_(torch_wgrad(a, b, offs)),
+        }
+
     l1_flops = 2.0 * rows * hidden * 2 * inter
     l2_flops = 2.0 * rows * hidden * inter
     ops = {  # op: (flops, {impl: fn})
@@ -162,42 +184,10 @@ def bench_shape(model: str, scale: float, args, *, mok_only=False, tuning=None) 
             "mok": lambda: gg.grouped_gemm_nn(h_cat, w_gu, offs, tuning=t),
             "torch_gemm": lambda: torch._grouped_mm(h_cat, w_cat, offs=offs),
         }),
-        "wgrad_l1": (l1_flops, {
-            "mok": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=t),
-            "mok_pingpong": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=pingpong),
-            "mok_cluster2": lambda: gg.grouped_gemm_tn(h_cat, x, offs, tuning=cluster2),
-            "torch_gemm": lambda: torch_wgrad(h_cat, x, offs),
-        }),
-        "wgrad_l2": (l2_flops, {
-            "mok": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=t),
-            "mok_pingpong": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=pingpong),
-            "mok_cluster2": lambda: gg.grouped_gemm_tn(d_y, act, offs, tuning=cluster2),
-            "torch_gemm": lambda: torch_wgrad(d_y, act, offs),
-        }),
-        "wgrad_l1_acc": (l1_flops, {
-            "mok": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t),
-            "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1,
-                                                                  tuning=pingpong),
-            "mok_cluster2": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1,
-                                                                  tuning=cluster2),
-            "mok_load": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t,
-                                                              store="load"),
-            "mok_reduce": lambda: gg.grouped_gemm_tn_accumulate(h_cat, x, offs, acc_l1, tuning=t,
-                                                                store="reduce"),
-            "torch_gemm+add": lambda: acc_l1.add_(torch_wgrad(h_cat, x, offs)),
-        }),
-        "wgrad_l2_acc": (l2_flops, {
-            "mok": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t),
-            "mok_pingpong": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2,
-                                                                  tuning=pingpong),
-            "mok_cluster2": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2,
-                                                                  tuning=cluster2),
-            "mok_load": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t,
-                                                              store="load"),
-            "mok_reduce": lambda: gg.grouped_gemm_tn_accumulate(d_y, act, offs, acc_l2, tuning=t,
-                                                                store="reduce"),
-            "torch_gemm+add": lambda: acc_l2.add_(torch_wgrad(d_y, act, offs)),
-        }),
+        "wgrad_l1": (l1_flops, wgrad_impls(h_cat, x)),
+        "wgrad_l2": (l2_flops, wgrad_impls(d_y, act)),
+        "wgrad_l1_acc": (l1_flops, wgrad_acc_impls(h_cat, x, acc_l1)),
+        "wgrad_l2_acc": (l2_flops, wgrad_acc_impls(d_y, act, acc_l2)),
     }  # fmt: skip
     results = []
     for op, (flops, impls) in ops.items():
