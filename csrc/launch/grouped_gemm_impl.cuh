@@ -170,27 +170,40 @@ void run_plain(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args
                       [](const auto& arrays) { return plain_epilogue<Config>(arrays); });
 }
 
-// The plain-epilogue GEMM on the schedule args.tuning picks; ConfigOf<Schedule> is its Config.
-// kHasCluster2: the op has a gemm::CooperativeCluster2 kernel (the weight gradient's); the
-// others refuse that schedule.
-template <template <class> class ConfigOf, bool kHasCluster2 = false>
-void run_plain_tuned(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
-                     cudaStream_t stream) {
+// The schedule `tuning` picks, handed to `fn` as ScheduleTag<Schedule>{} (`typename
+// decltype(tag)::type` inside), so every launcher chooses the same way. kHasCluster2: the op has a
+// gemm::CooperativeCluster2 kernel (the weight gradients'); the others refuse that schedule.
+template <class Schedule>
+struct ScheduleTag {
+  using type = Schedule;
+};
+
+template <bool kHasCluster2 = false, class Fn>
+void with_schedule(const GemmTuning& tuning, Fn&& fn) {
   if constexpr (kHasCluster2) {
-    if (args.tuning.cluster2) {
-      run_plain<ConfigOf<gemm::CooperativeCluster2>>(desc, args, stream);
+    if (tuning.cluster2) {
+      fn(ScheduleTag<gemm::CooperativeCluster2>{});
       return;
     }
   } else {
-    MOK_HOST_CHECK(!args.tuning.cluster2,
+    MOK_HOST_CHECK(!tuning.cluster2,
                    "grouped GEMM: the cooperative_cluster2 schedule is for the weight-gradient ops "
                    "(grouped_gemm_tn, _tn_accumulate) only");
   }
-  if (args.tuning.pingpong) {
-    run_plain<ConfigOf<gemm::Pingpong>>(desc, args, stream);
+  if (tuning.pingpong) {
+    fn(ScheduleTag<gemm::Pingpong>{});
   } else {
-    run_plain<ConfigOf<gemm::Cooperative>>(desc, args, stream);
+    fn(ScheduleTag<gemm::Cooperative>{});
   }
+}
+
+// The plain-epilogue GEMM on the schedule args.tuning picks; ConfigOf<Schedule> is its Config.
+template <template <class> class ConfigOf, bool kHasCluster2 = false>
+void run_plain_tuned(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
+                     cudaStream_t stream) {
+  with_schedule<kHasCluster2>(args.tuning, [&](auto tag) {
+    run_plain<ConfigOf<typename decltype(tag)::type>>(desc, args, stream);
+  });
 }
 
 // A rows-in-M problem (forward, data gradients): group g's rows of A [rows, k] times B[g]

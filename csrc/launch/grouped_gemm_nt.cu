@@ -25,17 +25,12 @@ void grouped_gemm_nt_wait(const GroupedGemmArgs& args, const FlagWaitArgs& wait,
   const auto set_wait = [&](auto& scheduler) {
     scheduler.wait = detail::flag_wait_params(args, wait);
   };
-  if (args.tuning.pingpong) {
-    using Config = NTWaitConfig<gemm::Pingpong>;
+  detail::with_schedule(args.tuning, [&](auto tag) {
+    using Config = NTWaitConfig<typename decltype(tag)::type>;
     detail::run_grouped<Config>(desc, args.workspace, args.tuning, stream,
                                 [](const auto& a) { return detail::plain_epilogue<Config>(a); },
                                 set_wait);
-  } else {
-    using Config = NTWaitConfig<gemm::Cooperative>;
-    detail::run_grouped<Config>(desc, args.workspace, args.tuning, stream,
-                                [](const auto& a) { return detail::plain_epilogue<Config>(a); },
-                                set_wait);
-  }
+  });
 }
 
 }  // namespace mok::launch

@@ -44,13 +44,9 @@ void run_accumulate(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs&
 template <AccumulateStore kStore, class ElementAcc>
 void run_scheduled(const gemm::GroupedProblemDesc& desc, const GroupedGemmArgs& args,
                    cudaStream_t stream) {
-  if (args.tuning.cluster2) {
-    run_accumulate<gemm::CooperativeCluster2, ElementAcc, kStore>(desc, args, stream);
-  } else if (args.tuning.pingpong) {
-    run_accumulate<gemm::Pingpong, ElementAcc, kStore>(desc, args, stream);
-  } else {
-    run_accumulate<gemm::Cooperative, ElementAcc, kStore>(desc, args, stream);
-  }
+  detail::with_schedule</*kHasCluster2=*/true>(args.tuning, [&](auto tag) {
+    run_accumulate<typename decltype(tag)::type, ElementAcc, kStore>(desc, args, stream);
+  });
 }
 
 // The problem: group g's rows are the K of its [m, n] sum; a group without rows gets M = 0 (no
