@@ -322,6 +322,38 @@ CLUSTER2_HEAD = (
 )
 
 
+CHAINED_HEAD = (
+    "## Chained launches against plain stream order\n\n"
+    "The MoK layer as above (the default `chained_launches=True`: each kernel of a pass launched "
+    "with programmatic stream serialization, starting while the one before finishes and waiting "
+    "for it on the device) against the same layer with `chained_launches=False` (each kernel "
+    "started by the stream once the one before has finished), same process (`bench_moe.py "
+    "--mok-unchained`); 'fwd (graph)': both forwards replayed from CUDA graphs (`--mok-graph`); "
+    "'(back to back)': calls back to back (`--back-to-back`). Ratio > 1: chained is faster.\n\n"
+    "| shape | EP | tokens/rank | routing | pass | mok backend | chained ms (p10-p90) "
+    "| unchained ms (p10-p90) | ratio | chained of floor | unchained of floor | chained peak GiB "
+    "| unchained peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def chained_rows(records):
+    """Chained launches against plain stream order: timed, replayed, back to back."""
+    for _, record in records:
+        for case in record["cases"]:
+            one = [(None, {"cases": [case]})]
+            for label in ("fwd", "fwd_bwd"):
+                yield from stage1_rows(one, "mok_unchained", "chained_speedup", (label,))
+                if label == "fwd":
+                    for row in stage1_rows(one, "mok_unchained_graph", "chained_graph_speedup",
+                                           ("fwd",), base="mok_graph"):  # fmt: skip
+                        yield row.replace("| fwd |", "| fwd (graph) |", 1)
+                tag = label.replace("_", "+")
+                for row in stage1_rows(one, "mok_unchained_back_to_back",
+                                       "chained_back_to_back_speedup", (label,),
+                                       base="mok_back_to_back"):  # fmt: skip
+                    yield row.replace(f"| {tag} |", f"| {tag} (back to back) |", 1)
+
+
 PULL_HEAD = (
     "## The forward megakernel's rows in place against pulled (one rank)\n\n"
     "The MoK layer as above (the megakernel's forward with the default `fwd_rows='auto'`: at one "
@@ -976,6 +1008,9 @@ def main(argv=None) -> None:
     cluster2 = list(stage1_rows(records, "mok_cluster2", "cluster2_speedup"))
     if cluster2:
         parts += ["", CLUSTER2_HEAD, *cluster2]
+    chained = list(chained_rows(records))
+    if chained:
+        parts += ["", CHAINED_HEAD, *chained]
     back_to_back = list(back_to_back_rows(records))
     if back_to_back:
         parts += ["", BACK_TO_BACK_HEAD, *back_to_back]

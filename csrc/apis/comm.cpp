@@ -24,6 +24,7 @@ launch::MoeComm comm_of(at::IntArrayRef c) {
                                      c[kComm_hidden],    c[kComm_slot_rows],  c[kComm_counter_words]};
   comm.timeout_ns = c[kComm_timeout_ms] * 1000000;
   comm.error_record = reinterpret_cast<int32_t*>(c[kComm_error_record]);
+  comm.chained = c[kComm_chained] != 0;
   TORCH_CHECK(comm.peer_bases != nullptr && comm.my_base != 0, "mok::moe: null workspace");
   TORCH_CHECK(comm.lay.num_ranks == 1 || comm.signal_pads != nullptr,
               "mok::moe: more than one rank needs signal pads");

@@ -23,7 +23,8 @@
   X(slot_rows, "1 when the layout has the megakernel's slot_rows region")                    \
   X(counter_words, "int32 words of the layout's counters region")                            \
   X(timeout_ms, "every device-side wait gives up after this long")                           \
-  X(error_record, "address of the megakernel's pinned int32 error record (0: none)")
+  X(error_record, "address of the megakernel's pinned int32 error record (0: none)")       \
+  X(chained, "1: the pass's kernels launch chained (MoKConfig.chained_launches)")
 
 namespace mok::apis {
 

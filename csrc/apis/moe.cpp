@@ -9,6 +9,7 @@
 #include "apis/comm.h"
 #include "apis/tensor_arena.h"
 #include "apis/tensor_checks.h"
+#include "launch/chain.h"
 #include "launch/moe.h"
 #include "mok/common/fp8_blockwise.cuh"
 #include "mok/layout/mega.cuh"
@@ -49,6 +50,7 @@ std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,
                                                       const at::Tensor& weights,
                                                       at::IntArrayRef comm_ints) {
   const auto comm = comm_of(comm_ints);
+  const launch::ChainScope chain(comm.chained);
   check(topk, "topk", at::kLong, 2);
   check(weights, "weights", at::kFloat, 2);
   TORCH_CHECK(topk.size(0) <= comm.lay.max_tokens && topk.size(1) == comm.lay.topk &&
@@ -133,6 +135,7 @@ std::vector<at::Tensor> moe_build_schedule(const at::Tensor& global_topk, int64_
 at::Tensor moe_dispatch(const at::Tensor& x, const at::Tensor& recv_token_src,
                         at::IntArrayRef comm_ints) {
   const auto comm = comm_of(comm_ints);
+  const launch::ChainScope chain(comm.chained);
   check(x, "x", at::kBFloat16, 2);
   check(recv_token_src, "recv_token_src", at::kLong, 1);
   TORCH_CHECK(x.size(0) <= comm.lay.max_tokens && x.size(1) <= comm.lay.hidden &&
@@ -157,6 +160,7 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
                        int64_t row_begin, bool first, bool last,
                        const std::optional<at::Tensor>& rows2) {
   const auto comm = comm_of(comm_ints);
+  const launch::ChainScope chain(comm.chained);
   const auto& lay = comm.lay;
   check(rows, "rows", at::kBFloat16, 2);
   check(token_rows, "token_rows", at::kLong, 2);
@@ -213,6 +217,7 @@ at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& tok
                              const at::Tensor& recv_token_src, const at::Tensor& send_to,
                              int64_t num_tokens, at::IntArrayRef comm_ints) {
   const auto comm = comm_of(comm_ints);
+  const launch::ChainScope chain(comm.chained);
   const auto& lay = comm.lay;
   check(row_values, "row_values", at::kFloat, 1);
   check(token_rows, "token_rows", at::kLong, 2);

@@ -13,6 +13,7 @@
 #include "apis/moe.h"
 #include "apis/tensor_arena.h"
 #include "apis/tensor_checks.h"
+#include "launch/chain.h"
 #include "launch/moe_mega.h"
 #include "launch/moe_megakernel.h"
 #include "mok/common/fp8_blockwise.cuh"
@@ -234,6 +235,7 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
                                       int64_t row_capacity, int64_t token_capacity, int64_t inter,
                                       int64_t minibatch, int64_t macrobatch) {
   const auto comm = comm_of(comm_ints);
+  const launch::ChainScope chain(comm.chained);
   c10::cuda::CUDAGuard guard(topk.device());
   const auto shape = mega_shape(comm, row_capacity, num_experts / comm.lay.num_ranks, inter,
                                 minibatch, macrobatch);
@@ -251,6 +253,7 @@ std::vector<at::Tensor> moe_mega_forward(
     const std::optional<at::Tensor>& w_gate_up_scales,
     const std::optional<at::Tensor>& w_down_scales, bool rows_in_place, bool keep_rings) {
   const auto comm = comm_of(comm_ints);
+  const launch::ChainScope chain(comm.chained);
   const auto& lay = comm.lay;
   const bool fp8 = w_gate_up_scales.has_value();
   TORCH_CHECK(fp8 == w_down_scales.has_value(), "mok::moe_mega_forward: w_gate_up_scales and "
@@ -444,6 +447,7 @@ std::vector<at::Tensor> moe_mega_backward(
     bool trace, int64_t cluster, int64_t round,
     const std::optional<at::Tensor>& wgrad_down, bool wgrad_accumulate, bool wgrad_interleave) {
   const auto comm = comm_of(comm_ints);
+  const launch::ChainScope chain(comm.chained);
   const auto& lay = comm.lay;
   check(d_out, "d_out", at::kBFloat16, 2);
   check(topk, "topk", at::kLong, 2);

@@ -1,4 +1,5 @@
 // Host launchers of the stage-1 MoE pass (see launch/moe.h). The kernels live in include/mok/.
+#include "launch/chain.h"
 #include "launch/grid.h"
 #include "launch/moe.h"
 #include "launch/moe_mega.h"
@@ -48,12 +49,12 @@ void moe_gather_routing(const MoeComm& comm, const int64_t* topk, const float* w
                         int num_tokens, int64_t* global_topk, float* global_weights,
                         cudaStream_t stream) {
   const auto& lay = comm.lay;
-  roles::stage_routing<<<grid_for(lay.max_tokens * lay.topk), kThreads, 0, stream>>>(
-      lay, comm.my_base, topk, weights, num_tokens);
+  launch::kernel(roles::stage_routing, grid_for(lay.max_tokens * lay.topk), kThreads, 0, stream,
+                 lay, comm.my_base, topk, weights, num_tokens);
   check_launch();
   moe_barrier(comm, static_cast<int>(comm::Phase::kScheduleStaged), stream);
-  roles::gather_routing<<<grid_for(lay.num_ranks * lay.max_tokens * lay.topk), kThreads, 0,
-                          stream>>>(lay, comm.peer_bases, global_topk, global_weights);
+  launch::kernel(roles::gather_routing, grid_for(lay.num_ranks * lay.max_tokens * lay.topk),
+                 kThreads, 0, stream, lay, comm.peer_bases, global_topk, global_weights);
   check_launch();
   moe_barrier(comm, static_cast<int>(comm::Phase::kScheduleGathered), stream);
 }
@@ -63,20 +64,20 @@ void moe_build_schedule(const scheduler::ScheduleParams& p, cudaStream_t stream)
   const size_t count_smem = sizeof(int) * (p.num_local_experts + p.num_ranks + 1);
   MOK_HOST_CHECK(count_smem <= 48 * 1024, "too many local experts (%d) for the schedule kernel",
                  p.num_local_experts);
-  init_rows<<<grid_for(p.row_capacity), kThreads, 0, stream>>>(p);
+  launch::kernel(init_rows, grid_for(p.row_capacity), kThreads, 0, stream, p);
   check_launch();
-  count_chunks<<<p.num_chunks(), kChunk, count_smem, stream>>>(p);
+  launch::kernel(count_chunks, p.num_chunks(), kChunk, count_smem, stream, p);
   check_launch();
-  scan_chunks<<<1, kTokenThreads, 0, stream>>>(p);
+  launch::kernel(scan_chunks, 1, kTokenThreads, 0, stream, p);
   check_launch();
-  place_rows<<<p.num_chunks(), kChunk, 0, stream>>>(p);
+  launch::kernel(place_rows, p.num_chunks(), kChunk, 0, stream, p);
   check_launch();
-  count_tokens<<<p.num_token_chunks(), kTokenChunk, 0, stream>>>(p);
+  launch::kernel(count_tokens, p.num_token_chunks(), kTokenChunk, 0, stream, p);
   check_launch();
-  place_tokens<<<p.num_token_chunks(), kTokenChunk, 0, stream>>>(p);
+  launch::kernel(place_tokens, p.num_token_chunks(), kTokenChunk, 0, stream, p);
   check_launch();
-  place_token_rows<<<grid_for(std::max<int64_t>(p.row_capacity, p.max_tokens)), kThreads, 0,
-                     stream>>>(p);
+  launch::kernel(place_token_rows, grid_for(std::max<int64_t>(p.row_capacity, p.max_tokens)),
+                 kThreads, 0, stream, p);
   check_launch();
 }
 
@@ -87,9 +88,9 @@ void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens, int64_t wi
                  static_cast<long long>(lay.hidden));
   moe_stage_tokens(comm, x, num_tokens, width, stream);
   if (num_recv > 0) {
-    roles::pull_tokens<<<num_recv, row_threads(width), 0, stream>>>(
-        lay, comm.peer_bases, recv_token_src, static_cast<__nv_bfloat16*>(recv), num_recv,
-        width);
+    launch::kernel(roles::pull_tokens, num_recv, row_threads(width), 0, stream, lay,
+                   comm.peer_bases, recv_token_src, static_cast<__nv_bfloat16*>(recv), num_recv,
+                   width);
     check_launch();
   }
 }
@@ -122,9 +123,9 @@ void moe_gather_rows_fp8(const void* packed, const int64_t* row_tok, void* data,
   if (num_rows == 0) return;
   MOK_HOST_CHECK(num_rows < (int64_t{1} << 31), "too many rows (%lld)",
                  static_cast<long long>(num_rows));
-  roles::gather_rows_fp8<<<static_cast<unsigned>(num_rows), row_threads(hidden / 2), 0,
-                           stream>>>(static_cast<const uint8_t*>(packed), row_tok,
-                                     static_cast<uint8_t*>(data), scales, hidden);
+  launch::kernel(roles::gather_rows_fp8, static_cast<unsigned>(num_rows), row_threads(hidden / 2),
+                 0, stream, static_cast<const uint8_t*>(packed), row_tok,
+                 static_cast<uint8_t*>(data), scales, hidden);
   check_launch();
 }
 
@@ -178,8 +179,9 @@ void moe_gather_rows(const void* src, const int64_t* row_tok, void* out, int64_t
   if (num_rows == 0) return;
   MOK_HOST_CHECK(num_rows < (int64_t{1} << 31), "too many rows (%lld)",
                  static_cast<long long>(num_rows));
-  roles::gather_rows<<<static_cast<unsigned>(num_rows), row_threads(hidden), 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(src), row_tok, static_cast<__nv_bfloat16*>(out), hidden);
+  launch::kernel(roles::gather_rows, static_cast<unsigned>(num_rows), row_threads(hidden), 0,
+                 stream, static_cast<const __nv_bfloat16*>(src), row_tok,
+                 static_cast<__nv_bfloat16*>(out), hidden);
   check_launch();
 }
 

@@ -22,6 +22,7 @@ struct MoeComm {
   int rank = 0;
   int64_t timeout_ns = 0;
   int32_t* error_record = nullptr;        // the megakernel's pinned error record (or null)
+  bool chained = false;                   // launch the pass's kernels chained (launch/chain.h)
 };
 
 // A cross-rank barrier (no-op for one rank); `phase` is a mok::comm::Phase, printed on timeout.

@@ -1,7 +1,9 @@
 // Host launchers around the forward megakernel (see launch/moe_mega.h).
 #include "launch/moe_mega.h"
 
+#include "launch/chain.h"
 #include "launch/grid.h"
+#include "mok/common/ptx.cuh"
 #include "mok/comm/barrier.cuh"
 #include "mok/layout/mega.cuh"
 #include "mok/roles/row_grad.cuh"
@@ -20,6 +22,7 @@ using detail::kThreads;
 // flag as set) every word goes back to zero and the epoch restarts at 1: the counters are this
 // rank's alone and stream-ordered, so no kernel of an earlier pass still reads them.
 __global__ void bump_epoch_kernel(int32_t* counters, int64_t words, int32_t num_rounds) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t epoch = counters[layout::kEpoch] + int64_t{1};
   const bool wrap = (epoch + 1) * num_rounds > INT32_MAX;
   __syncthreads();  // every thread read the epoch before anyone writes
@@ -38,14 +41,15 @@ __global__ void bump_epoch_kernel(int32_t* counters, int64_t words, int32_t num_
 void moe_build_plan(const scheduler::PlanParams& p, cudaStream_t stream) {
   using namespace scheduler;
   const int64_t padded_rows = p.shape.num_rounds() * p.shape.ring_rows();
-  plan_experts<<<1, kPlanThreads, 0, stream>>>(p);
+  launch::kernel(plan_experts, 1, kPlanThreads, 0, stream, p);
   MOK_CUDA_CHECK(cudaGetLastError());
-  plan_fill<<<grid_for(padded_rows), kThreads, 0, stream>>>(p);
+  launch::kernel(plan_fill, grid_for(padded_rows), kThreads, 0, stream, p);
   MOK_CUDA_CHECK(cudaGetLastError());
-  plan_rows<<<grid_for(p.shape.row_capacity), kThreads, 0, stream>>>(p);
+  launch::kernel(plan_rows, grid_for(p.shape.row_capacity), kThreads, 0, stream, p);
   MOK_CUDA_CHECK(cudaGetLastError());
   if (p.token_capacity > 0) {
-    plan_token_rows<<<grid_for(int64_t{p.token_capacity} * p.topk), kThreads, 0, stream>>>(p);
+    launch::kernel(plan_token_rows, grid_for(int64_t{p.token_capacity} * p.topk), kThreads, 0,
+                   stream, p);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -76,9 +80,9 @@ void moe_bump_epoch(const MoeComm& comm, int num_rounds, cudaStream_t stream) {
   MOK_HOST_CHECK(comm.lay.counter_words > layout::kTicket, "the workspace has no counters region");
   MOK_HOST_CHECK(num_rounds >= 1 && num_rounds < INT32_MAX / 2, "num_rounds=%d out of range",
                  num_rounds);
-  bump_epoch_kernel<<<1, 256, 0, stream>>>(
-      comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters), comm.lay.counter_words,
-      num_rounds);
+  launch::kernel(bump_epoch_kernel, 1, 256, 0, stream,
+                 comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters),
+                 comm.lay.counter_words, num_rounds);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -87,8 +91,8 @@ void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, con
   const auto& lay = comm.lay;
   const int64_t slots = lay.num_ranks * lay.max_tokens * lay.topk;
   if (slots == 0) return;
-  roles::zero_dropped_slots<<<grid_for(slots), kThreads, 0, stream>>>(
-      lay, comm.peer_bases, global_topk, slot_row, comm.rank, num_local_experts);
+  launch::kernel(roles::zero_dropped_slots, grid_for(slots), kThreads, 0, stream, lay,
+                 comm.peer_bases, global_topk, slot_row, comm.rank, num_local_experts);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -107,10 +111,10 @@ void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float*
                  "indices reach; split the call", num_tokens, static_cast<long long>(lay.hidden));
   moe_barrier(comm, static_cast<int>(comm::Phase::kSlotRowsPushed), stream);
   if (num_tokens == 0) return;
-  roles::reduce_slot_rows<<<grid_for(num_tokens * lay.hidden / 8), kThreads, 0, stream>>>(
-      lay, comm.my_base, topk, weights, num_experts,
-      static_cast<const __nv_bfloat16*>(shared_out), static_cast<__nv_bfloat16*>(out),
-      num_tokens);
+  launch::kernel(roles::reduce_slot_rows, grid_for(num_tokens * lay.hidden / 8), kThreads, 0,
+                 stream, lay, comm.my_base, topk, weights, num_experts,
+                 static_cast<const __nv_bfloat16*>(shared_out), static_cast<__nv_bfloat16*>(out),
+                 num_tokens);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -119,6 +123,7 @@ namespace {
 // One thread: each expert's first B row, its group's rows rounded up to kWgradRowAlign after the
 // previous expert's (E_l is small: a few hundred at most).
 __global__ void wgrad_b_starts(const int32_t* ends, int num_local_experts, int32_t* starts) {
+  ptx::chain_begin();  // launch/chain.h
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   constexpr int32_t kAlign = layout::kWgradRowAlign;
   int32_t row = 0, begin = 0;
@@ -135,6 +140,7 @@ __global__ void wgrad_b_starts(const int32_t* ends, int num_local_experts, int32
 __global__ void wgrad_b_fill(const __nv_bfloat16* act, const float* w_rows, const int32_t* ends,
                              const int32_t* starts, int num_local_experts, int64_t b_rows,
                              int64_t inter, __nv_bfloat16* b) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t vecs = inter / 8, n = b_rows * vecs;
   const uint4* act_vecs = reinterpret_cast<const uint4*>(act);
   uint4* b_vecs = reinterpret_cast<uint4*>(b);
@@ -168,20 +174,20 @@ void moe_wgrad_b_rows(const void* act_ring, const float* w_rows, const int32_t* 
   MOK_HOST_CHECK(num_local_experts >= 1 && inter % 8 == 0 && b_rows >= 0,
                  "moe_wgrad_b_rows: num_local_experts=%d >= 1 and inter=%lld a multiple of 8",
                  num_local_experts, static_cast<long long>(inter));
-  wgrad_b_starts<<<1, 1, 0, stream>>>(ends, num_local_experts, starts);
+  launch::kernel(wgrad_b_starts, 1, 1, 0, stream, ends, num_local_experts, starts);
   MOK_CUDA_CHECK(cudaGetLastError());
   if (b_rows == 0) return;
-  wgrad_b_fill<<<grid_for(b_rows * inter / 8), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(act_ring), w_rows, ends, starts, num_local_experts,
-      b_rows, inter, static_cast<__nv_bfloat16*>(b));
+  launch::kernel(wgrad_b_fill, grid_for(b_rows * inter / 8), kThreads, 0, stream,
+                 static_cast<const __nv_bfloat16*>(act_ring), w_rows, ends, starts,
+                 num_local_experts, b_rows, inter, static_cast<__nv_bfloat16*>(b));
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 void moe_sum_row_partials(const float* partials, int64_t parts, const int64_t* row_tok,
                           float* d_row_w, int64_t rows, cudaStream_t stream) {
   if (rows == 0) return;
-  roles::sum_row_partials<<<grid_for(rows), kThreads, 0, stream>>>(partials, parts, row_tok,
-                                                                  d_row_w, rows);
+  launch::kernel(roles::sum_row_partials, grid_for(rows), kThreads, 0, stream, partials, parts,
+                 row_tok, d_row_w, rows);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -8,6 +8,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "launch/chain.h"
 #include "mok/common/macros.cuh"
 #include "mok/kernels/moe_megakernels.cuh"
 
@@ -441,20 +442,23 @@ const void* kernel_ptr(bool backward, int cluster, bool fp8) {
 
 // A launch of `grid` megakernel CTAs in clusters of `cluster` (cudaLaunchKernelEx's form): the
 // cluster occupancy query and the launch describe it alike.
+// Chained (launch/chain.h) when a ChainScope says so.
 struct ClusterLaunch {
-  cudaLaunchAttribute attr{};
+  cudaLaunchAttribute attrs[2]{};
   cudaLaunchConfig_t config{};
 
   ClusterLaunch(int grid, int cluster, cudaStream_t stream) {
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[0].val.clusterDim.y = attrs[0].val.clusterDim.z = 1;
+    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[1].val.programmaticStreamSerializationAllowed = 1;
     config.gridDim = dim3(static_cast<unsigned>(grid));
     config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
     config.dynamicSmemBytes = megakernel_smem_bytes(false);  // the BF16 megakernels' (clusters)
     config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = 1;
+    config.attrs = attrs;
+    config.numAttrs = chained() ? 2 : 1;
   }
   ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attr
   ClusterLaunch& operator=(const ClusterLaunch&) = delete;
@@ -515,7 +519,8 @@ void launch(const MegaArgs& args, cudaStream_t stream) {
   const auto params = kernel_params<kBackward, kCluster>(args);
   const auto kernel = kernel_of<kBackward, kCluster>();
   if constexpr (kCluster == 1) {
-    kernel<<<args.num_ctas, megakernel_threads(), megakernel_smem_bytes(), stream>>>(params);
+    launch::kernel(kernel, args.num_ctas, megakernel_threads(), megakernel_smem_bytes(), stream,
+                   params);
   } else {
     const ClusterLaunch grid(args.num_ctas, kCluster, stream);
     MOK_CUDA_CHECK(cudaLaunchKernelEx(&grid.config, kernel, params));
@@ -547,8 +552,8 @@ void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {
                  args.num_ctas, resident, args.cluster_ctas);
   if (args.fp8) {
     const auto params = fp8_kernel_params(args);
-    kernels::moe_forward_megakernel_fp8<<<args.num_ctas, megakernel_threads(),
-                                          megakernel_smem_bytes(true), stream>>>(params);
+    launch::kernel(kernels::moe_forward_megakernel_fp8, args.num_ctas, megakernel_threads(),
+                   megakernel_smem_bytes(true), stream, params);
   } else if (args.backward) {
     args.cluster_ctas == 1 ? launch<true, 1>(args, stream) : launch<true, 2>(args, stream);
   } else {

@@ -90,6 +90,7 @@ KNOB_USERS = {
     "expert_precision": ("reference", "cuda/stage1", "cuda/megakernel"),
     "fp8_backward": ("reference", "cuda/stage1"),
     "wait_timeout_ms": ("reference", "cuda/stage1", "cuda/megakernel"),
+    "chained_launches": ("cuda/stage1", "cuda/megakernel"),
 }
 
 
@@ -213,7 +214,20 @@ class MoKConfig:
         "in_place where it can run, else pull). Bitwise the same results.",
     )
 
+    chained_launches: bool = _knob(
+        True,
+        "The CUDA backend launches a pass's kernels chained on Hopper (programmatic dependent "
+        "launch: the schedule, the plan, the megakernels, the slot sums): each may start while "
+        "the kernel before it on the stream finishes and waits for it on the device, which "
+        "hides the launch gaps between them. False: plain stream order. Bitwise the same "
+        "results.",
+    )
+
     def __post_init__(self) -> None:
+        if not isinstance(self.chained_launches, bool):
+            raise TypeError(
+                f"MoKConfig.chained_launches={self.chained_launches!r} must be True or False"
+            )
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
                      "wait_timeout_ms"):  # fmt: skip
             value = getattr(self, name)

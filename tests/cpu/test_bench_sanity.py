@@ -124,6 +124,54 @@ def test_bench_rounds_contenders_and_their_backward_ratio(tmp_path):
     )
 
 
+def test_bench_unchained_contender_times_both_passes_and_back_to_back(tmp_path):
+    """--mok-unchained: MoK with chained_launches=False beside the default in both passes (and
+    back to back with --back-to-back), with the ratios of the two; perf_report's chained table
+    renders them."""
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, *BENCH, "--mok-unchained", "--back-to-back", "2", "--routing",
+                    "uniform", "--out", str(out)], check=True, env=_env(), cwd=ROOT,
+                   timeout=600)  # fmt: skip
+    record = json.loads(out.read_text())
+    (case,) = record["cases"]
+    for label in ("fwd", "fwd_bwd"):
+        r = case[label]
+        for slow, fast, ratio in (("mok_unchained", "mok", "chained_speedup"),
+                                  ("mok_unchained_back_to_back", "mok_back_to_back",
+                                   "chained_back_to_back_speedup")):  # fmt: skip
+            assert r[slow]["median_ms"] > 0
+            assert r[ratio] == pytest.approx(
+                r[slow]["median_ms_all_ranks_max"] / r[fast]["median_ms_all_ranks_max"]
+            )
+    rows = list(_script("perf_report").chained_rows([(str(out), record)]))
+    assert [row.split(" | ")[4] for row in rows] == [
+        "fwd",
+        "fwd (back to back)",
+        "fwd+bwd",
+        "fwd+bwd (back to back)",
+    ]
+
+
+def test_chained_rows_add_the_replayed_forward_where_the_record_has_it():
+    perf_report = _script("perf_report")
+
+    def timing(ms, frac):
+        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+                "fraction_of_floor": frac, "peak_mem_bytes": 2**30}  # fmt: skip
+
+    fwd = {"mok": timing(2.0, 0.5), "mok_unchained": timing(2.1, 0.48), "chained_speedup": 1.05,
+           "mok_graph": timing(1.5, 0.6), "mok_unchained_graph": timing(1.6, 0.55),
+           "chained_graph_speedup": 1.07}  # fmt: skip
+    case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
+            "mok_backend": "cuda/megakernel", "fwd": fwd, "fwd_bwd": {}}  # fmt: skip
+    assert list(perf_report.chained_rows([("r.json", {"cases": [case]})])) == [
+        "| s | 1 | 64 | uniform | fwd | cuda/megakernel | 2.000 (1.900-2.100) "
+        "| 2.100 (2.000-2.200) | **1.05x** | 0.50 | 0.48 | 1.00 | 1.00 |",
+        "| s | 1 | 64 | uniform | fwd (graph) | cuda/megakernel | 1.500 (1.400-1.600) "
+        "| 1.600 (1.500-1.700) | **1.07x** | 0.60 | 0.55 | 1.00 | 1.00 |",
+    ]
+
+
 def test_mok_knobs_set_and_restore_the_wgrad_tuning():
     from mok_megatron.functional import MoKConfig
     from mok_megatron.functional.cuda import experts

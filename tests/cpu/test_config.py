@@ -18,7 +18,8 @@ def test_every_knob_is_documented_and_defaults_validate():
                      "schedule_capacity_multiplier", "cuda_forward", "cuda_backward",
                      "bwd_wgrad", "expert_gemm",
                      "expert_precision", "fp8_backward", "wait_timeout_ms",
-                     "bwd_schedule", "megakernel_cluster", "fwd_rows"]  # fmt: skip
+                     "bwd_schedule", "megakernel_cluster", "fwd_rows",
+                     "chained_launches"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -196,6 +197,8 @@ def test_non_integer_knob_is_a_type_error():
         MoKConfig(wait_timeout_ms=1.5)
     with pytest.raises(TypeError, match="wait_timeout_ms=True must be an int"):
         MoKConfig(wait_timeout_ms=True)
+    with pytest.raises(TypeError, match="chained_launches=1 must be True or False"):
+        MoKConfig(chained_launches=1)
 
 
 def test_wait_timeout_default_is_the_one_constant():
@@ -221,6 +224,7 @@ def test_fingerprint_tracks_every_knob():
     base = MoKConfig()
     assert base.fingerprint() == MoKConfig().fingerprint()
     assert base.fingerprint() != MoKConfig(bwd_num_comm_sms=21).fingerprint()
+    assert base.fingerprint() != MoKConfig(chained_launches=False).fingerprint()
 
 
 def test_capacity_is_tile_aligned_and_capped_at_every_row():
@@ -259,7 +263,8 @@ def _tiny_workspace(config):
 
 @pytest.mark.parametrize("knob,value", [("fwd_num_comm_sms", 24), ("bwd_num_comm_sms", 7),
                                         ("minibatch_size", 512), ("expert_gemm", "torch"),
-                                        ("macrobatch_size", 1024)])  # fmt: skip
+                                        ("macrobatch_size", 1024),
+                                        ("chained_launches", False)])  # fmt: skip
 def test_a_knob_the_backend_ignores_warns_once_naming_knob_and_backend(knob, value):
     from mok_megatron.functional import config as config_module
 
@@ -285,6 +290,7 @@ def test_default_knobs_and_used_knobs_do_not_warn():
         for path in ("cuda/stage1", "cuda/megakernel"):  # the megakernel's backward is stage 1's
             assert warn_ignored_knobs(MoKConfig(expert_gemm="engine"), path) == []
             assert warn_ignored_knobs(MoKConfig(wait_timeout_ms=500), path) == []
+            assert warn_ignored_knobs(MoKConfig(chained_launches=False), path) == []
     with pytest.warns(UserWarning, match="fwd_num_comm_sms=30 has no effect on the cuda/stage1"):
         assert warn_ignored_knobs(MoKConfig(fwd_num_comm_sms=30), "cuda/stage1") == [
             "fwd_num_comm_sms"

@@ -94,6 +94,7 @@ def _finish(ws, buffer, handle, peers, signal_table, layout, mega_shape, keep=()
         slot_rows=int(mega_shape is not None),
         counter_words=mega_shape.counter_words if mega_shape is not None else 0,
         timeout_ms=ws.config.wait_timeout_ms, error_record=error.data_ptr(),
+        chained=int(ws.config.chained_launches),
     )  # fmt: skip
     bufs = CudaBuffers(buffer, handle, peer_table, signal_table, comm, layout, mega_shape, error,
                        list(keep))  # fmt: skip

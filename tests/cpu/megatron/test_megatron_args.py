@@ -23,7 +23,9 @@ def test_one_flag_per_config_field_with_its_help():
     by_dest = {a.dest: a for a in parser._actions}
     for f in dataclasses.fields(MoKConfig):
         action = by_dest[f"mok_{f.name}"]
-        assert action.option_strings == [mok_flag_name(f.name)]
+        flag = mok_flag_name(f.name)
+        negative = [flag.replace("--", "--no-", 1)] if f.type in (bool, "bool") else []
+        assert action.option_strings == [flag, *negative]  # a bool knob: --x and --no-x
         assert f.metadata["help"] in action.help
         assert action.default is None  # "not given": the file or the dataclass decides
 
@@ -64,6 +66,8 @@ def test_cuda_knobs_parse_from_flags():
         ["--mok-expert-gemm", "l1+l2", "--mok-wait-timeout-ms", "500"]
     )
     assert mok_config_from_args(args) == MoKConfig(expert_gemm="l1+l2", wait_timeout_ms=500)
+    args = _plain_parser().parse_args(["--no-mok-chained-launches"])  # the bool flag's --no- form
+    assert mok_config_from_args(args) == MoKConfig(chained_launches=False)
     args = _plain_parser().parse_args(["--mok-expert-gemm", "l1+fp8"])
     with pytest.raises(ValueError, match="expert_gemm='l1\\+fp8' must be one of"):
         mok_config_from_args(args)

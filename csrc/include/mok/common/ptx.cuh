@@ -11,6 +11,37 @@
 
 namespace mok::ptx {
 
+// Chained launches (Hopper's programmatic dependent launch; launch/chain.h launches them): a
+// kernel launched chained may start while the kernel before it on the stream still runs.
+// chain_wait() returns once that kernel has finished and its writes are visible; before it, the
+// kernel has the GPU's attention but none of the previous kernel's results. Outside a chained
+// launch (or before sm_90) both calls do nothing.
+// NOTE: every thread of a kernel launched chained calls chain_wait() before it touches global
+// memory and before any early return: a kernel whose CTAs all returned without it could finish
+// before the kernel it follows, and the next kernel's wait would not cover that one.
+MOK_DEVICE void chain_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel on the stream start now (it still waits for this one in chain_wait).
+// NOTE: never in a kernel that waits for other CTAs or ranks (a barrier, the megakernels): the
+// next kernel's CTAs would hold SMs while this one waits, and a peer kernel on the same GPU
+// (virtual ranks) could be kept from the SMs it waits with.
+MOK_DEVICE void chain_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The start of a kernel that only reads what kernels before it wrote: wait for them, then let
+// the next kernel start.
+MOK_DEVICE void chain_begin() {
+  chain_wait();
+  chain_release();
+}
+
 // 16-byte read-only global load that does not allocate in L1 (data read exactly once).
 MOK_DEVICE uint4 ld_global_nc_v4(const void* ptr) {
   uint4 v;

@@ -8,6 +8,7 @@
 
 #include "mok/common/fp8_blockwise.cuh"
 #include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
 #include "mok/layout/workspace.cuh"
 
 namespace mok::roles {
@@ -18,6 +19,7 @@ using layout::WorkspaceLayout;
 // Grid-stride over [T_max, K]: rows >= num_tokens are padded (-1 ids, 0 weights).
 __global__ void stage_routing(WorkspaceLayout lay, uint64_t my_base, const int64_t* topk,
                               const float* weights, int num_tokens) {
+  ptx::chain_begin();  // launch/chain.h
   int64_t* dst_topk = lay.at<int64_t>(my_base, Region::kRoutingTopk);
   float* dst_weights = lay.at<float>(my_base, Region::kRoutingWeights);
   const int64_t n = lay.max_tokens * lay.topk, live = static_cast<int64_t>(num_tokens) * lay.topk;
@@ -30,6 +32,7 @@ __global__ void stage_routing(WorkspaceLayout lay, uint64_t my_base, const int64
 // Grid-stride over [W, T_max, K]: global_topk[s] / global_weights[s] from rank s's buffer.
 __global__ void gather_routing(WorkspaceLayout lay, const uint64_t* peer_bases,
                                int64_t* global_topk, float* global_weights) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t per_rank = lay.max_tokens * lay.topk, n = lay.num_ranks * per_rank;
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const uint64_t base = peer_bases[i / per_rank];
@@ -44,6 +47,7 @@ __global__ void gather_routing(WorkspaceLayout lay, const uint64_t* peer_bases,
 __global__ void pull_tokens(WorkspaceLayout lay, const uint64_t* peer_bases,
                             const int64_t* recv_token_src, __nv_bfloat16* recv, int num_recv,
                             int64_t width) {
+  ptx::chain_begin();  // launch/chain.h
   const int j = blockIdx.x;
   if (j >= num_recv) return;
   const int64_t src = recv_token_src[j];
@@ -63,6 +67,7 @@ __global__ void pull_tokens(WorkspaceLayout lay, const uint64_t* peer_bases,
 // Local (no peer memory): the received tokens in the expert GEMMs' row order.
 __global__ void gather_rows(const __nv_bfloat16* src, const int64_t* row_tok, __nv_bfloat16* out,
                             int64_t hidden) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t p = blockIdx.x, tok = row_tok[p], vecs = hidden / 8;
   uint4* dst = reinterpret_cast<uint4*>(out + p * hidden);
   if (tok < 0) {
@@ -79,6 +84,7 @@ __global__ void gather_rows(const __nv_bfloat16* src, const int64_t* row_tok, __
 // quantisation: data 0, scales 1.
 __global__ void gather_rows_fp8(const uint8_t* src, const int64_t* row_tok, uint8_t* data,
                                 float* scales, int64_t hidden) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t p = blockIdx.x, tok = row_tok[p], vecs = hidden / 16;
   const int64_t num_scales = hidden / fp8_blockwise::kBlock;
   uint4* dst = reinterpret_cast<uint4*>(data + p * hidden);

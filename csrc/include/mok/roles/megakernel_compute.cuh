@@ -715,6 +715,9 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   } else {
     __syncthreads();  // the pipelines' barriers are initialised before anyone uses them
   }
+  // Launched chained (launch/chain.h), the CTA got here while the kernel before it may still
+  // run: nothing above reads or writes global memory. No chain_release (ptx.cuh says why).
+  ptx::chain_wait();
   if (threadIdx.x == 0) trace_cta_set(p, layout::kTraceStart, trace_now());
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kMegaProducerRegs>();

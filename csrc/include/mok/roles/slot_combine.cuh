@@ -15,6 +15,7 @@
 
 #include "mok/common/bf16x8.cuh"
 #include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
 #include "mok/layout/workspace.cuh"
 
 namespace mok::roles {
@@ -41,6 +42,7 @@ __global__ void reduce_slot_rows(WorkspaceLayout lay, uint64_t my_base, const in
                                  const float* weights, int64_t num_experts,
                                  const __nv_bfloat16* shared_out, __nv_bfloat16* out,
                                  int num_tokens) {
+  ptx::chain_begin();  // launch/chain.h
   const __nv_bfloat16* slots = lay.at<const __nv_bfloat16>(my_base, Region::kSlotRows);
   const int hidden = static_cast<int>(lay.hidden), k_n = static_cast<int>(lay.topk);
   const uint32_t vecs = static_cast<uint32_t>(hidden / 8);
@@ -99,6 +101,7 @@ __global__ void reduce_slot_rows(WorkspaceLayout lay, uint64_t my_base, const in
 __global__ void zero_dropped_slots(WorkspaceLayout lay, const uint64_t* peer_bases,
                                    const int64_t* global_topk, const int* slot_row, int rank,
                                    int64_t num_local_experts) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t hidden = lay.hidden, vecs = hidden / 8;
   const int64_t per_rank = lay.max_tokens * lay.topk, n = lay.num_ranks * per_rank;
   const int lane = threadIdx.x % 32;
@@ -125,6 +128,7 @@ __global__ void zero_dropped_slots(WorkspaceLayout lay, const uint64_t* peer_bas
 // partials no tile may have written.
 __global__ void sum_row_partials(const float* partials, int64_t parts, const int64_t* row_tok,
                                  float* d_row_w, int64_t rows) {
+  ptx::chain_begin();  // launch/chain.h
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float sum = 0.0f;

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
 #include "mok/layout/mega.cuh"
 #include "mok/scheduler/plan_params.cuh"
 
@@ -25,6 +26,7 @@ constexpr int kPlanThreads = 512;
 // One block of kPlanThreads: block-wide scans over the groups (in chunks of kPlanThreads, with a
 // carry), then, round by round, each group's m-tiles written at its scanned offset.
 __global__ void plan_experts(PlanParams p) {
+  ptx::chain_begin();  // launch/chain.h
   using Scan = cub::BlockScan<int64_t, kPlanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   const int e_l = static_cast<int>(p.shape.num_local_experts);
@@ -74,6 +76,7 @@ __global__ void plan_experts(PlanParams p) {
 
 // Grid-stride over [R * ring].
 __global__ void plan_fill(PlanParams p) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t n = p.shape.num_rounds() * p.shape.ring_rows();
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     p.row_tok[i] = -1;
@@ -85,6 +88,7 @@ __global__ void plan_fill(PlanParams p) {
 
 // Grid-stride over the C schedule rows (after plan_experts and plan_fill).
 __global__ void plan_rows(PlanParams p) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t cap = p.shape.row_capacity, e_l = p.shape.num_local_experts;
   for (int64_t c = blockIdx.x * blockDim.x + threadIdx.x; c < cap; c += gridDim.x * blockDim.x) {
     const int64_t e = p.row_expert[c];
@@ -105,6 +109,7 @@ __global__ void plan_rows(PlanParams p) {
 
 // Grid-stride over [C_tok * K] (after plan_rows).
 __global__ void plan_token_rows(PlanParams p) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t n = static_cast<int64_t>(p.token_capacity) * p.topk;
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const int64_t c = p.token_rows[i];

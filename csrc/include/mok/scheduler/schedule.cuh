@@ -17,12 +17,14 @@
 #include <cstdint>
 
 #include "mok/common/macros.cuh"
+#include "mok/common/ptx.cuh"
 #include "mok/scheduler/params.cuh"
 
 namespace mok::scheduler {
 
 // Grid: num_chunks blocks of kChunk threads; dynamic shared memory (E_l + W + 1) ints.
 __global__ void count_chunks(ScheduleParams p) {
+  ptx::chain_begin();  // launch/chain.h
   extern __shared__ int smem[];
   int* s_expert = smem;
   int* s_rank = smem + p.num_local_experts;
@@ -89,6 +91,7 @@ struct ScanGroups {
 };
 
 __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
+  ptx::chain_begin();  // launch/chain.h
   using BlockScan = cub::BlockScan<int64_t, kTokenThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int s_flags;
@@ -174,6 +177,7 @@ __global__ void __launch_bounds__(kTokenThreads) scan_chunks(ScheduleParams p) {
 
 // Grid: num_chunks blocks of kChunk threads. Rows arrays must be pre-filled as unused.
 __global__ void place_rows(ScheduleParams p) {
+  ptx::chain_begin();  // launch/chain.h
   __shared__ int s_expert[kChunk];
   const int i = blockIdx.x * kChunk + threadIdx.x;
   const int e = i < p.num_slots() ? p.local_expert(p.global_topk[i]) : -1;
@@ -207,6 +211,7 @@ MOK_DEVICE bool received(const ScheduleParams& p, int i) {
 
 // Grid: num_token_chunks blocks of kTokenChunk threads: received tokens per chunk.
 __global__ void count_tokens(ScheduleParams p) {
+  ptx::chain_begin();  // launch/chain.h
   using BlockReduce = cub::BlockReduce<int, kTokenChunk>;
   __shared__ typename BlockReduce::TempStorage storage;
   const int here = received(p, blockIdx.x * kTokenChunk + threadIdx.x) ? 1 : 0;
@@ -217,6 +222,7 @@ __global__ void count_tokens(ScheduleParams p) {
 // Grid: num_token_chunks blocks of kTokenChunk threads (after count_tokens): received tokens in
 // (s, t) order, token_rows; each block starts at the sum of the chunks before it.
 __global__ void place_tokens(ScheduleParams p) {
+  ptx::chain_begin();  // launch/chain.h
   using BlockScan = cub::BlockScan<int, kTokenChunk>;
   using BlockReduce = cub::BlockReduce<int, kTokenChunk>;
   __shared__ typename BlockScan::TempStorage scan_storage;
@@ -262,6 +268,7 @@ __global__ void place_tokens(ScheduleParams p) {
 
 // Grid-stride over max(row_capacity, max_tokens) (after place_tokens: token_pos is complete).
 __global__ void place_token_rows(ScheduleParams p) {
+  ptx::chain_begin();  // launch/chain.h
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t row = first; row < p.row_capacity; row += stride) {
@@ -284,6 +291,7 @@ __global__ void place_token_rows(ScheduleParams p) {
 
 // Grid-stride: mark every row unused (row_expert = E_l, the rest -1).
 __global__ void init_rows(ScheduleParams p) {
+  ptx::chain_begin();  // launch/chain.h
   for (int row = blockIdx.x * blockDim.x + threadIdx.x; row < p.row_capacity;
        row += gridDim.x * blockDim.x) {
     p.row_expert[row] = p.num_local_experts;
