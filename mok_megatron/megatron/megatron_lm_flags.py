@@ -48,7 +48,10 @@ def run_config_to_flags(run) -> list[str]:
     for key, value in {**model, **_parallel_and_training(run)}.items():
         flags += _flag(actions, key, value)
     for key, value in run.mok.to_dict().items():
-        flags += [mok_flag_name(key), str(value)]
+        if isinstance(value, bool):  # --mok-x / --no-mok-x (argparse.BooleanOptionalAction)
+            flags.append(mok_flag_name(key).replace("--", "--" if value else "--no-", 1))
+        else:
+            flags += [mok_flag_name(key), str(value)]
     return flags
 
 
