@@ -338,20 +338,7 @@ CHAINED_HEAD = (
 
 def chained_rows(records):
     """Chained launches against plain stream order: timed, replayed, back to back."""
-    for _, record in records:
-        for case in record["cases"]:
-            one = [(None, {"cases": [case]})]
-            for label in ("fwd", "fwd_bwd"):
-                yield from stage1_rows(one, "mok_unchained", "chained_speedup", (label,))
-                if label == "fwd":
-                    for row in stage1_rows(one, "mok_unchained_graph", "chained_graph_speedup",
-                                           ("fwd",), base="mok_graph"):  # fmt: skip
-                        yield row.replace("| fwd |", "| fwd (graph) |", 1)
-                tag = label.replace("_", "+")
-                for row in stage1_rows(one, "mok_unchained_back_to_back",
-                                       "chained_back_to_back_speedup", (label,),
-                                       base="mok_back_to_back"):  # fmt: skip
-                    yield row.replace(f"| {tag} |", f"| {tag} (back to back) |", 1)
+    return paired_rows(records, "mok_unchained", "chained_speedup", back_to_back=True)
 
 
 PULL_HEAD = (
@@ -368,17 +355,33 @@ PULL_HEAD = (
 )
 
 
-def pull_rows(records):
-    """The rows in place against pulled, timed and replayed (stage1_rows' form)."""
+def paired_rows(records, contender: str, ratio: str, graph: bool = True,
+                back_to_back: bool = False):  # fmt: skip
+    """MoK against ``contender`` (one knob changed), stage1_rows' form, per case: the timed
+    forward, the forward replayed from CUDA graphs where the record has '<contender>_graph'
+    ('<ratio without _speedup>_graph_speedup'), the timed forward + backward, and with
+    ``back_to_back`` each pass's calls back to back ('<contender>_back_to_back')."""
+    stem = ratio.removesuffix("_speedup")
     for _, record in records:
         for case in record["cases"]:
+            one = [(None, {"cases": [case]})]
             for label in ("fwd", "fwd_bwd"):
-                yield from stage1_rows([(None, {"cases": [case]})], "mok_pull", "pull_speedup",
-                                       (label,))  # fmt: skip
-                if label == "fwd":
-                    for row in stage1_rows([(None, {"cases": [case]})], "mok_pull_graph",
-                                           "pull_graph_speedup", ("fwd",), base="mok_graph"):  # fmt: skip
+                yield from stage1_rows(one, contender, ratio, (label,))
+                if graph and label == "fwd":
+                    for row in stage1_rows(one, f"{contender}_graph", f"{stem}_graph_speedup",
+                                           ("fwd",), base="mok_graph"):  # fmt: skip
                         yield row.replace("| fwd |", "| fwd (graph) |", 1)
+                if back_to_back:
+                    tag = label.replace("_", "+")
+                    for row in stage1_rows(one, f"{contender}_back_to_back",
+                                           f"{stem}_back_to_back_speedup", (label,),
+                                           base="mok_back_to_back"):  # fmt: skip
+                        yield row.replace(f"| {tag} |", f"| {tag} (back to back) |", 1)
+
+
+def pull_rows(records):
+    """The rows in place against pulled, timed and replayed."""
+    return paired_rows(records, "mok_pull", "pull_speedup")
 
 
 def _case_cells(case) -> str:

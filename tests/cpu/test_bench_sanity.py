@@ -27,6 +27,12 @@ def _script(name):
         sys.path.pop(0)
 
 
+def _entry(ms, frac):
+    """A bench_moe.py contender entry: ms median (+-0.1 spread), fraction of the floor, 1 GiB."""
+    return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
+            "fraction_of_floor": frac, "peak_mem_bytes": 2**30}  # fmt: skip
+
+
 def _env():
     return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
@@ -155,12 +161,8 @@ def test_bench_unchained_contender_times_both_passes_and_back_to_back(tmp_path):
 def test_chained_rows_add_the_replayed_forward_where_the_record_has_it():
     perf_report = _script("perf_report")
 
-    def timing(ms, frac):
-        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
-                "fraction_of_floor": frac, "peak_mem_bytes": 2**30}  # fmt: skip
-
-    fwd = {"mok": timing(2.0, 0.5), "mok_unchained": timing(2.1, 0.48), "chained_speedup": 1.05,
-           "mok_graph": timing(1.5, 0.6), "mok_unchained_graph": timing(1.6, 0.55),
+    fwd = {"mok": _entry(2.0, 0.5), "mok_unchained": _entry(2.1, 0.48), "chained_speedup": 1.05,
+           "mok_graph": _entry(1.5, 0.6), "mok_unchained_graph": _entry(1.6, 0.55),
            "chained_graph_speedup": 1.07}  # fmt: skip
     case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
             "mok_backend": "cuda/megakernel", "fwd": fwd, "fwd_bwd": {}}  # fmt: skip
@@ -215,14 +217,10 @@ def test_pull_rows_render_timed_and_replayed_rows_in_place_against_pulled():
     forward row ('mok_graph' against 'mok_pull_graph'); nothing for a case without them."""
     perf_report = _script("perf_report")
 
-    def timing(ms, frac):
-        return {"median_ms_all_ranks_max": ms, "p10_ms": ms - 0.1, "p90_ms": ms + 0.1,
-                "fraction_of_floor": frac, "peak_mem_bytes": 2**30}  # fmt: skip
-
-    fwd = {"mok": timing(2.0, 0.5), "mok_pull": timing(2.2, 0.45), "pull_speedup": 1.1,
-           "mok_graph": timing(1.5, 0.6), "mok_pull_graph": timing(1.8, 0.5),
+    fwd = {"mok": _entry(2.0, 0.5), "mok_pull": _entry(2.2, 0.45), "pull_speedup": 1.1,
+           "mok_graph": _entry(1.5, 0.6), "mok_pull_graph": _entry(1.8, 0.5),
            "pull_graph_speedup": 1.2}  # fmt: skip
-    fwd_bwd = {"mok": timing(6.0, 0.4), "mok_pull": timing(6.3, 0.38), "pull_speedup": 1.05}
+    fwd_bwd = {"mok": _entry(6.0, 0.4), "mok_pull": _entry(6.3, 0.38), "pull_speedup": 1.05}
     case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
             "mok_backend": "cuda/megakernel", "fwd": fwd, "fwd_bwd": fwd_bwd}  # fmt: skip
     rows = list(perf_report.pull_rows([("r.json", {"cases": [case, {**case, "fwd": {},
