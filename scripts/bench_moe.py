@@ -114,13 +114,13 @@ def parse_args(argv=None):
         "process, forward and forward + backward",
     )
     p.add_argument(
-        "--mok-unchained",
+        "--mok-chained-ab",
         action="store_true",
-        help="also time MoK with MoKConfig.chained_launches=False (its kernels in plain stream "
-        "order, each launched after the one before has finished), as 'mok_unchained', in the "
-        "same process, forward and forward + backward; with --mok-graph its forward replayed "
-        "too ('mok_unchained_graph'), with --back-to-back its calls back to back too "
-        "(chained_speedup > 1: the default chained launches are faster)",
+        help="also time MoK with MoKConfig.chained_launches=True ('mok_chained': each kernel of "
+        "a pass may start while the one before finishes) and =False ('mok_unchained': plain "
+        "stream order), whatever the default, in the same process, forward and forward + "
+        "backward; with --mok-graph both forwards replayed too ('<name>_graph'), with "
+        "--back-to-back both called back to back too (chained_speedup > 1: chained is faster)",
     )
     p.add_argument(
         "--mok-macrobatch",
@@ -536,8 +536,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             contenders.append(("mok_pull", layer, {"fwd_rows": "pull"}))
         if args.mok_cluster2:
             contenders.append(("mok_cluster2", layer, {"megakernel_cluster": 2}))
-        if args.mok_unchained:
-            contenders.append(("mok_unchained", layer, UNCHAINED))
+        if args.mok_chained_ab:
+            contenders += [(name, layer, knobs) for name, knobs in CHAIN_AB.items()]
         if args.mok_wgrad_pingpong and backward:
             contenders.append(("mok_wgrad_pingpong", layer, WGRAD_PINGPONG_KNOBS))
         if args.mok_wgrad_cluster2 and backward:
@@ -568,7 +568,7 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result[who] = _rates(t, cost)
         if args.back_to_back:
             b2b = [("baseline", base, {}), ("mok", layer, {})]
-            b2b += [("mok_unchained", layer, UNCHAINED)] if args.mok_unchained else []
+            b2b += [(n, layer, k) for n, k in CHAIN_AB.items()] if args.mok_chained_ab else []
             for who, module, knobs in b2b:
                 with _mok_knobs(module, **knobs):
                     t = measure(module, sets, args, backward, calls=args.back_to_back)
@@ -576,9 +576,9 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 result[f"{who}_back_to_back"] = _rates(t, cost)
             result["back_to_back_speedup"] = _ratio(result, "baseline_back_to_back",
                                                     "mok_back_to_back")  # fmt: skip
-            if args.mok_unchained:  # > 1: chained launches are faster back to back
+            if args.mok_chained_ab:  # > 1: chained launches are faster back to back
                 result["chained_back_to_back_speedup"] = _ratio(
-                    result, "mok_unchained_back_to_back", "mok_back_to_back"
+                    result, "mok_unchained_back_to_back", "mok_chained_back_to_back"
                 )
         if args.mok_graph and not backward:
             result["mok_graph"] = _rates(measure_graphed(layer, sets, args), cost)
@@ -587,13 +587,14 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 with _mok_knobs(layer, fwd_rows="pull"):
                     result["mok_pull_graph"] = _rates(measure_graphed(layer, sets, args), cost)
                 layer.zero_grad(set_to_none=True)
-            if args.mok_unchained:
-                with _mok_knobs(layer, **UNCHAINED):
-                    result["mok_unchained_graph"] = _rates(measure_graphed(layer, sets, args),
-                                                           cost)  # fmt: skip
-                layer.zero_grad(set_to_none=True)
+            if args.mok_chained_ab:
+                for name, knobs in CHAIN_AB.items():
+                    with _mok_knobs(layer, **knobs):
+                        graphed = measure_graphed(layer, sets, args)
+                    result[f"{name}_graph"] = _rates(graphed, cost)
+                    layer.zero_grad(set_to_none=True)
                 result["chained_graph_speedup"] = _ratio(result, "mok_unchained_graph",
-                                                         "mok_graph")  # fmt: skip
+                                                         "mok_chained_graph")  # fmt: skip
             if args.mok_fp8_mega:
                 with _mok_knobs(layer, **MOK_FP8_MEGA_KNOBS):
                     graphed = measure_graphed(layer, sets, args)
@@ -625,8 +626,8 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                 result["pull_graph_speedup"] = _ratio(result, "mok_pull_graph", "mok_graph")
         if args.mok_cluster2:  # > 1: clusters of two beat the megakernels without clusters
             result["cluster2_speedup"] = _ratio(result, "mok", "mok_cluster2")
-        if args.mok_unchained:  # > 1: the default chained launches beat plain stream order
-            result["chained_speedup"] = _ratio(result, "mok_unchained", "mok")
+        if args.mok_chained_ab:  # > 1: chained launches beat plain stream order
+            result["chained_speedup"] = _ratio(result, "mok_unchained", "mok_chained")
         if "mok_wgrad_pingpong" in result:  # > 1: the pingpong weight gradients beat the default
             result["wgrad_pingpong_speedup"] = _ratio(result, "mok", "mok_wgrad_pingpong")
         if "mok_wgrad_cluster2" in result:  # > 1: the clustered weight gradients beat the default
@@ -661,8 +662,9 @@ def _ratio(result: dict, slower: str, faster: str) -> float:
             / result[faster]["median_ms_all_ranks_max"])  # fmt: skip
 
 
-#: The 'mok_unchained' contender (``--mok-unchained``): MoK's kernels in plain stream order.
-UNCHAINED = {"chained_launches": False}
+#: The contenders of ``--mok-chained-ab``: MoK's kernels chained, and in plain stream order.
+CHAIN_AB = {"mok_chained": {"chained_launches": True},
+            "mok_unchained": {"chained_launches": False}}  # fmt: skip
 
 #: The 'mok_wgrad_pingpong' contender (``--mok-wgrad-pingpong``): the weight gradients on the
 #: engine (in '.grad' mode too, where 'auto' leaves them to torch) in the pingpong schedule.

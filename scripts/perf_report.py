@@ -324,11 +324,11 @@ CLUSTER2_HEAD = (
 
 CHAINED_HEAD = (
     "## Chained launches against plain stream order\n\n"
-    "The MoK layer as above (the default `chained_launches=True`: each kernel of a pass launched "
-    "with programmatic stream serialization, starting while the one before finishes and waiting "
-    "for it on the device) against the same layer with `chained_launches=False` (each kernel "
+    "The MoK layer as above with `chained_launches=True` (each kernel of a pass launched with "
+    "programmatic stream serialization, starting while the one before finishes and waiting for "
+    "it on the device) against the same layer with `chained_launches=False` (each kernel "
     "started by the stream once the one before has finished), same process (`bench_moe.py "
-    "--mok-unchained`); 'fwd (graph)': both forwards replayed from CUDA graphs (`--mok-graph`); "
+    "--mok-chained-ab`); 'fwd (graph)': both forwards replayed from CUDA graphs (`--mok-graph`); "
     "'(back to back)': calls back to back (`--back-to-back`). Ratio > 1: chained is faster.\n\n"
     "| shape | EP | tokens/rank | routing | pass | mok backend | chained ms (p10-p90) "
     "| unchained ms (p10-p90) | ratio | chained of floor | unchained of floor | chained peak GiB "
@@ -338,7 +338,8 @@ CHAINED_HEAD = (
 
 def chained_rows(records):
     """Chained launches against plain stream order: timed, replayed, back to back."""
-    return paired_rows(records, "mok_unchained", "chained_speedup", back_to_back=True)
+    return paired_rows(records, "mok_unchained", "chained_speedup", base="mok_chained",
+                       back_to_back=True)  # fmt: skip
 
 
 PULL_HEAD = (
@@ -355,27 +356,28 @@ PULL_HEAD = (
 )
 
 
-def paired_rows(records, contender: str, ratio: str, graph: bool = True,
+def paired_rows(records, contender: str, ratio: str, base: str = "mok", graph: bool = True,
                 back_to_back: bool = False):  # fmt: skip
-    """MoK against ``contender`` (one knob changed), stage1_rows' form, per case: the timed
-    forward, the forward replayed from CUDA graphs where the record has '<contender>_graph'
-    ('<ratio without _speedup>_graph_speedup'), the timed forward + backward, and with
-    ``back_to_back`` each pass's calls back to back ('<contender>_back_to_back')."""
+    """``base`` (MoK as the bench ran it) against ``contender`` (one knob changed),
+    stage1_rows' form, per case: the timed forward, the forward replayed from CUDA graphs where
+    the record has '<contender>_graph' (against '<base>_graph'; '<ratio without
+    _speedup>_graph_speedup'), the timed forward + backward, and with ``back_to_back`` each
+    pass's calls back to back ('<contender>_back_to_back' against '<base>_back_to_back')."""
     stem = ratio.removesuffix("_speedup")
     for _, record in records:
         for case in record["cases"]:
             one = [(None, {"cases": [case]})]
             for label in ("fwd", "fwd_bwd"):
-                yield from stage1_rows(one, contender, ratio, (label,))
+                yield from stage1_rows(one, contender, ratio, (label,), base=base)
                 if graph and label == "fwd":
                     for row in stage1_rows(one, f"{contender}_graph", f"{stem}_graph_speedup",
-                                           ("fwd",), base="mok_graph"):  # fmt: skip
+                                           ("fwd",), base=f"{base}_graph"):  # fmt: skip
                         yield row.replace("| fwd |", "| fwd (graph) |", 1)
                 if back_to_back:
                     tag = label.replace("_", "+")
                     for row in stage1_rows(one, f"{contender}_back_to_back",
                                            f"{stem}_back_to_back_speedup", (label,),
-                                           base="mok_back_to_back"):  # fmt: skip
+                                           base=f"{base}_back_to_back"):  # fmt: skip
                         yield row.replace(f"| {tag} |", f"| {tag} (back to back) |", 1)
 
 

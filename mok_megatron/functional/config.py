@@ -215,12 +215,12 @@ class MoKConfig:
     )
 
     chained_launches: bool = _knob(
-        True,
-        "The CUDA backend launches a pass's kernels chained on Hopper (programmatic dependent "
-        "launch: the schedule, the plan, the megakernels, the slot sums): each may start while "
-        "the kernel before it on the stream finishes and waits for it on the device, which "
-        "hides the launch gaps between them. False: plain stream order. Bitwise the same "
-        "results.",
+        False,
+        "True: the CUDA backend launches a pass's kernels chained on Hopper (programmatic "
+        "dependent launch: the schedule, the plan, the megakernels, the slot sums): each may "
+        "start while the kernel before it on the stream finishes and waits for it on the "
+        "device, which hides the launch gaps between them. False (the default until it has run "
+        "on a GPU: compiled only): plain stream order. Bitwise the same results.",
     )
 
     def __post_init__(self) -> None:

@@ -130,24 +130,24 @@ def test_bench_rounds_contenders_and_their_backward_ratio(tmp_path):
     )
 
 
-def test_bench_unchained_contender_times_both_passes_and_back_to_back(tmp_path):
-    """--mok-unchained: MoK with chained_launches=False beside the default in both passes (and
-    back to back with --back-to-back), with the ratios of the two; perf_report's chained table
-    renders them."""
+def test_bench_chained_ab_times_both_settings_in_both_passes_and_back_to_back(tmp_path):
+    """--mok-chained-ab: MoK with chained_launches=True and False beside the default in both
+    passes (and back to back with --back-to-back), with the ratios of the two; perf_report's
+    chained table renders them."""
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, *BENCH, "--mok-unchained", "--back-to-back", "2", "--routing",
-                    "uniform", "--out", str(out)], check=True, env=_env(), cwd=ROOT,
+    subprocess.run([sys.executable, *BENCH, "--mok-chained-ab", "--back-to-back", "2",
+                    "--routing", "uniform", "--out", str(out)], check=True, env=_env(), cwd=ROOT,
                    timeout=600)  # fmt: skip
     record = json.loads(out.read_text())
     (case,) = record["cases"]
     for label in ("fwd", "fwd_bwd"):
         r = case[label]
-        for slow, fast, ratio in (("mok_unchained", "mok", "chained_speedup"),
-                                  ("mok_unchained_back_to_back", "mok_back_to_back",
-                                   "chained_back_to_back_speedup")):  # fmt: skip
-            assert r[slow]["median_ms"] > 0
+        for suffix, ratio in (("", "chained_speedup"),
+                              ("_back_to_back", "chained_back_to_back_speedup")):  # fmt: skip
+            slow, fast = r[f"mok_unchained{suffix}"], r[f"mok_chained{suffix}"]
+            assert slow["median_ms"] > 0 and fast["median_ms"] > 0
             assert r[ratio] == pytest.approx(
-                r[slow]["median_ms_all_ranks_max"] / r[fast]["median_ms_all_ranks_max"]
+                slow["median_ms_all_ranks_max"] / fast["median_ms_all_ranks_max"]
             )
     rows = list(_script("perf_report").chained_rows([(str(out), record)]))
     assert [row.split(" | ")[4] for row in rows] == [
@@ -161,9 +161,9 @@ def test_bench_unchained_contender_times_both_passes_and_back_to_back(tmp_path):
 def test_chained_rows_add_the_replayed_forward_where_the_record_has_it():
     perf_report = _script("perf_report")
 
-    fwd = {"mok": _entry(2.0, 0.5), "mok_unchained": _entry(2.1, 0.48), "chained_speedup": 1.05,
-           "mok_graph": _entry(1.5, 0.6), "mok_unchained_graph": _entry(1.6, 0.55),
-           "chained_graph_speedup": 1.07}  # fmt: skip
+    fwd = {"mok_chained": _entry(2.0, 0.5), "mok_unchained": _entry(2.1, 0.48),
+           "chained_speedup": 1.05, "mok_chained_graph": _entry(1.5, 0.6),
+           "mok_unchained_graph": _entry(1.6, 0.55), "chained_graph_speedup": 1.07}  # fmt: skip
     case = {"shape": "s", "ep": 1, "tokens_per_rank": 64, "routing": "uniform",
             "mok_backend": "cuda/megakernel", "fwd": fwd, "fwd_bwd": {}}  # fmt: skip
     assert list(perf_report.chained_rows([("r.json", {"cases": [case]})])) == [

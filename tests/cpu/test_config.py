@@ -224,7 +224,7 @@ def test_fingerprint_tracks_every_knob():
     base = MoKConfig()
     assert base.fingerprint() == MoKConfig().fingerprint()
     assert base.fingerprint() != MoKConfig(bwd_num_comm_sms=21).fingerprint()
-    assert base.fingerprint() != MoKConfig(chained_launches=False).fingerprint()
+    assert base.fingerprint() != MoKConfig(chained_launches=True).fingerprint()
 
 
 def test_capacity_is_tile_aligned_and_capped_at_every_row():
@@ -264,7 +264,7 @@ def _tiny_workspace(config):
 @pytest.mark.parametrize("knob,value", [("fwd_num_comm_sms", 24), ("bwd_num_comm_sms", 7),
                                         ("minibatch_size", 512), ("expert_gemm", "torch"),
                                         ("macrobatch_size", 1024),
-                                        ("chained_launches", False)])  # fmt: skip
+                                        ("chained_launches", True)])  # fmt: skip
 def test_a_knob_the_backend_ignores_warns_once_naming_knob_and_backend(knob, value):
     from mok_megatron.functional import config as config_module
 
@@ -290,7 +290,7 @@ def test_default_knobs_and_used_knobs_do_not_warn():
         for path in ("cuda/stage1", "cuda/megakernel"):  # the megakernel's backward is stage 1's
             assert warn_ignored_knobs(MoKConfig(expert_gemm="engine"), path) == []
             assert warn_ignored_knobs(MoKConfig(wait_timeout_ms=500), path) == []
-            assert warn_ignored_knobs(MoKConfig(chained_launches=False), path) == []
+            assert warn_ignored_knobs(MoKConfig(chained_launches=True), path) == []
     with pytest.warns(UserWarning, match="fwd_num_comm_sms=30 has no effect on the cuda/stage1"):
         assert warn_ignored_knobs(MoKConfig(fwd_num_comm_sms=30), "cuda/stage1") == [
             "fwd_num_comm_sms"

@@ -1,12 +1,12 @@
 """Chained launches (``MoKConfig.chained_launches``, launch/chain.h) on one GPU.
 
-With the knob on (the default), the pass's kernels launch with programmatic stream serialization:
+With the knob on, the pass's kernels launch with programmatic stream serialization:
 each may start while the kernel before it on the stream finishes and waits for it on the device
 (``griddepcontrol.wait``). Only the launch order changes, so every output and gradient must be
 bitwise those of plain stream order, on both CUDA paths (stage 1's kernel sequence, the
 megakernels), with macrobatch rounds, and with virtual ranks, whose W megakernels share the GPU's
 SMs with the chained kernels of the other ranks' streams. The knob reaches the launch through the
-workspace's ``comm`` list. Every other GPU test runs with the default (chained) too.
+workspace's ``comm`` list.
 """
 
 from __future__ import annotations

@@ -66,7 +66,9 @@ def test_cuda_knobs_parse_from_flags():
         ["--mok-expert-gemm", "l1+l2", "--mok-wait-timeout-ms", "500"]
     )
     assert mok_config_from_args(args) == MoKConfig(expert_gemm="l1+l2", wait_timeout_ms=500)
-    args = _plain_parser().parse_args(["--no-mok-chained-launches"])  # the bool flag's --no- form
+    args = _plain_parser().parse_args(["--mok-chained-launches"])  # a bool knob: --x / --no-x
+    assert mok_config_from_args(args) == MoKConfig(chained_launches=True)
+    args = _plain_parser().parse_args(["--mok-chained-launches", "--no-mok-chained-launches"])
     assert mok_config_from_args(args) == MoKConfig(chained_launches=False)
     args = _plain_parser().parse_args(["--mok-expert-gemm", "l1+fp8"])
     with pytest.raises(ValueError, match="expert_gemm='l1\\+fp8' must be one of"):
