@@ -6,6 +6,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h100_ep1_chained_8d98f6d_qwen3_1.json
+  bench_moe_h100_ep1_chained_8d98f6d_qwen3_2.json
+  bench_moe_h100_ep1_chained_8d98f6d_mixtral.json
   bench_moe_h200_ep1_graph_9edf5e4_rows_qwen3_fwdbwd.json
   bench_moe_h200_ep1_graph_9edf5e4_rows_deepseek-v3_16384.json
   bench_moe_h200_ep1_graph_9edf5e4_rows_qwen3-30b-a3b.json

@@ -922,3 +922,19 @@ def test_store_table_gives_load_over_reduce_and_auto_over_torch_by_rows_a_group(
                     "| 1.25x | 0.13, 0.17 | 2.000 | 3.000 | 1.50x |"]  # fmt: skip
     report.fill_markdown_table(str(md), table, report.STORE_BEGIN, report.STORE_END)
     assert "old" not in md.read_text() and body[0] in md.read_text()
+
+
+def test_launch_gaps_split_passes_and_sum_spans_busy_and_gaps():
+    """scripts/launch_gaps.py's arithmetic on a made-up kernel list: passes start at each
+    routing_to_topk, the first and last are dropped, and a pass's gaps are the idle time between
+    consecutive kernels (overlap counts as none)."""
+    gaps = _script("launch_gaps")
+    kernels = []
+    for p in range(4):  # each pass: topk [0, 2], a [3, 10], b [9, 12] (overlaps a), c [15, 20]
+        t = 100.0 * p
+        kernels += [(t, t + 2, "routing_to_topk"), (t + 3, t + 10, "a"), (t + 9, t + 12, "b"),
+                    (t + 15, t + 20, "c")]  # fmt: skip
+    passes = gaps.passes(sorted(kernels))
+    assert [len(p) for p in passes] == [4, 4, 4, 4]
+    assert gaps.summarize(passes) == {"passes": 2, "kernels": 4, "span_us": 20.0,
+                                      "busy_us": 17.0, "gaps_us": 4.0}  # fmt: skip
