@@ -160,7 +160,6 @@ at::Tensor moe_combine(const at::Tensor& rows, const at::Tensor& token_rows,
                        int64_t row_begin, bool first, bool last,
                        const std::optional<at::Tensor>& rows2) {
   const auto comm = comm_of(comm_ints);
-  const launch::ChainScope chain(comm.chained);
   const auto& lay = comm.lay;
   check(rows, "rows", at::kBFloat16, 2);
   check(token_rows, "token_rows", at::kLong, 2);
@@ -217,7 +216,6 @@ at::Tensor moe_combine_slots(const at::Tensor& row_values, const at::Tensor& tok
                              const at::Tensor& recv_token_src, const at::Tensor& send_to,
                              int64_t num_tokens, at::IntArrayRef comm_ints) {
   const auto comm = comm_of(comm_ints);
-  const launch::ChainScope chain(comm.chained);
   const auto& lay = comm.lay;
   check(row_values, "row_values", at::kFloat, 1);
   check(token_rows, "token_rows", at::kLong, 2);

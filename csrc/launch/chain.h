@@ -52,7 +52,13 @@ void kernel(void (*fn)(Params...), dim3 grid, dim3 block, size_t smem, cudaStrea
   config.stream = stream;
   config.attrs = &attr;
   config.numAttrs = chained() ? 1 : 0;
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&config, fn, std::forward<Args>(args)...));
+  const cudaError_t err = cudaLaunchKernelEx(&config, fn, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // the error is ours to report: not left for the next check
+    MOK_HOST_CHECK(false, "kernel launch (%u x %u threads, %zu bytes of shared memory%s) "
+                   "failed: %s", grid.x, block.x, smem, chained() ? ", chained" : "",
+                   cudaGetErrorString(err));
+  }
 }
 
 }  // namespace mok::launch

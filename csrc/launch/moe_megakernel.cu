@@ -442,12 +442,13 @@ const void* kernel_ptr(bool backward, int cluster, bool fp8) {
 
 // A launch of `grid` megakernel CTAs in clusters of `cluster` (cudaLaunchKernelEx's form): the
 // cluster occupancy query and the launch describe it alike.
-// Chained (launch/chain.h) when a ChainScope says so.
+// `chained`: with programmatic stream serialization (launch/chain.h); never for the occupancy
+// query, whose answer is cached for every later launch, chained or not.
 struct ClusterLaunch {
   cudaLaunchAttribute attrs[2]{};
   cudaLaunchConfig_t config{};
 
-  ClusterLaunch(int grid, int cluster, cudaStream_t stream) {
+  ClusterLaunch(int grid, int cluster, cudaStream_t stream, bool chained) {
     attrs[0].id = cudaLaunchAttributeClusterDimension;
     attrs[0].val.clusterDim.x = static_cast<unsigned>(cluster);
     attrs[0].val.clusterDim.y = attrs[0].val.clusterDim.z = 1;
@@ -458,9 +459,9 @@ struct ClusterLaunch {
     config.dynamicSmemBytes = megakernel_smem_bytes(false);  // the BF16 megakernels' (clusters)
     config.stream = stream;
     config.attrs = attrs;
-    config.numAttrs = chained() ? 2 : 1;
+    config.numAttrs = chained ? 2 : 1;
   }
-  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attr
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at attrs
   ClusterLaunch& operator=(const ClusterLaunch&) = delete;
 };
 
@@ -486,7 +487,7 @@ int query_resident_ctas(int device, bool backward, int cluster, bool fp8) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, megakernel_threads(), smem));
     return sms * ctas;
   }
-  const ClusterLaunch one(cluster, cluster, nullptr);
+  const ClusterLaunch one(cluster, cluster, nullptr, false);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &one.config) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -522,7 +523,7 @@ void launch(const MegaArgs& args, cudaStream_t stream) {
     launch::kernel(kernel, args.num_ctas, megakernel_threads(), megakernel_smem_bytes(), stream,
                    params);
   } else {
-    const ClusterLaunch grid(args.num_ctas, kCluster, stream);
+    const ClusterLaunch grid(args.num_ctas, kCluster, stream, chained());
     MOK_CUDA_CHECK(cudaLaunchKernelEx(&grid.config, kernel, params));
   }
 }

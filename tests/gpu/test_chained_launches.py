@@ -4,7 +4,8 @@ With the knob on, the pass's kernels launch with programmatic stream serializati
 each may start while the kernel before it on the stream finishes and waits for it on the device
 (``griddepcontrol.wait``). Only the launch order changes, so every output and gradient must be
 bitwise those of plain stream order, on both CUDA paths (stage 1's kernel sequence, the
-megakernels), with macrobatch rounds, and with virtual ranks, whose W megakernels share the GPU's
+megakernels: in place, pulled, in macrobatch rounds, in clusters of two, with the down weight's
+gradient in the backward launch, the FP8 forward), and with virtual ranks, whose W megakernels share the GPU's
 SMs with the chained kernels of the other ranks' streams. The knob reaches the launch through the
 workspace's ``comm`` list.
 """
@@ -40,6 +41,9 @@ CONFIGS = {
     "megakernel": MEGA,
     "megakernel_pull": dataclasses.replace(MEGA, fwd_rows="pull"),
     "megakernel_rounds": dataclasses.replace(MEGA, minibatch_size=128, macrobatch_size=256),
+    "megakernel_clusters_of_2": dataclasses.replace(MEGA, megakernel_cluster=2),
+    "megakernel_bwd_wgrad_down": dataclasses.replace(MEGA, bwd_wgrad="down"),
+    "megakernel_fp8": dataclasses.replace(MEGA, expert_precision="fp8_blockwise"),
     "stage1": F.MoKConfig(cuda_forward="stage1"),
 }
 
@@ -56,8 +60,9 @@ def test_chained_launches_give_the_bits_of_plain_stream_order(name):
     problem = _problem([300], SHAPES["qwen3-30b-a3b"], seed=53)
     _, plain = _pass(problem, CONFIGS[name], chained=False)
     run, chained = _pass(problem, CONFIGS[name], chained=True)
-    failures = _check_accuracy(problem, chained)
-    assert not failures, failures
+    if CONFIGS[name].expert_precision == "bf16":  # FP8's bounds: test_megakernel_fp8.py's
+        failures = _check_accuracy(problem, chained)
+        assert not failures, failures
     bad = _bitwise_equal(plain, chained)
     assert not bad, f"chained launches differ from plain stream order in {bad}"
     for i in range(3):  # back to back: each pass's first kernels start beside the last pass's
