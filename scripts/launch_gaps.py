@@ -55,16 +55,20 @@ def summarize(ps):
     }
 
 
-def one(layer, inp):
-    r = {}
-    for _ in range(3):
-        b.run_layer(layer, inp, False)
+def profiled(fn, warmup: int, calls: int) -> list:
+    """``fn`` called ``warmup`` times, then ``calls`` times under the profiler: their passes."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(8):
-            b.run_layer(layer, inp, False)
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    r["fwd_b2b"] = summarize(passes(kernels(p)))
+    return passes(kernels(p))
+
+
+def one(layer, inp):
+    r = {"fwd_b2b": summarize(profiled(lambda: b.run_layer(layer, inp, False), 3, 8))}
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -74,23 +78,9 @@ def one(layer, inp):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         b.run_layer(layer, inp, False)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(8):
-            g.replay()
-        torch.cuda.synchronize()
-    r["fwd_graph"] = summarize(passes(kernels(p)))
+    r["fwd_graph"] = summarize(profiled(g.replay, 3, 8))
     del g
-    for _ in range(2):
-        b.run_layer(layer, inp, True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(6):
-            b.run_layer(layer, inp, True)
-        torch.cuda.synchronize()
-    ks = passes(kernels(p))
+    ks = profiled(lambda: b.run_layer(layer, inp, True), 2, 6)
     r["fwdbwd_b2b"] = summarize(ks)
     r["fwdbwd_kernels"] = [
         [round(s - ks[2][0][0], 1), round(e - s, 1), n[:70]] for s, e, n in ks[2]

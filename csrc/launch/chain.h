@@ -38,13 +38,20 @@ class ChainScope {
 // Whether launches on this host thread are chained now.
 inline bool chained() { return detail::chained_launches; }
 
-// kernel<<<grid, block, smem, stream>>>(args...), chained inside a ChainScope(true).
-template <class... Params, class... Args>
-void kernel(void (*fn)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-            Args&&... args) {
+// The launch attribute that makes a launch chained (cudaLaunchKernelEx's form).
+inline cudaLaunchAttribute chained_attribute() {
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
+  return attr;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), chained inside a ChainScope(true); a failed
+// launch throws (no cudaGetLastError check is needed after it).
+template <class... Params, class... Args>
+void kernel(void (*fn)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+            Args&&... args) {
+  cudaLaunchAttribute attr = chained_attribute();
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;

@@ -51,11 +51,9 @@ void moe_gather_routing(const MoeComm& comm, const int64_t* topk, const float* w
   const auto& lay = comm.lay;
   launch::kernel(roles::stage_routing, grid_for(lay.max_tokens * lay.topk), kThreads, 0, stream,
                  lay, comm.my_base, topk, weights, num_tokens);
-  check_launch();
   moe_barrier(comm, static_cast<int>(comm::Phase::kScheduleStaged), stream);
   launch::kernel(roles::gather_routing, grid_for(lay.num_ranks * lay.max_tokens * lay.topk),
                  kThreads, 0, stream, lay, comm.peer_bases, global_topk, global_weights);
-  check_launch();
   moe_barrier(comm, static_cast<int>(comm::Phase::kScheduleGathered), stream);
 }
 
@@ -65,20 +63,13 @@ void moe_build_schedule(const scheduler::ScheduleParams& p, cudaStream_t stream)
   MOK_HOST_CHECK(count_smem <= 48 * 1024, "too many local experts (%d) for the schedule kernel",
                  p.num_local_experts);
   launch::kernel(init_rows, grid_for(p.row_capacity), kThreads, 0, stream, p);
-  check_launch();
   launch::kernel(count_chunks, p.num_chunks(), kChunk, count_smem, stream, p);
-  check_launch();
   launch::kernel(scan_chunks, 1, kTokenThreads, 0, stream, p);
-  check_launch();
   launch::kernel(place_rows, p.num_chunks(), kChunk, 0, stream, p);
-  check_launch();
   launch::kernel(count_tokens, p.num_token_chunks(), kTokenChunk, 0, stream, p);
-  check_launch();
   launch::kernel(place_tokens, p.num_token_chunks(), kTokenChunk, 0, stream, p);
-  check_launch();
   launch::kernel(place_token_rows, grid_for(std::max<int64_t>(p.row_capacity, p.max_tokens)),
                  kThreads, 0, stream, p);
-  check_launch();
 }
 
 void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens, int64_t width,
@@ -91,7 +82,6 @@ void moe_dispatch(const MoeComm& comm, const void* x, int num_tokens, int64_t wi
     launch::kernel(roles::pull_tokens, num_recv, row_threads(width), 0, stream, lay,
                    comm.peer_bases, recv_token_src, static_cast<__nv_bfloat16*>(recv), num_recv,
                    width);
-    check_launch();
   }
 }
 
@@ -126,7 +116,6 @@ void moe_gather_rows_fp8(const void* packed, const int64_t* row_tok, void* data,
   launch::kernel(roles::gather_rows_fp8, static_cast<unsigned>(num_rows), row_threads(hidden / 2),
                  0, stream, static_cast<const uint8_t*>(packed), row_tok,
                  static_cast<uint8_t*>(data), scales, hidden);
-  check_launch();
 }
 
 void moe_combine(const MoeComm& comm, const MoeCombineArgs& a, cudaStream_t stream) {
@@ -182,7 +171,6 @@ void moe_gather_rows(const void* src, const int64_t* row_tok, void* out, int64_t
   launch::kernel(roles::gather_rows, static_cast<unsigned>(num_rows), row_threads(hidden), 0,
                  stream, static_cast<const __nv_bfloat16*>(src), row_tok,
                  static_cast<__nv_bfloat16*>(out), hidden);
-  check_launch();
 }
 
 namespace {

@@ -42,15 +42,11 @@ void moe_build_plan(const scheduler::PlanParams& p, cudaStream_t stream) {
   using namespace scheduler;
   const int64_t padded_rows = p.shape.num_rounds() * p.shape.ring_rows();
   launch::kernel(plan_experts, 1, kPlanThreads, 0, stream, p);
-  MOK_CUDA_CHECK(cudaGetLastError());
   launch::kernel(plan_fill, grid_for(padded_rows), kThreads, 0, stream, p);
-  MOK_CUDA_CHECK(cudaGetLastError());
   launch::kernel(plan_rows, grid_for(p.shape.row_capacity), kThreads, 0, stream, p);
-  MOK_CUDA_CHECK(cudaGetLastError());
   if (p.token_capacity > 0) {
     launch::kernel(plan_token_rows, grid_for(int64_t{p.token_capacity} * p.topk), kThreads, 0,
                    stream, p);
-    MOK_CUDA_CHECK(cudaGetLastError());
   }
 }
 
@@ -83,7 +79,6 @@ void moe_bump_epoch(const MoeComm& comm, int num_rounds, cudaStream_t stream) {
   launch::kernel(bump_epoch_kernel, 1, 256, 0, stream,
                  comm.lay.at<int32_t>(comm.my_base, layout::Region::kCounters),
                  comm.lay.counter_words, num_rounds);
-  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, const int* slot_row,
@@ -93,7 +88,6 @@ void moe_zero_dropped_slots(const MoeComm& comm, const int64_t* global_topk, con
   if (slots == 0) return;
   launch::kernel(roles::zero_dropped_slots, grid_for(slots), kThreads, 0, stream, lay,
                  comm.peer_bases, global_topk, slot_row, comm.rank, num_local_experts);
-  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float* weights,
@@ -115,7 +109,6 @@ void moe_reduce_slot_rows(const MoeComm& comm, const int64_t* topk, const float*
                  stream, lay, comm.my_base, topk, weights, num_experts,
                  static_cast<const __nv_bfloat16*>(shared_out), static_cast<__nv_bfloat16*>(out),
                  num_tokens);
-  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 namespace {
@@ -175,12 +168,10 @@ void moe_wgrad_b_rows(const void* act_ring, const float* w_rows, const int32_t* 
                  "moe_wgrad_b_rows: num_local_experts=%d >= 1 and inter=%lld a multiple of 8",
                  num_local_experts, static_cast<long long>(inter));
   launch::kernel(wgrad_b_starts, 1, 1, 0, stream, ends, num_local_experts, starts);
-  MOK_CUDA_CHECK(cudaGetLastError());
   if (b_rows == 0) return;
   launch::kernel(wgrad_b_fill, grid_for(b_rows * inter / 8), kThreads, 0, stream,
                  static_cast<const __nv_bfloat16*>(act_ring), w_rows, ends, starts,
                  num_local_experts, b_rows, inter, static_cast<__nv_bfloat16*>(b));
-  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 void moe_sum_row_partials(const float* partials, int64_t parts, const int64_t* row_tok,
@@ -188,7 +179,6 @@ void moe_sum_row_partials(const float* partials, int64_t parts, const int64_t* r
   if (rows == 0) return;
   launch::kernel(roles::sum_row_partials, grid_for(rows), kThreads, 0, stream, partials, parts,
                  row_tok, d_row_w, rows);
-  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace mok::launch

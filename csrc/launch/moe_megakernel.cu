@@ -452,8 +452,7 @@ struct ClusterLaunch {
     attrs[0].id = cudaLaunchAttributeClusterDimension;
     attrs[0].val.clusterDim.x = static_cast<unsigned>(cluster);
     attrs[0].val.clusterDim.y = attrs[0].val.clusterDim.z = 1;
-    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[1].val.programmaticStreamSerializationAllowed = 1;
+    attrs[1] = chained_attribute();
     config.gridDim = dim3(static_cast<unsigned>(grid));
     config.blockDim = dim3(static_cast<unsigned>(megakernel_threads()));
     config.dynamicSmemBytes = megakernel_smem_bytes(false);  // the BF16 megakernels' (clusters)
@@ -560,7 +559,6 @@ void moe_megakernel(const MegaArgs& args, cudaStream_t stream) {
   } else {
     args.cluster_ctas == 1 ? launch<false, 1>(args, stream) : launch<false, 2>(args, stream);
   }
-  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace mok::launch

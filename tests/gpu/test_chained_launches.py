@@ -26,6 +26,7 @@ from test_cuda_backend import (
     _no_sync_check,
     _problem,
 )
+from test_megakernel_backward import MEGA
 
 from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import unavailable_here
@@ -36,7 +37,6 @@ pytestmark = [
     pytest.mark.skipif(bool(unavailable_here()), reason=f"megakernel: {unavailable_here()}"),
 ]
 
-MEGA = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=8, bwd_num_comm_sms=8)
 CONFIGS = {
     "megakernel": MEGA,
     "megakernel_pull": dataclasses.replace(MEGA, fwd_rows="pull"),
