@@ -115,12 +115,16 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--mok-chained-ab",
-        action="store_true",
+        nargs="?",
+        const="chained",
+        choices=["chained", "unchained"],
         help="also time MoK with MoKConfig.chained_launches=True ('mok_chained': each kernel of "
         "a pass may start while the one before finishes) and =False ('mok_unchained': plain "
         "stream order), whatever the default, in the same process, forward and forward + "
         "backward; with --mok-graph both forwards replayed too ('<name>_graph'), with "
-        "--back-to-back both called back to back too (chained_speedup > 1: chained is faster)",
+        "--back-to-back both called back to back too (chained_speedup > 1: chained is faster). "
+        "The value names the contender timed first in each pair (default chained), so two "
+        "processes can swap the order",
     )
     p.add_argument(
         "--mok-macrobatch",
@@ -537,7 +541,7 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
         if args.mok_cluster2:
             contenders.append(("mok_cluster2", layer, {"megakernel_cluster": 2}))
         if args.mok_chained_ab:
-            contenders += [(name, layer, knobs) for name, knobs in CHAIN_AB.items()]
+            contenders += [(name, layer, knobs) for name, knobs in chain_ab(args)]
         if args.mok_wgrad_pingpong and backward:
             contenders.append(("mok_wgrad_pingpong", layer, WGRAD_PINGPONG_KNOBS))
         if args.mok_wgrad_cluster2 and backward:
@@ -568,7 +572,7 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
             result[who] = _rates(t, cost)
         if args.back_to_back:
             b2b = [("baseline", base, {}), ("mok", layer, {})]
-            b2b += [(n, layer, k) for n, k in CHAIN_AB.items()] if args.mok_chained_ab else []
+            b2b += [(n, layer, k) for n, k in chain_ab(args)] if args.mok_chained_ab else []
             for who, module, knobs in b2b:
                 with _mok_knobs(module, **knobs):
                     t = measure(module, sets, args, backward, calls=args.back_to_back)
@@ -588,7 +592,7 @@ def bench_case(name, shape, tokens, routing, args, rank, world) -> dict:
                     result["mok_pull_graph"] = _rates(measure_graphed(layer, sets, args), cost)
                 layer.zero_grad(set_to_none=True)
             if args.mok_chained_ab:
-                for name, knobs in CHAIN_AB.items():
+                for name, knobs in chain_ab(args):
                     with _mok_knobs(layer, **knobs):
                         graphed = measure_graphed(layer, sets, args)
                     result[f"{name}_graph"] = _rates(graphed, cost)
@@ -665,6 +669,13 @@ def _ratio(result: dict, slower: str, faster: str) -> float:
 #: The contenders of ``--mok-chained-ab``: MoK's kernels chained, and in plain stream order.
 CHAIN_AB = {"mok_chained": {"chained_launches": True},
             "mok_unchained": {"chained_launches": False}}  # fmt: skip
+
+
+def chain_ab(args) -> list:
+    """CHAIN_AB's (name, knobs) pairs in the order ``--mok-chained-ab`` names: its value first."""
+    pairs = list(CHAIN_AB.items())
+    return pairs if args.mok_chained_ab != "unchained" else pairs[::-1]
+
 
 #: The 'mok_wgrad_pingpong' contender (``--mok-wgrad-pingpong``): the weight gradients on the
 #: engine (in '.grad' mode too, where 'auto' leaves them to torch) in the pingpong schedule.

@@ -158,6 +158,16 @@ def test_bench_chained_ab_times_both_settings_in_both_passes_and_back_to_back(tm
     ]
 
 
+def test_bench_chained_ab_value_names_the_contender_timed_first():
+    """--mok-chained-ab's value orders the pair (two processes can swap it); bare is chained."""
+    bench = _script("bench_moe")
+    for argv, first in (([], "mok_chained"), (["chained"], "mok_chained"),
+                        (["unchained"], "mok_unchained")):  # fmt: skip
+        args = bench.parse_args(["--mok-chained-ab", *argv])
+        assert [name for name, _ in bench.chain_ab(args)][0] == first
+        assert {name for name, _ in bench.chain_ab(args)} == {"mok_chained", "mok_unchained"}
+
+
 def test_chained_rows_add_the_replayed_forward_where_the_record_has_it():
     perf_report = _script("perf_report")
 
