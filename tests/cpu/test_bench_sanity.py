@@ -571,14 +571,14 @@ def test_trace_decodes_down_weight_gradient_tasks_apart():
     megakernel_trace = _script("megakernel_trace")
     from mok_megatron.ops.moe import MEGA_TRACE_CTA_FIELDS, MEGA_TRACE_TASK_FIELDS
 
-    def record(cta, task_id, take, got, mma_end, epi_end):
+    def record(cta, task_id, take, got, mma_end, epi_end, stored=0):
         words = {"cta": cta + 1, "task": task_id, "take": take, "ready": got, "got": got,
-                 "mma_end": mma_end, "epi_end": epi_end}  # fmt: skip
+                 "mma_end": mma_end, "epi_end": epi_end, "stored": stored}  # fmt: skip
         return [words.get(k, 0) if k else 0 for k in MEGA_TRACE_TASK_FIELDS]
 
     tasks = torch.tensor([[record(0, (1 << 40) | (3 << 20) | 2, 0, 1, 8, 10),
                            record(0, (1 << 41) | (5 << 20) | 7, 9, 12, 20, 26),
-                           record(1, 4, 0, 2, 9, 11)]])  # fmt: skip
+                           record(1, 4, 0, 2, 9, 11, stored=10)]])  # fmt: skip
     ctas = torch.tensor([[0, 0, 0, 30], [0, 0, 0, 30]])
     assert len(MEGA_TRACE_CTA_FIELDS) == ctas.shape[1]
     _, decoded = megakernel_trace.decode(ctas, tasks)
@@ -590,6 +590,12 @@ def test_trace_decodes_down_weight_gradient_tasks_apart():
     summary = megakernel_trace.summarise(megakernel_trace.decode(ctas, tasks)[0], decoded, 64, 64)
     assert summary["tasks"] == {"l1": 1, "l2": 1, "wgrad": 1}
     assert summary["epilogue_median_ns"] == {"l1": 2, "l2": 2, "wgrad": 6}
+    # the L1 epilogue split at its consumers' barrier (kTraceStored): 9 -> 10 -> 11
+    assert summary["l1_epilogue_split_ns"] == {"stores": 1, "release": 1}
+    tasks[0, 2, MEGA_TRACE_TASK_FIELDS.index("stored")] = 0  # a record without the stamp
+    cta_records, decoded = megakernel_trace.decode(ctas, tasks)
+    summary = megakernel_trace.summarise(cta_records, decoded, 64, 64)
+    assert summary["l1_epilogue_split_ns"] is None
 
 
 def test_trace_table_has_a_gap_column_only_where_the_record_has_gaps():

@@ -398,6 +398,10 @@ def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config
         assert (t["ready"] <= t["mma_end"]).all(), "a mainloop ended before its inputs were ready"
         task = torch.tensor(ids)
         l2, tile = task >> 40, (task >> 20) & 0xFFFFF
+        # an L1 task's stores end before its flag's release; other tasks have no such stamp
+        stored = words["stored"][r][ran]
+        assert (t["mma_end"][l2 == 0] <= stored[l2 == 0]).all()
+        assert (stored[l2 == 0] <= t["epi_end"][l2 == 0]).all() and (stored[l2 == 1] == 0).all()
         for m in range(mtiles):
             l1_end = t["mma_end"][(l2 == 0) & (tile == m)].max()
             assert (t["ready"][(l2 == 1) & (tile == m)] >= l1_end).all(), (

@@ -157,6 +157,8 @@ enum MegaTraceTask : int {
   kTraceGot = 4,        // the consumers got the ticket
   kTraceMmaEnd = 5,     // the mainloop's last wgmma retired
   kTraceEpiEnd = 6,     // the epilogue's stores are issued (and an L1 task's flag released)
+  kTraceStored = 7,     // an L1 task: every consumer's stores issued and fenced (their barrier
+                        // passed), before its flag's release (0 for other tasks)
   kTraceTaskWords = 8,
 };
 

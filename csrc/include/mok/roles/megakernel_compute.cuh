@@ -336,9 +336,9 @@ CUTLASS_DEVICE void produce_task(const MegaParams& p,
 }
 
 // Consumers, after an L1 task's epilogue: release l1_done[tile * n1 + n] = gen once all 256
-// threads' act / h stores are done.
+// threads' act / h stores are done. `slot`: the task's trace record (kTraceStored).
 MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const MegaTask& task,
-                                int mma_thread_idx) {
+                                int mma_thread_idx, int slot) {
   // NOTE: L2 tasks read the act rows by TMA (the async proxy): each writer fences its own
   // generic stores against it; the reader fences again after its acquire.
   ptx::fence_proxy_async_global();
@@ -346,6 +346,7 @@ MOK_DEVICE void release_l1_done(const MegaParams& p, const MegaRound& rd, const 
   // cumulative: no further fence (a __threadfence here is an SC fence plus an L1 invalidation).
   ptx::named_barrier_sync(static_cast<int>(MegaBarrier::kConsumers), kMegaConsumerThreads);
   if (mma_thread_idx == 0) {
+    trace_task(p, rd.round, slot, layout::kTraceStored);
     ptx::st_release_gpu(p.counters + p.l1_done_word + task.tile * p.l1_ntiles + task.n, rd.gen);
   }
 }
@@ -430,7 +431,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
     } else {
       gemm::idle_task(pipeline, state, k_tiles);
     }
-    if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx);
+    if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx, slot);
     return;
   }
   if constexpr (kFp8) {
@@ -460,7 +461,7 @@ CUTLASS_DEVICE void consume_task(const MegaParams& p,
       gemm::l2_epilogue(p, acc, dsts, task.n * layout::kBlockN);
     }
   }
-  if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx);
+  if (!task.l2) release_l1_done(p, rd, task, mma_thread_idx, slot);
   if (tracer) trace_task(p, rd.round, slot, layout::kTraceEpiEnd);
 }
 
