@@ -6,6 +6,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R=docs/results
 PY="${PYTHON:-python3}"
 records=(
+  bench_moe_h100_ep1_chained_16d8959_qwen3-30b-a3b_unchained.json
+  bench_moe_h100_ep1_chained_16d8959_qwen3-30b-a3b_chained.json
+  bench_moe_h100_ep1_chained_16d8959_mixtral-8x7b_unchained.json
+  bench_moe_h100_ep1_chained_9f518d5_qwen3-30b-a3b.json
   bench_moe_h100_ep1_chained_8d98f6d_qwen3_1.json
   bench_moe_h100_ep1_chained_8d98f6d_qwen3_2.json
   bench_moe_h100_ep1_chained_8d98f6d_mixtral.json
@@ -57,6 +61,11 @@ compares=(  # BEFORE AFTER pairs
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_h100_16d8959_split_keep.json
+  megakernel_trace_bwd_h100_16d8959_split.json
+  megakernel_trace_h100_16d8959_keep_diag.json
+  megakernel_trace_h100_16d8959-exp-nosilu_keep_diag.json
+  megakernel_trace_h100_16d8959-exp-nofence_keep_diag.json
   megakernel_trace_h200_6011da7_rows_in_place_off.json
   megakernel_trace_h200_8fdbd6b_rows_in_place_ab.json
   megakernel_trace_h200_82f068c_rows_in_place_ab.json
@@ -151,7 +160,7 @@ for m in grad main_grad; do
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
 args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_379ca6f.json")
-args+=(--host "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \
+args+=(--host "$R/profile_host_h100_ep1_5d6d242.json" "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \
   "$R/profile_host_h200_ep1_5ecc1bd_steps.json" "$R/profile_host_h100_ep1_31d4a38.json" "$R/profile_host_h100_ep1_14bf0d4.json" \
   "$R/profile_host_h100_ep1_9f62ae1.json" "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
   "$R/profile_host_h200_ep1_fefeac9.json")

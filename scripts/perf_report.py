@@ -796,6 +796,11 @@ def wgrad_table(path):
     yield ""
 
 
+def _ns(value) -> str:
+    """A median in ns, or '-' where no task qualified (megakernel_trace's None)."""
+    return "-" if value is None else f"{value:.0f}"
+
+
 def trace_tables(path):
     """scripts/megakernel_trace.py: the megakernel's own timeline, every CTA's time split into
     categories, and the mainloop's time per k-tile."""
@@ -822,7 +827,9 @@ def trace_tables(path):
         yield "## The megakernel's forward, from its timeline\n"
     patch = os.path.splitext(os.path.basename(path))[0] + ".patch"
     gaps = any("gaps" in case for case in record["cases"])
+    split = any(case.get("l1_epilogue_split_ns") for case in record["cases"])
     gemms = "L2-dgrad / L1-dgrad" if backward else "L1 / L2"
+    first = "L2-dgrad" if backward else "L1"
     yield (
         f"From `{os.path.basename(path)}` ({env.get('gpu')}, EP {env['world_size']}, commit "
         f"`{commit}`), written by `scripts/megakernel_trace.py`: "
@@ -842,6 +849,9 @@ def trace_tables(path):
         + (" 'gap before': the median time from a task's epilogue end to the next task's start "
            "on the same CTA, by the next task's GEMM (most of 'wait')."
            if gaps else "")
+        + (f" '{first} epilogue split': its median from the mainloop's end until every consumer's "
+           "stores were issued (their barrier passed), and from there until the task's flag was "
+           "released." if split else "")
         + (f" A timing experiment: the kernel built from the patch beside the record (`{patch}`)"
            ", whose outputs are wrong by design; only its times are measured."
            if experiment else "")
@@ -849,8 +859,10 @@ def trace_tables(path):
     )  # fmt: skip
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
            + f" | {gemms} ns per k-tile | {gemms} epilogue (us) |"
-           + (f" {gemms} gap before (us) |" if gaps else ""))  # fmt: skip
-    yield "|---|---|---|---|" + "---|" * len(cats) + "---|---|" + ("---|" if gaps else "")
+           + (f" {gemms} gap before (us) |" if gaps else "")
+           + (f" {first} epilogue split: stores / release (us) |" if split else ""))  # fmt: skip
+    yield ("|---|---|---|---|" + "---|" * len(cats) + "---|---|" + ("---|" if gaps else "")
+           + ("---|" if split else ""))  # fmt: skip
     for case in record["cases"]:
         ml, ep = case["mainloop"], case["epilogue_median_ns"]
         gap = ""
@@ -860,12 +872,16 @@ def trace_tables(path):
                 f"{g[k]['median_ns'] / 1e3:.1f}" if k in g else "-" for k in ("l1", "l2")
             )
             gap = f" {gap} |"
+        parts = case.get("l1_epilogue_split_ns")
+        if split:
+            gap += (f" {parts['stores'] / 1e3:.1f} / {parts['release'] / 1e3:.1f} |" if parts
+                    else " - |")  # fmt: skip
         yield (
             f"| {case['shape']} | {case['tokens_per_rank']} "
             f"| {case['bwd_num_comm_sms' if backward else 'fwd_num_comm_sms']} / "
             f"{case['minibatch_size']} | {case['span_us']:.0f} | "
             + " | ".join(f"{case['fractions'][c]:.2f}" for c in cats)
-            + f" | {ml['l1']['median_ns_per_ktile']:.0f} / {ml['l2']['median_ns_per_ktile']:.0f}"
+            + f" | {_ns(ml['l1']['median_ns_per_ktile'])} / {_ns(ml['l2']['median_ns_per_ktile'])}"
             f" | {ep['l1'] / 1e3:.1f} / {ep['l2'] / 1e3:.1f} |" + gap
         )
     yield ""

@@ -613,6 +613,28 @@ def test_trace_table_has_a_gap_column_only_where_the_record_has_gaps():
         perf_report.trace_tables(os.path.join(results, "megakernel_trace_h200_53dea2a.json"))
     )
     assert not any("gap before" in line for line in without)
+    assert not any("epilogue split" in line for line in with_gaps + without)
+
+
+def test_trace_table_splits_the_l1_epilogue_where_the_record_has_the_stamp():
+    """A record with megakernel_trace's l1_epilogue_split_ns (kTraceStored) gets a column of its
+    two medians in us (the backward's first GEMM named as such); a missing L2 k-tile median
+    (no task qualified) prints '-'."""
+    perf_report = _script("perf_report")
+    results = os.path.join(ROOT, "docs", "results")
+    fwd = list(perf_report.trace_tables(
+        os.path.join(results, "megakernel_trace_h100_16d8959_split_keep.json")))  # fmt: skip
+    head = next(line for line in fwd if line.startswith("| shape"))
+    assert head.endswith("| L1 epilogue split: stores / release (us) |")
+    record = json.load(open(os.path.join(results, "megakernel_trace_h100_16d8959_split_keep.json")))
+    case = record["cases"][0]
+    parts = case["l1_epilogue_split_ns"]
+    row = next(line for line in fwd if line.startswith(f"| {case['shape']}"))
+    assert row.endswith(f"| {parts['stores'] / 1e3:.1f} / {parts['release'] / 1e3:.1f} |")
+    bwd = list(perf_report.trace_tables(
+        os.path.join(results, "megakernel_trace_bwd_h100_16d8959_split.json")))  # fmt: skip
+    assert any(line.endswith("| L2-dgrad epilogue split: stores / release (us) |") for line in bwd)
+    assert perf_report._ns(None) == "-" and perf_report._ns(652.6) == "653"
 
 
 def _curves(seed, fp8_shift, noise_shift, steps=40):
