@@ -221,7 +221,17 @@ def summarise(ctas, tasks, k1, k2) -> dict:
             if any(kind(t) == g for t in tasks)
         },  # fmt: skip
         "l1_epilogue_split_ns": l1_epilogue_split(tasks),
+        "sm_ghz": sm_clock_ghz(ctas),
     }
+
+
+def sm_clock_ghz(ctas: list) -> float | None:
+    """The SMs' clock while the CTAs ran: the median over CTAs of their cycles (the SM's counter)
+    over their nanoseconds, start to end; None where no record has the cycle stamps."""
+    rates = [(c["end_cycles"] - c["start_cycles"]) / (c["end"] - c["start"]) for c in ctas
+             if c.get("start_cycles", 0) > 0 and c.get("end_cycles", 0) > c.get("start_cycles", 0)
+             and c["end"] > c["start"]]  # fmt: skip
+    return statistics.median(rates) if rates else None
 
 
 def l1_epilogue_split(tasks: list) -> dict | None:
@@ -307,7 +317,8 @@ def main(argv=None) -> None:
               f"{case['minibatch_size']}): span {case['span_us']:.0f} us; {frac}; ns/k-tile "
               f"L1 {ml['l1']['median_ns_per_ktile']} L2 {ml['l2']['median_ns_per_ktile']} "
               f"(ceiling {record['ceiling_ns_per_ktile']:.0f}); epilogue "
-              f"{case['epilogue_median_ns']} (L1 split {case['l1_epilogue_split_ns']}); first L1 ready {case['first_l1_ready_us']:.1f} us; "
+              f"{case['epilogue_median_ns']} (L1 split {case['l1_epilogue_split_ns']}); SM GHz "
+              f"{case['sm_ghz']}; first L1 ready {case['first_l1_ready_us']:.1f} us; "
               f"gaps before {case['gaps']}", flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)

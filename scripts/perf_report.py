@@ -828,6 +828,7 @@ def trace_tables(path):
     patch = os.path.splitext(os.path.basename(path))[0] + ".patch"
     gaps = any("gaps" in case for case in record["cases"])
     split = any(case.get("l1_epilogue_split_ns") for case in record["cases"])
+    clock = any(case.get("sm_ghz") for case in record["cases"])
     gemms = "L2-dgrad / L1-dgrad" if backward else "L1 / L2"
     first = "L2-dgrad" if backward else "L1"
     yield (
@@ -852,6 +853,8 @@ def trace_tables(path):
         + (f" '{first} epilogue split': its median from the mainloop's end until every consumer's "
            "stores were issued (their barrier passed), and from there until the task's flag was "
            "released." if split else "")
+        + (" 'SM GHz': the median over CTAs of the SM's cycles over the nanoseconds the CTA ran "
+           "(its own cycle counter), the clock the traced passes ran at." if clock else "")
         + (f" A timing experiment: the kernel built from the patch beside the record (`{patch}`)"
            ", whose outputs are wrong by design; only its times are measured."
            if experiment else "")
@@ -860,9 +863,10 @@ def trace_tables(path):
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
            + f" | {gemms} ns per k-tile | {gemms} epilogue (us) |"
            + (f" {gemms} gap before (us) |" if gaps else "")
-           + (f" {first} epilogue split: stores / release (us) |" if split else ""))  # fmt: skip
+           + (f" {first} epilogue split: stores / release (us) |" if split else "")
+           + (" SM GHz |" if clock else ""))  # fmt: skip
     yield ("|---|---|---|---|" + "---|" * len(cats) + "---|---|" + ("---|" if gaps else "")
-           + ("---|" if split else ""))  # fmt: skip
+           + ("---|" if split else "") + ("---|" if clock else ""))  # fmt: skip
     for case in record["cases"]:
         ml, ep = case["mainloop"], case["epilogue_median_ns"]
         gap = ""
@@ -876,6 +880,8 @@ def trace_tables(path):
         if split:
             gap += (f" {parts['stores'] / 1e3:.1f} / {parts['release'] / 1e3:.1f} |" if parts
                     else " - |")  # fmt: skip
+        if clock:
+            gap += f" {case['sm_ghz']:.2f} |" if case.get("sm_ghz") else " - |"
         yield (
             f"| {case['shape']} | {case['tokens_per_rank']} "
             f"| {case['bwd_num_comm_sms' if backward else 'fwd_num_comm_sms']} / "

@@ -108,7 +108,7 @@ MEGA_ERROR_FIELDS = (
 #: The megakernel's timeline records (diagnostics, ``moe_mega_forward(..., trace=True)``): the
 #: words of one CTA's and of one task's record, int64 global-timer ns unless named otherwise;
 #: mirror mok::layout::MegaTraceCta / MegaTraceTask (None: a word that is not used).
-MEGA_TRACE_CTA_FIELDS = ("start", "pull_ns", "barrier_ns", "end")
+MEGA_TRACE_CTA_FIELDS = ("start", "pull_ns", "barrier_ns", "end", "start_cycles", "end_cycles")
 MEGA_TRACE_TASK_FIELDS = ("cta", "task", "take", "ready", "got", "mma_end", "epi_end", "stored")
 
 #: mok::layout::MegaPhase: which wait of the megakernel timed out.

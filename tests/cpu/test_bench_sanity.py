@@ -579,7 +579,7 @@ def test_trace_decodes_down_weight_gradient_tasks_apart():
     tasks = torch.tensor([[record(0, (1 << 40) | (3 << 20) | 2, 0, 1, 8, 10),
                            record(0, (1 << 41) | (5 << 20) | 7, 9, 12, 20, 26),
                            record(1, 4, 0, 2, 9, 11, stored=10)]])  # fmt: skip
-    ctas = torch.tensor([[0, 0, 0, 30], [0, 0, 0, 30]])
+    ctas = torch.tensor([[0, 0, 0, 30, 0, 0], [0, 0, 0, 30, 0, 0]])
     assert len(MEGA_TRACE_CTA_FIELDS) == ctas.shape[1]
     _, decoded = megakernel_trace.decode(ctas, tasks)
     l2, wgrad, l1 = decoded
@@ -596,6 +596,19 @@ def test_trace_decodes_down_weight_gradient_tasks_apart():
     cta_records, decoded = megakernel_trace.decode(ctas, tasks)
     summary = megakernel_trace.summarise(cta_records, decoded, 64, 64)
     assert summary["l1_epilogue_split_ns"] is None
+    assert summary["sm_ghz"] is None  # no cycle stamps in these records
+
+
+def test_trace_sm_clock_is_the_median_of_each_ctas_cycles_over_its_nanoseconds():
+    """megakernel_trace.sm_clock_ghz: cycles / ns per CTA (kTraceStartCycles / kTraceEndCycles),
+    the median over CTAs; a CTA without the stamps is left out."""
+    megakernel_trace = _script("megakernel_trace")
+    ctas = [{"start": 100, "end": 1100, "start_cycles": 5000, "end_cycles": 6500},  # 1.5 GHz
+            {"start": 200, "end": 2200, "start_cycles": 10, "end_cycles": 3610},  # 1.8 GHz
+            {"start": 0, "end": 1000, "start_cycles": 1, "end_cycles": 1701},  # 1.7 GHz
+            {"start": 0, "end": 1000, "start_cycles": 0, "end_cycles": 0}]  # fmt: skip
+    assert megakernel_trace.sm_clock_ghz(ctas) == pytest.approx(1.7)
+    assert megakernel_trace.sm_clock_ghz(ctas[3:]) is None
 
 
 def test_trace_table_has_a_gap_column_only_where_the_record_has_gaps():
@@ -635,6 +648,23 @@ def test_trace_table_splits_the_l1_epilogue_where_the_record_has_the_stamp():
         os.path.join(results, "megakernel_trace_bwd_h100_16d8959_split.json")))  # fmt: skip
     assert any(line.endswith("| L2-dgrad epilogue split: stores / release (us) |") for line in bwd)
     assert perf_report._ns(None) == "-" and perf_report._ns(652.6) == "653"
+    assert not any("SM GHz" in line for line in fwd + bwd)  # recorded before the cycle stamps
+
+
+def test_trace_table_has_the_sm_clock_where_the_record_has_it(tmp_path):
+    """A record whose cases carry megakernel_trace's sm_ghz gets an 'SM GHz' column ('-' for a
+    case without it)."""
+    perf_report = _script("perf_report")
+    src = os.path.join(ROOT, "docs", "results", "megakernel_trace_h100_16d8959_split_keep.json")
+    record = json.load(open(src))
+    record["cases"][0]["sm_ghz"] = 1.7349
+    path = tmp_path / "megakernel_trace_clock.json"
+    path.write_text(json.dumps(record))
+    lines = list(perf_report.trace_tables(str(path)))
+    assert next(line for line in lines if line.startswith("| shape")).endswith(" SM GHz |")
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ")}
+    first, second = (rows[case["shape"]] for case in record["cases"][:2])
+    assert first.endswith("| 1.73 |") and second.endswith("| - |")
 
 
 def _curves(seed, fp8_shift, noise_shift, steps=40):

@@ -371,6 +371,10 @@ def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config
     assert tasks.shape == (shape.num_rounds, shape.max_tasks, len(MEGA_TRACE_TASK_FIELDS))
     c = dict(zip(MEGA_TRACE_CTA_FIELDS, ctas.cpu().T))
     assert (c["start"] > 0).all() and (c["end"] >= c["start"]).all()
+    # the SM's cycle counter over the same span: a clock between 0.3 and 3 GHz
+    cycles, ns = c["end_cycles"] - c["start_cycles"], c["end"] - c["start"]
+    assert (c["start_cycles"] > 0).all() and (cycles > 0).all()
+    assert ((cycles > 0.3 * ns) & (cycles < 3.0 * ns)).all(), "cycles / ns is not an SM clock"
     if rows_in_place(run.ws):  # no CTA pulls
         assert (c["pull_ns"] == 0).all()
     else:

@@ -146,7 +146,9 @@ enum MegaTraceCta : int {
   kTracePullNs = 1,     // time its consumer warpgroups spent pulling rows, all rounds
   kTraceBarrierNs = 2,  // time it spent in round barriers
   kTraceEnd = 3,        // its consumers finished their last task
-  kTraceCtaWords = 4,
+  kTraceStartCycles = 4,  // the SM's cycle counter (clock64) at kTraceStart
+  kTraceEndCycles = 5,    // and at kTraceEnd: cycles over nanoseconds, the SM's clock meanwhile
+  kTraceCtaWords = 6,
 };
 enum MegaTraceTask : int {
   kTraceTaskCta = 0,    // 1 + the CTA that ran the task

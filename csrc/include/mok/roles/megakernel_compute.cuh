@@ -648,7 +648,10 @@ CUTLASS_DEVICE void consumer_role(const MegaParams& p,
   }
   if constexpr (kFp8) gemm::fp8_turns_end(mma_thread_idx);
   if constexpr (kBackward && kCluster == 1) gemm::wgrad_reduce_drain(mma_thread_idx);
-  if (mma_thread_idx == 0) trace_cta_set(p, layout::kTraceEnd, trace_now());
+  if (mma_thread_idx == 0) {
+    trace_cta_set(p, layout::kTraceEnd, trace_now());
+    trace_cta_set(p, layout::kTraceEndCycles, trace_cycles());
+  }
 }
 
 // This thread's side of a pipeline: the consumer warpgroups consume; of the producer warpgroup,
@@ -719,7 +722,10 @@ CUTLASS_DEVICE void cta_role(const MegaParams& p,
   // Launched chained (launch/chain.h), the CTA got here while the kernel before it may still
   // run: nothing above reads or writes global memory. No chain_release (ptx.cuh says why).
   ptx::chain_wait();
-  if (threadIdx.x == 0) trace_cta_set(p, layout::kTraceStart, trace_now());
+  if (threadIdx.x == 0) {
+    trace_cta_set(p, layout::kTraceStartCycles, trace_cycles());
+    trace_cta_set(p, layout::kTraceStart, trace_now());
+  }
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kMegaProducerRegs>();
     producer_role<kBackward, kCluster, kFp8>(p, gp, pipeline, queue, storage);

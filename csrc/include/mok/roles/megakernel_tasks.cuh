@@ -241,6 +241,8 @@ struct MegaTaskOrder {
 
 // ---- the timeline (diagnostics; each a no-op without trace buffers)
 MOK_DEVICE int64_t trace_now() { return static_cast<int64_t>(comm::global_timer_ns()); }
+// The SM's cycle counter (one per SM: the start and end stamps' threads read the same one).
+MOK_DEVICE int64_t trace_cycles() { return static_cast<int64_t>(clock64()); }
 
 // One thread: word `word` of this CTA's record = value, or += value.
 MOK_DEVICE void trace_cta_set(const MegaParams& p, int word, int64_t value) {
