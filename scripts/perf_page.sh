@@ -61,6 +61,9 @@ compares=(  # BEFORE AFTER pairs
   bench_moe_h200_ep1_abd30ba.json bench_moe_h200_ep1_d7463ac.json
 )
 traces=(
+  megakernel_trace_h100_ced3dd8_clock_keep.json
+  megakernel_trace_h100_ced3dd8_clock_fp8.json
+  megakernel_trace_bwd_h100_ced3dd8_clock.json
   megakernel_trace_h100_16d8959_split_keep.json
   megakernel_trace_bwd_h100_16d8959_split.json
   megakernel_trace_h100_16d8959_keep_diag.json
