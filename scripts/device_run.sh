@@ -32,6 +32,9 @@
 #               bench_grouped_gemm.py on qwen3-30b-a3b at 1x, 2x, 4x its rows and mixtral-8x7b at
 #               0.25x, 0.5x, 1x, plus deepseek-v3 at 1x, 2x, 4x where the GPU has the memory for
 #               its fp32 buffers (docs/GEMM.md's store table: grouped_gemm_report.py --store)
+#   clock       the megakernels' timelines with the SMs' clock at EP 1 (not in the default steps):
+#               scripts/megakernel_trace.py at 8192 tokens, the BF16 forward keeping h (rows as
+#               the table picks them, then pulled), the FP8 forward and the backward
 #   wgrad_cluster2  the engine's weight gradients in clusters of two CTAs (GemmTuning schedule
 #               'cooperative_cluster2') against the cooperative schedule and torch at EP 1 (not in
 #               the default steps): bench_grouped_gemm.py (impl mok_cluster2) on qwen3-30b-a3b at
@@ -167,6 +170,19 @@ if step wgrad_cluster2; then
       $extra --out "$OUT/bench_wgrad_cluster2_$mode.json" > "$OUT/bench_wgrad_cluster2_$mode.log" 2>&1
     echo "[device_run] wgrad_cluster2 layer $mode exit $?"
     grep -E "speedup|Error" "$OUT/bench_wgrad_cluster2_$mode.log" | tail -3
+  done
+fi
+if step clock; then
+  # the same build's timelines with the SMs' clock (megakernel_trace.py's sm_ghz): the forward
+  # keeping h with the rows as the table picks them, then pulled, the FP8 forward, the backward
+  for spec in "keep:qwen3-30b-a3b,mixtral-8x7b,deepseek-v3:--keep" \
+              "pull:qwen3-30b-a3b,deepseek-v3:--keep --fwd-rows pull" \
+              "fp8:deepseek-v3,qwen3-30b-a3b:--fp8" "bwd:qwen3-30b-a3b:--backward"; do
+    name=${spec%%:*}; rest=${spec#*:}; shapes=${rest%%:*}; extra=${rest#*:}
+    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --shapes "$shapes" \
+      --tokens 8192 $extra --out "$OUT/megakernel_trace_clock_$name.json" > "$OUT/clock_$name.log" 2>&1
+    echo "[device_run] clock $name exit $?"
+    grep -E "span|Error" "$OUT/clock_$name.log" | sed -e 's/; first L1 ready.*//' | tail -3
   done
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
