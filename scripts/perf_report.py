@@ -801,6 +801,23 @@ def _ns(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _trace_gap_cell(case) -> str:
+    """The median gap before an L1 / L2 task in us ('-' for a GEMM without one)."""
+    g = case.get("gaps", {})
+    return " / ".join(f"{g[k]['median_ns'] / 1e3:.1f}" if k in g else "-" for k in ("l1", "l2"))
+
+
+def _trace_split_cell(case) -> str:
+    """The first GEMM's epilogue split, stores / release in us ('-' without the stamp)."""
+    parts = case.get("l1_epilogue_split_ns")
+    return f"{parts['stores'] / 1e3:.1f} / {parts['release'] / 1e3:.1f}" if parts else "-"
+
+
+def _trace_clock_cell(case) -> str:
+    """The SMs' clock in GHz ('-' without the cycle stamps)."""
+    return f"{case['sm_ghz']:.2f}" if case.get("sm_ghz") else "-"
+
+
 def trace_tables(path):
     """scripts/megakernel_trace.py: the megakernel's own timeline, every CTA's time split into
     categories, and the mainloop's time per k-tile."""
@@ -860,35 +877,25 @@ def trace_tables(path):
            if experiment else "")
         + "\n"
     )  # fmt: skip
+    # the columns only some records have, as (head, cell of a case), where the record has them
+    optional = [col for present, col in (
+        (gaps, (f"{gemms} gap before (us)", _trace_gap_cell)),
+        (split, (f"{first} epilogue split: stores / release (us)", _trace_split_cell)),
+        (clock, ("SM GHz", _trace_clock_cell))) if present]  # fmt: skip
     yield ("| shape | tokens/rank | comm SMs / minibatch | span (us) | " + " | ".join(cats)
            + f" | {gemms} ns per k-tile | {gemms} epilogue (us) |"
-           + (f" {gemms} gap before (us) |" if gaps else "")
-           + (f" {first} epilogue split: stores / release (us) |" if split else "")
-           + (" SM GHz |" if clock else ""))  # fmt: skip
-    yield ("|---|---|---|---|" + "---|" * len(cats) + "---|---|" + ("---|" if gaps else "")
-           + ("---|" if split else "") + ("---|" if clock else ""))  # fmt: skip
+           + "".join(f" {head} |" for head, _ in optional))  # fmt: skip
+    yield "|---|---|---|---|" + "---|" * len(cats) + "---|---|" + "---|" * len(optional)
     for case in record["cases"]:
         ml, ep = case["mainloop"], case["epilogue_median_ns"]
-        gap = ""
-        if gaps:
-            g = case.get("gaps", {})
-            gap = " / ".join(
-                f"{g[k]['median_ns'] / 1e3:.1f}" if k in g else "-" for k in ("l1", "l2")
-            )
-            gap = f" {gap} |"
-        parts = case.get("l1_epilogue_split_ns")
-        if split:
-            gap += (f" {parts['stores'] / 1e3:.1f} / {parts['release'] / 1e3:.1f} |" if parts
-                    else " - |")  # fmt: skip
-        if clock:
-            gap += f" {case['sm_ghz']:.2f} |" if case.get("sm_ghz") else " - |"
+        extra = "".join(f" {cell(case)} |" for _, cell in optional)
         yield (
             f"| {case['shape']} | {case['tokens_per_rank']} "
             f"| {case['bwd_num_comm_sms' if backward else 'fwd_num_comm_sms']} / "
             f"{case['minibatch_size']} | {case['span_us']:.0f} | "
             + " | ".join(f"{case['fractions'][c]:.2f}" for c in cats)
             + f" | {_ns(ml['l1']['median_ns_per_ktile'])} / {_ns(ml['l2']['median_ns_per_ktile'])}"
-            f" | {ep['l1'] / 1e3:.1f} / {ep['l2'] / 1e3:.1f} |" + gap
+            f" | {ep['l1'] / 1e3:.1f} / {ep['l2'] / 1e3:.1f} |" + extra
         )
     yield ""
 
