@@ -46,8 +46,21 @@ inline cudaLaunchAttribute chained_attribute() {
   return attr;
 }
 
+// cudaLaunchKernelEx(&config, fn, args...): a failed launch clears the runtime's error (it is
+// ours to report, not left for the next check) and throws, naming the launch.
+template <class... Params, class... Args>
+void launch_ex(const cudaLaunchConfig_t& config, void (*fn)(Params...), Args&&... args) {
+  const cudaError_t err = cudaLaunchKernelEx(&config, fn, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    MOK_HOST_CHECK(false, "kernel launch (%u x %u threads, %zu bytes of shared memory%s) "
+                   "failed: %s", config.gridDim.x, config.blockDim.x, config.dynamicSmemBytes,
+                   chained() ? ", chained" : "", cudaGetErrorString(err));
+  }
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), chained inside a ChainScope(true); a failed
-// launch throws (no cudaGetLastError check is needed after it).
+// launch throws (launch_ex; no cudaGetLastError check is needed after it).
 template <class... Params, class... Args>
 void kernel(void (*fn)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
             Args&&... args) {
@@ -59,13 +72,7 @@ void kernel(void (*fn)(Params...), dim3 grid, dim3 block, size_t smem, cudaStrea
   config.stream = stream;
   config.attrs = &attr;
   config.numAttrs = chained() ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&config, fn, std::forward<Args>(args)...);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();  // the error is ours to report: not left for the next check
-    MOK_HOST_CHECK(false, "kernel launch (%u x %u threads, %zu bytes of shared memory%s) "
-                   "failed: %s", grid.x, block.x, smem, chained() ? ", chained" : "",
-                   cudaGetErrorString(err));
-  }
+  launch_ex(config, fn, std::forward<Args>(args)...);
 }
 
 }  // namespace mok::launch

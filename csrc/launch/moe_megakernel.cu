@@ -523,7 +523,7 @@ void launch(const MegaArgs& args, cudaStream_t stream) {
                    params);
   } else {
     const ClusterLaunch grid(args.num_ctas, kCluster, stream, chained());
-    MOK_CUDA_CHECK(cudaLaunchKernelEx(&grid.config, kernel, params));
+    launch_ex(grid.config, kernel, params);
   }
 }
 
