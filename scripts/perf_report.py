@@ -796,6 +796,36 @@ def wgrad_table(path):
     yield ""
 
 
+def weight_stream_table(path):
+    """scripts/wgrad_traffic.py's forward weight stream: each expert weight read once beside the
+    forward's FLOPs at the floor's rate (records that have it)."""
+    record = json.load(open(path))
+    cases = [c for c in record["cases"] if "fwd_weight_share" in c]
+    if not cases:
+        return
+    env = record["environment"]
+    ceilings = record["ceilings"]
+    yield "## The forward's weight stream\n"
+    yield (
+        f"From `{os.path.basename(path)}` (commit `{(env.get('commit') or 'unknown')[:12]}`), "
+        "written by `scripts/wgrad_traffic.py` on the CPU, EP 1: the forward reads every expert "
+        "weight (bf16) at least once while its GEMMs run. 'weights ms': that read at the floor "
+        f"model's HBM ceiling ({ceilings['hbm_tbps']} TB/s); 'FLOPs ms': the forward's FLOPs at "
+        f"the floor's rate ({ceilings['bf16_tflops']} TFLOP/s); 'share': the fraction of the HBM "
+        "ceiling the weights alone take while the GEMMs run at that rate. The floor counts the "
+        "larger of the two, not both at once. A model, not a measurement.\n"
+    )
+    yield "| shape | tokens/rank | expert weights (G) | weights ms | FLOPs ms | share |"
+    yield "|---|---|---|---|---|---|"
+    for c in cases:
+        yield (
+            f"| {c['shape']} | {c['tokens_per_rank']} | {c['expert_params'] / 1e9:.2f} | "
+            f"{c['fwd_weight_read_ms']:.2f} | {c['fwd_flops_ms']:.2f} | "
+            f"{c['fwd_weight_share']:.2f} |"
+        )
+    yield ""
+
+
 def _ns(value) -> str:
     """A median in ns, or '-' where no task qualified (megakernel_trace's None)."""
     return "-" if value is None else f"{value:.0f}"
@@ -1080,6 +1110,9 @@ def main(argv=None) -> None:
         parts += ["", *padding_table(args.padding)]
     if args.wgrad:
         parts += ["", *wgrad_table(args.wgrad)]
+        stream = list(weight_stream_table(args.wgrad))
+        if stream:
+            parts += ["", *stream]
     for path in args.trace:
         parts += ["", *trace_tables(path)]
     if args.ncu:

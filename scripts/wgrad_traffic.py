@@ -31,6 +31,11 @@ megakernel's dgrad tiles are compute-bound, the weight gradients' epilogues HBM-
 ``floor / (1/3 floor + max(2/3 floor, main_grad traffic))``. A model computed on the CPU, not a
 measurement.
 
+The same record holds the forward's weight stream: each expert weight read once (2 bytes, bf16)
+at the HBM ceiling, against the forward's FLOPs at the floor's rate. Its ``fwd_weight_share`` is
+the fraction of the HBM ceiling the weights alone take while the forward's GEMMs run at that
+rate: the floor counts the larger of the two, and the forward's GEMMs run beside that stream.
+
     python3 scripts/wgrad_traffic.py --out docs/results/wgrad_traffic_<commit>.json
 """
 
@@ -48,6 +53,7 @@ from mok_megatron.testing.timing import H200_CEILINGS, moe_pass_cost  # noqa: E4
 PLAIN_STORE_BYTES = 2  # the bf16 weight gradient the plain GEMM's epilogue stores
 GRAD_ADD_BYTES = 3 * 2  # bf16: read the new gradient and .grad, write .grad
 MAIN_GRAD_BYTES = 2 * 4  # fp32 main_grad read and written by the weight-gradient GEMM
+WEIGHT_READ_BYTES = 2  # the forward reads each bf16 expert weight at least once
 
 
 def case(shape_name: str, tokens: int) -> dict:
@@ -61,6 +67,10 @@ def case(shape_name: str, tokens: int) -> dict:
     main_ms = params * MAIN_GRAD_BYTES / hbm * 1e3
     plain_ms = params * PLAIN_STORE_BYTES / hbm * 1e3
     wgrad_flops_ms = floor / 3  # the weight-gradient GEMMs' FLOPs at the floor's rate
+    forward = moe_pass_cost(routed_rows=tokens * topk, remote_pairs=0, hidden=hidden, inter=inter,
+                            local_experts=experts, backward=False)  # fmt: skip
+    fwd_flops_ms = forward["flops"] / (H200_CEILINGS.bf16_tflops * 1e12) * 1e3
+    fwd_weight_ms = params * WEIGHT_READ_BYTES / hbm * 1e3
     return {
         "shape": shape_name, "tokens_per_rank": tokens, "ep": 1, "expert_params": params,
         "floor_ms": floor, "grad_add_bytes": params * GRAD_ADD_BYTES, "grad_add_ms": add_ms,
@@ -71,6 +81,8 @@ def case(shape_name: str, tokens: int) -> dict:
         "main_grad_serial_ms": wgrad_flops_ms + main_ms,
         "main_grad_serial_bound": floor / (floor + main_ms),
         "main_grad_fused_bound": floor / (floor / 3 + max(2 * floor / 3, main_ms)),
+        "fwd_flops_ms": fwd_flops_ms, "fwd_weight_read_ms": fwd_weight_ms,
+        "fwd_weight_share": fwd_weight_ms / fwd_flops_ms,
     }  # fmt: skip
 
 
@@ -92,7 +104,9 @@ def main(argv=None) -> None:
               f"{c['main_grad_ms']:.2f} ms (bound {c['main_grad_bound']:.2f}; in serial, "
               f"weight-gradient GEMMs {c['main_grad_serial_ms']:.2f} ms, bound "
               f"{c['main_grad_serial_bound']:.2f}; inside the backward launch, bound "
-              f"{c['main_grad_fused_bound']:.2f})")  # fmt: skip
+              f"{c['main_grad_fused_bound']:.2f}); forward: weights read once "
+              f"{c['fwd_weight_read_ms']:.2f} ms beside {c['fwd_flops_ms']:.2f} ms of FLOPs "
+              f"({c['fwd_weight_share']:.2f} of the HBM ceiling)")  # fmt: skip
     bench_moe.write_model_record("wgrad_traffic", args, cases, ceilings=vars(H200_CEILINGS))
 
 

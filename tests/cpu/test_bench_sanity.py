@@ -1006,3 +1006,40 @@ def test_launch_gaps_split_passes_and_sum_spans_busy_and_gaps():
     assert [len(p) for p in passes] == [4, 4, 4, 4]
     assert gaps.summarize(passes) == {"passes": 2, "kernels": 4, "span_us": 20.0,
                                       "busy_us": 17.0, "gaps_us": 4.0}  # fmt: skip
+
+
+def test_forward_weight_stream_share(tmp_path):
+    """scripts/wgrad_traffic.py's forward weight stream: each expert weight read once (2 bytes) at
+    the HBM ceiling over the forward's FLOPs at the floor's rate; twice the tokens halve it, and
+    deepseek-v3's 256 experts at 8192 tokens need the most of the HBM (about 0.7 of it), mixtral-
+    8x7b's 8 the least. perf_report prints it as a table of its own, and none from a record
+    written before the field existed."""
+    from mok_megatron.testing.timing import H200_CEILINGS
+
+    wgrad_traffic = _script("wgrad_traffic")
+    shares = {}
+    for shape in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"):
+        hidden, inter, experts, topk = _script("bench_moe").SHAPES[shape]
+        c, c2 = wgrad_traffic.case(shape, 8192), wgrad_traffic.case(shape, 16384)
+        weights_s = 3 * experts * hidden * inter * 2 / (H200_CEILINGS.hbm_tbps * 1e12)
+        flops_s = 8192 * topk * 2 * hidden * 3 * inter / (H200_CEILINGS.bf16_tflops * 1e12)
+        assert c["fwd_weight_read_ms"] == pytest.approx(weights_s * 1e3, rel=1e-12)
+        assert c["fwd_flops_ms"] == pytest.approx(flops_s * 1e3, rel=1e-12)
+        assert c2["fwd_weight_share"] == pytest.approx(c["fwd_weight_share"] / 2, rel=1e-12)
+        shares[shape] = c["fwd_weight_share"]
+    assert shares["mixtral-8x7b"] < shares["qwen3-30b-a3b"] < shares["deepseek-v3"]
+    assert 0.6 < shares["deepseek-v3"] < 0.8
+    perf_report = _script("perf_report")
+    record = {"environment": {"commit": "abc"}, "ceilings": {"hbm_tbps": 4.28, "bf16_tflops": 782.0},
+              "cases": [wgrad_traffic.case("deepseek-v3", 8192)]}  # fmt: skip
+    path = str(tmp_path / "wgrad_traffic_abc.json")
+    with open(path, "w") as f:
+        json.dump(record, f)
+    lines = list(perf_report.weight_stream_table(path))
+    assert lines[0].startswith("## The forward's weight stream")
+    assert any(line.startswith("| deepseek-v3 | 8192 | ") and line.endswith("| 0.71 |")
+               for line in lines)  # fmt: skip
+    del record["cases"][0]["fwd_weight_share"]
+    with open(path, "w") as f:
+        json.dump(record, f)
+    assert list(perf_report.weight_stream_table(path)) == []
