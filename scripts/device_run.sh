@@ -42,6 +42,14 @@
 #               the fp32 ones too where the GPU has the memory), then the layer's forward +
 #               backward with --mok-wgrad-cluster2 on qwen3-30b-a3b at 8192 and 16384 tokens, in
 #               .grad mode (beside the engine's cooperative weight gradients) and into main_grad
+#   trace_ab    builds of the same Python tree (packed by scripts/extension_variants.sh pack, carried
+#               in .devcarry) against each other on the megakernels' timelines (not in the default
+#               steps): TRACE_AB_ROUNDS rounds (default 2), each running every build named in
+#               TRACE_AB in turn (it is `use`d first, so the carried extension is replaced):
+#               megakernel_trace.py --keep on TRACE_AB_SHAPES (default the three) and --fp8 on
+#               TRACE_AB_FP8 (default deepseek-v3; empty: none) at 8192 tokens, into
+#               megakernel_trace_<gpu>_<build>_ab_<round>[_fp8].json; for kernel changes whose
+#               outputs are bitwise unchanged (the session 44 notes' cache hints)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
 # BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
 # BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
@@ -62,6 +70,10 @@ if step tests; then
   MOK_DEVICE_KIND="${MOK_DEVICE_KIND:-$KIND}" bash scripts/gpu_check.sh "$([[ $NGPU -ge 2 ]] && echo 2 || echo 0)" \
     > "$OUT/gpu_check.log" 2>&1
   echo "[device_run] gpu_check exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_check.log" | tail -12
+fi
+# The carried wheels (gpu_check.sh installs them too, for the tests step).
+if [[ ! -d /tmp/site/megatron ]] && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH="/tmp/site:$PWD"
 if step bench_ep2; then
@@ -184,6 +196,28 @@ if step clock; then
     echo "[device_run] clock $name exit $?"
     grep -E "span|Error" "$OUT/clock_$name.log" | sed -e 's/; first L1 ready.*//' | tail -3
   done
+fi
+if step trace_ab; then
+  gpu=$([[ $(big_gpu) == 1 ]] && echo h200 || echo h100)
+  for round in $(seq 1 "${TRACE_AB_ROUNDS:-2}"); do
+    for build in ${TRACE_AB:?trace_ab needs TRACE_AB: the packed builds to compare}; do
+      bash scripts/extension_variants.sh use "$build" > /dev/null || continue
+      name="megakernel_trace_${gpu}_${build}_ab_$round"
+      timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --tokens 8192 --keep \
+        --shapes "${TRACE_AB_SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3}" \
+        --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      echo "[device_run] trace_ab $build round $round exit $?"
+      grep -E "span|Error" "$OUT/$name.log" | sed -e 's/; first L1 ready.*//' | tail -3
+      if [[ -n "${TRACE_AB_FP8-deepseek-v3}" ]]; then
+        timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --tokens 8192 --fp8 \
+          --shapes "${TRACE_AB_FP8-deepseek-v3}" --out "$OUT/${name}_fp8.json" > "$OUT/${name}_fp8.log" 2>&1
+        echo "[device_run] trace_ab $build round $round FP8 exit $?"
+        grep -E "span|Error" "$OUT/${name}_fp8.log" | sed -e 's/; first L1 ready.*//' | tail -3
+      fi
+    done
+  done
+  # one file for all of them (at most 8 files come back)
+  (cd "$OUT" && tar czf "megakernel_trace_${gpu}_ab.tar.gz" --remove-files ./megakernel_trace_*_ab_*.json)
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.
