@@ -184,35 +184,32 @@ if step wgrad_cluster2; then
     grep -E "speedup|Error" "$OUT/bench_wgrad_cluster2_$mode.log" | tail -3
   done
 fi
+# megakernel_trace.py at 8192 tokens into $OUT/NAME.json (its log NAME.log), the spans echoed:
+#   trace NAME SHAPES [megakernel_trace.py arguments...]
+trace() {
+  local name=$1 shapes=$2; shift 2
+  timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --shapes "$shapes" \
+    --tokens 8192 "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "[device_run] $name exit $?"
+  grep -E "span|Error" "$OUT/$name.log" | sed -e 's/; first L1 ready.*//' | tail -3
+}
 if step clock; then
   # the same build's timelines with the SMs' clock (megakernel_trace.py's sm_ghz): the forward
   # keeping h with the rows as the table picks them, then pulled, the FP8 forward, the backward
-  for spec in "keep:qwen3-30b-a3b,mixtral-8x7b,deepseek-v3:--keep" \
-              "pull:qwen3-30b-a3b,deepseek-v3:--keep --fwd-rows pull" \
-              "fp8:deepseek-v3,qwen3-30b-a3b:--fp8" "bwd:qwen3-30b-a3b:--backward"; do
-    name=${spec%%:*}; rest=${spec#*:}; shapes=${rest%%:*}; extra=${rest#*:}
-    timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --shapes "$shapes" \
-      --tokens 8192 $extra --out "$OUT/megakernel_trace_clock_$name.json" > "$OUT/clock_$name.log" 2>&1
-    echo "[device_run] clock $name exit $?"
-    grep -E "span|Error" "$OUT/clock_$name.log" | sed -e 's/; first L1 ready.*//' | tail -3
-  done
+  trace megakernel_trace_clock_keep qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --keep
+  trace megakernel_trace_clock_pull qwen3-30b-a3b,deepseek-v3 --keep --fwd-rows pull
+  trace megakernel_trace_clock_fp8 deepseek-v3,qwen3-30b-a3b --fp8
+  trace megakernel_trace_clock_bwd qwen3-30b-a3b --backward
 fi
 if step trace_ab; then
-  gpu=$([[ $(big_gpu) == 1 ]] && echo h200 || echo h100)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
   for round in $(seq 1 "${TRACE_AB_ROUNDS:-2}"); do
     for build in ${TRACE_AB:?trace_ab needs TRACE_AB: the packed builds to compare}; do
       bash scripts/extension_variants.sh use "$build" > /dev/null || continue
       name="megakernel_trace_${gpu}_${build}_ab_$round"
-      timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --tokens 8192 --keep \
-        --shapes "${TRACE_AB_SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3}" \
-        --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-      echo "[device_run] trace_ab $build round $round exit $?"
-      grep -E "span|Error" "$OUT/$name.log" | sed -e 's/; first L1 ready.*//' | tail -3
+      trace "$name" "${TRACE_AB_SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3}" --keep
       if [[ -n "${TRACE_AB_FP8-deepseek-v3}" ]]; then
-        timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --tokens 8192 --fp8 \
-          --shapes "${TRACE_AB_FP8-deepseek-v3}" --out "$OUT/${name}_fp8.json" > "$OUT/${name}_fp8.log" 2>&1
-        echo "[device_run] trace_ab $build round $round FP8 exit $?"
-        grep -E "span|Error" "$OUT/${name}_fp8.log" | sed -e 's/; first L1 ready.*//' | tail -3
+        trace "${name}_fp8" "${TRACE_AB_FP8-deepseek-v3}" --fp8
       fi
     done
   done
