@@ -762,9 +762,43 @@ def test_target_rows_judge_the_unrounded_fraction():
         in rows[0]
     )
     assert (
-        "| 14 | mixtral-8x7b | 8192 | fwd+bwd | 0.65 | 0.650 | met | - | - | `rec.json` |"
+        "| 14 | mixtral-8x7b | 8192 | fwd+bwd | 0.65 | 0.650 | met | - | - | - | `rec.json` |"
         in rows[1]
     )
+
+
+def test_target_rows_give_forward_and_backward_the_protocols_bound(tmp_path):
+    """With a wgrad_traffic record, each forward + backward row names the bound of its record's
+    mode ('.grad', or main_grad's with the weight gradients in the launch) and says where the
+    target lies above it; forward rows and cases the model lacks show '-'."""
+    report = _script("perf_report")
+    model = {"cases": [{"shape": "deepseek-v3", "tokens_per_rank": 8192, "grad_bound": 0.5812,
+                        "main_grad_bound": 0.62, "main_grad_fused_bound": 0.78},
+                       {"shape": "mixtral-8x7b", "tokens_per_rank": 8192, "grad_bound": 0.92,
+                        "main_grad_bound": 1.0}]}  # fmt: skip
+    path = tmp_path / "wgrad.json"
+    path.write_text(json.dumps(model))
+    bounds = report.target_bounds(str(path))
+    assert bounds[("deepseek-v3", 8192, True)] == 0.78 and bounds[("mixtral-8x7b", 8192, True)] == 1
+
+    def case(shape, tokens):
+        r = {"mok": {"fraction_of_floor": 0.4}}
+        return {"shape": shape, "ep": 1, "tokens_per_rank": tokens, "routing": "uniform",
+                "fwd": r, "fwd_bwd": r}  # fmt: skip
+
+    cases = [case("deepseek-v3", 8192), case("mixtral-8x7b", 8192), case("qwen3-30b-a3b", 16384)]
+    rows = list(report.target_rows([("r.json", {"cases": cases})], bounds))
+    assert len(rows) == 6
+    assert "| fwd | 0.75 | 0.400 | missed (53.3% of it) | - | - | - | `r.json` |" in rows[0]
+    assert (
+        "| fwd+bwd | 0.65 | 0.400 | missed (61.5% of it) | - | - | 0.58 (target above it) |"
+        in rows[1]
+    )
+    assert "| fwd+bwd | 0.65 | 0.400 | missed (61.5% of it) | - | - | 0.92 | `r.json` |" in rows[3]
+    assert rows[5].endswith("| - | - | - | `r.json` |"), "no bound for a case the model lacks"
+    main_grad = {"args": {"main_grad": True}, "cases": cases[:1]}
+    rows = list(report.target_rows([("m.json", main_grad)], bounds))
+    assert "| 0.78 | `m.json` |" in rows[1]
 
 
 def test_target_rows_take_each_case_from_the_newest_record_that_has_it():
