@@ -770,11 +770,17 @@ def padding_table(path):
         f"of {record['block_m']}, one of at most {record['block_m'] // 2} rows at half cost (one "
         "consumer warpgroup), and the floor counts the routed rows only. 'tile efficiency' = "
         "routed rows / computed rows: the most of the floor the mainloop could reach if every "
-        "k-tile ran at the floor's rate and nothing else took time. A model, not a measurement.\n"
+        "k-tile ran at the floor's rate and nothing else took time. 'with a swapped tail' "
+        "(records that have it): the same with each expert's last partial m-tile costing its rows "
+        "rounded up to 32, 16 or 8, what a tail tile with the weight as wgmma's A and the rows as "
+        "its B (N in steps of 8) would cost at the same rate; not built. A model, not a "
+        "measurement.\n"
     )
+    tails = record["cases"][0].get("tail_efficiency", {}) if record["cases"] else {}
     yield ("| shape | tokens/rank | routing | routed rows (per set) | computed rows (per set) | "
-           "m-tiles (half-cost) | rows per expert | tile efficiency |")  # fmt: skip
-    yield "|---|---|---|---|---|---|---|---|"
+           "m-tiles (half-cost) | rows per expert | tile efficiency |"
+           + "".join(f" with a swapped tail, steps of {g} |" for g in tails))  # fmt: skip
+    yield "|---|---|---|---|---|---|---|---|" + "---|" * len(tails)
     for case in record["cases"]:
         sets = case["sets"]
         n = len(sets)
@@ -788,6 +794,7 @@ def padding_table(path):
             f"| {case['shape']} | {case['tokens_per_rank']} | {case['routing']} | {routed} | "
             f"{computed:.0f} | {tiles:.0f} ({half:.0f}) | {low}-{high} | "
             f"{case['tile_efficiency']:.3f} |"
+            + "".join(f" {case['tail_efficiency'][g]:.3f} |" for g in tails)
         )
     yield ""
 

@@ -1077,3 +1077,36 @@ def test_forward_weight_stream_share(tmp_path):
     with open(path, "w") as f:
         json.dump(record, f)
     assert list(perf_report.weight_stream_table(path)) == []
+
+
+def test_tile_padding_costs_and_the_swapped_tail(tmp_path):
+    """scripts/tile_padding.py: an expert's rows cost whole m-tiles of 128 and a last one of at most
+    64 rows half (units); the swapped tail rounds the last partial m-tile's rows up to its step
+    instead. The benchmark's routing gives deepseek-v3 at 8192 tokens the lowest tile efficiency,
+    which every finer step raises; perf_report adds a column per step, and none from a record
+    written before the field existed."""
+    tile_padding = _script("tile_padding")
+    rows = torch.tensor([0, 1, 64, 65, 128, 129, 200, 256])
+    assert tile_padding.units(rows).tolist() == [0, 1, 1, 2, 2, 3, 4, 4]
+    assert tile_padding.tail_rows(rows, 16).tolist() == [0, 16, 64, 80, 128, 144, 208, 256]
+    assert tile_padding.tail_rows(rows, 8).tolist() == [0, 8, 64, 72, 128, 136, 200, 256]
+    args = tile_padding.parse_args(["--out", str(tmp_path / "t.json")])
+    deepseek = tile_padding.case("deepseek-v3", 8192, "uniform", args)
+    mixtral = tile_padding.case("mixtral-8x7b", 8192, "uniform", args)
+    tails = deepseek["tail_efficiency"]
+    assert list(tails) == ["32", "16", "8"]
+    assert deepseek["tile_efficiency"] < tails["32"] < tails["16"] < tails["8"] <= 1
+    assert deepseek["tile_efficiency"] < mixtral["tile_efficiency"]
+    perf_report = _script("perf_report")
+    record = {"environment": {"commit": "abc"}, "args": {"rotate": 3}, "block_m": 128,
+              "cases": [deepseek]}  # fmt: skip
+    path = tmp_path / "tile_padding_abc.json"
+    path.write_text(json.dumps(record))
+    lines = list(perf_report.padding_table(str(path)))
+    assert lines[2].endswith("| with a swapped tail, steps of 8 |")
+    assert lines[4].startswith("| deepseek-v3 | 8192 | uniform |")
+    assert lines[4].endswith(f"| {tails['16']:.3f} | {tails['8']:.3f} |")
+    assert lines[2].count("|") - 1 == lines[4].count("|") - 1 == 11
+    del deepseek["tail_efficiency"]
+    path.write_text(json.dumps(record))
+    assert list(perf_report.padding_table(str(path)))[2].endswith("| tile efficiency |")
