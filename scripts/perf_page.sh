@@ -162,7 +162,7 @@ for m in grad main_grad; do
     "$R/bench_moe_h100_ep1_wgrad_cluster2_${m}_mixtral_79c42ae.json")
 done
 args+=(--breakdown "$R/megakernel_breakdown_h200_4320131.json")
-args+=(--padding "$R/tile_padding_b04cdbf.json" --wgrad "$R/wgrad_traffic_3e5174d.json")
+args+=(--padding "$R/tile_padding_29ce1e8.json" --wgrad "$R/wgrad_traffic_3e5174d.json")
 args+=(--host "$R/profile_host_h100_ep1_5d6d242.json" "$R/profile_host_h200_ep1_82f068c.json" "$R/profile_host_h200_ep1_269f051.json" \
   "$R/profile_host_h200_ep1_5ecc1bd_steps.json" "$R/profile_host_h100_ep1_31d4a38.json" "$R/profile_host_h100_ep1_14bf0d4.json" \
   "$R/profile_host_h100_ep1_9f62ae1.json" "$R/profile_host_h200_ep1_1b6f463.json" "$R/profile_host_h200_ep1_9d6aef5.json" \
