@@ -47,6 +47,10 @@ TORCH_LIBRARY(mok, m) {
       "moe_mega_shape(int row_capacity, int num_local_experts, int hidden, int inter, "
       "int minibatch_rows, int macrobatch_rows) -> int[]",
       &mok::apis::moe_mega_shape);
+  m.def(
+      "moe_mega_order_block(int routed_rows, int num_local_experts, int l1_ntiles, int num_ctas) "
+      "-> int",
+      &mok::apis::moe_mega_order_block);
   m.def("moe_comm_fields() -> str[]", &mok::apis::moe_comm_fields);
   // ---- moe_mega (the megakernels): csrc/apis/moe_mega.h --------------------------------------
   m.def("moe_mega_plan_fields() -> str[]", &mok::apis::moe_mega_plan_fields);
@@ -61,7 +65,8 @@ TORCH_LIBRARY(mok, m) {
       "int row_capacity, int token_capacity, int minibatch, int macrobatch, int num_comm_sms, "
       "int num_sms, bool save, bool keep_y, int stall_minibatch, bool trace=False, "
       "int cluster=1, int stall_l2_cta=-1, Tensor? w_gate_up_scales=None, "
-      "Tensor? w_down_scales=None, bool rows_in_place=False, bool keep_rings=False) -> Tensor[]");
+      "Tensor? w_down_scales=None, bool rows_in_place=False, bool keep_rings=False, "
+      "int order_block=0) -> Tensor[]");
   m.def(
       "moe_mega_backward(Tensor d_out, Tensor topk, Tensor[] plan, Tensor act_ring, "
       "Tensor h_ring, Tensor w_gate_up, Tensor w_down, Tensor? shared_dx, int[] comm, "

@@ -59,6 +59,9 @@ def parse_args(argv=None):
                    help="MoKConfig.megakernel_cluster; default: the config's (1)")  # fmt: skip
     p.add_argument("--fwd-rows", default=None, choices=("auto", "in_place", "pull"),
                    help="MoKConfig.fwd_rows; default: the config's (auto)")  # fmt: skip
+    p.add_argument("--order-block", default=None, choices=("auto", "8", "16"),
+                   help="MoKConfig.megakernel_order_block (the forward's); default: the "
+                        "config's (auto)")  # fmt: skip
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -245,6 +248,21 @@ def l1_epilogue_split(tasks: list) -> dict | None:
             "release": statistics.median([t["epi_end"] - t["stored"] for t in l1])}  # fmt: skip
 
 
+def order_block(config, shape, args, ws, num_ctas):
+    """The m-tiles per block of the forward's task order this case ran with: the knob, or what
+    'auto' picked (ops.moe.moe_mega_order_block, as the op does at one rank); None for a
+    backward (always 16)."""
+    if args.backward:
+        return None
+    if config.megakernel_order_block != "auto":
+        return config.megakernel_order_block
+    from mok_megatron.ops import moe as mops
+
+    hidden, inter, experts, topk = shape
+    return mops.moe_mega_order_block(args.tokens * topk, experts, ws.buffers.mega.l1_ntiles,
+                                     num_ctas)  # fmt: skip
+
+
 def trace_case(name, args, rank) -> dict:
     shape = bench_moe.SHAPES[name]
     config = bench_moe.transformer_config(shape, "cuda")
@@ -258,6 +276,10 @@ def trace_case(name, args, rank) -> dict:
         knobs["expert_precision"] = "fp8_blockwise"
     if args.fwd_rows is not None:
         knobs["fwd_rows"] = args.fwd_rows
+    if args.order_block is not None:
+        knobs["megakernel_order_block"] = (
+            args.order_block if args.order_block == "auto" else int(args.order_block)
+        )
     if args.bwd_wgrad is not None:
         knobs["bwd_wgrad"] = args.bwd_wgrad
     if knobs:
@@ -295,6 +317,8 @@ def trace_case(name, args, rank) -> dict:
             "megakernel_cluster": resolved.megakernel_cluster,
             "bwd_wgrad": resolved.bwd_wgrad,
             "fwd_rows": resolved.fwd_rows,
+            "megakernel_order_block": resolved.megakernel_order_block,
+            "order_block": order_block(resolved, shape, args, ws, len(ctas)),
             "expert_precision": resolved.expert_precision,
             "span_us_passes": [s["span_us"] for s in passes], **middle}  # fmt: skip
     del layer, sets

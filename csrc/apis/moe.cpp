@@ -46,6 +46,14 @@ std::vector<int64_t> moe_mega_shape(int64_t row_capacity, int64_t num_local_expe
           s.max_tiles(),   s.l1_ntiles(),   s.l2_ntiles(), s.counter_words(), s.max_tasks()};
 }
 
+int64_t moe_mega_order_block(int64_t routed_rows, int64_t num_local_experts, int64_t l1_ntiles,
+                             int64_t num_ctas) {
+  TORCH_CHECK(routed_rows >= 0 && num_local_experts >= 1 && l1_ntiles >= 1 && num_ctas >= 1,
+              "mok::moe_mega_order_block: bad arguments (rows=", routed_rows, ", E_l=",
+              num_local_experts, ", l1_ntiles=", l1_ntiles, ", num_ctas=", num_ctas, ")");
+  return layout::auto_order_block(routed_rows, num_local_experts, l1_ntiles, num_ctas);
+}
+
 std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,
                                                       const at::Tensor& weights,
                                                       at::IntArrayRef comm_ints) {

@@ -25,6 +25,12 @@ std::vector<int64_t> moe_mega_shape(int64_t row_capacity, int64_t num_local_expe
                                     int64_t hidden, int64_t inter, int64_t minibatch_rows,
                                     int64_t macrobatch_rows);
 
+// The m-tiles per block of the forward megakernel's task order that order_block 0 ('auto')
+// picks (layout::auto_order_block): `routed_rows` this rank's experts are expected to get,
+// E_l of them, l1_ntiles n-tiles of 2I, a grid of num_ctas. Host arithmetic only.
+int64_t moe_mega_order_block(int64_t routed_rows, int64_t num_local_experts, int64_t l1_ntiles,
+                             int64_t num_ctas);
+
 // topk: [T, K] int64; weights: [T, K] f32 -> (global_topk [W, T_max, K] int64,
 // global_weights [W, T_max, K] f32). Collective.
 std::tuple<at::Tensor, at::Tensor> moe_gather_routing(const at::Tensor& topk,

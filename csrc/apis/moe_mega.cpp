@@ -251,11 +251,18 @@ std::vector<at::Tensor> moe_mega_forward(
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
     const std::optional<at::Tensor>& w_gate_up_scales,
-    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place, bool keep_rings) {
+    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place, bool keep_rings,
+    int64_t order_block) {
   const auto comm = comm_of(comm_ints);
   const launch::ChainScope chain(comm.chained);
   const auto& lay = comm.lay;
   const bool fp8 = w_gate_up_scales.has_value();
+  // NOTE: checked before anything is enqueued (as the knobs' checks below): a refused call
+  // leaves nothing that peers wait on
+  TORCH_CHECK(order_block == 0 || layout::valid_order_block(order_block),
+              "mok::moe_mega_forward: order_block=", order_block, " must be 0 (auto), ",
+              layout::kOrderBlockSmall, " or ", layout::kOrderBlockTiles,
+              " (MoKConfig.megakernel_order_block: 'auto', 8 or 16)");
   TORCH_CHECK(fp8 == w_down_scales.has_value(), "mok::moe_mega_forward: w_gate_up_scales and "
               "w_down_scales are both given (FP8 weights) or neither (bf16)");
   check(x, "x", at::kBFloat16, 2);
@@ -392,6 +399,13 @@ std::vector<at::Tensor> moe_mega_forward(
   launch::MegaArgs a = mega_args(comm, shape, grid, num_comm_sms, cluster, plan, stall_minibatch,
                                  out[kForward_trace_ctas], out[kForward_trace_tasks]);
   a.stall_l2_cta = static_cast<int>(stall_l2_cta);
+  // 'auto': from the rows this rank's experts are expected to get (every rank sending as many
+  // tokens as this one), known before the routing is
+  a.order_block = order_block != 0 ? static_cast<int>(order_block)
+                                   : layout::auto_order_block(
+                                         lay.num_ranks * x.size(0) * topk.size(1) * e_l /
+                                             num_experts,
+                                         e_l, shape.l1_ntiles(), grid);
   a.local_tokens = in_place;
   a.w_gate_up = w_gate_up.data_ptr();
   a.w_down = w_down.data_ptr();

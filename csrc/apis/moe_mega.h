@@ -60,7 +60,9 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
 // (MoKConfig.fwd_rows, one rank, bf16, cluster 1): the L1 tiles read their rows from the token
 // rows themselves and no CTA pulls; x_ring is then [0, H]. `keep_rings` (bf16, `save` with
 // several macrobatch rounds): act_ring and h_ring are kept as well, holding the last round that
-// has rows (the backward in rounds takes it first, without recomputing it). Collective.
+// has rows (the backward in rounds takes it first, without recomputing it). `order_block`: the
+// m-tiles per block of the megakernel's task order, 8 or 16 (MoKConfig.megakernel_order_block,
+// resolved by functional/cuda/mega.py's order_block). Collective.
 std::vector<at::Tensor> moe_mega_forward(
     const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
     const at::Tensor& w_gate_up, const at::Tensor& w_down,
@@ -69,7 +71,8 @@ std::vector<at::Tensor> moe_mega_forward(
     int64_t minibatch, int64_t macrobatch, int64_t num_comm_sms, int64_t num_sms, bool save,
     bool keep_y, int64_t stall_minibatch, bool trace, int64_t cluster, int64_t stall_l2_cta,
     const std::optional<at::Tensor>& w_gate_up_scales,
-    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place, bool keep_rings);
+    const std::optional<at::Tensor>& w_down_scales, bool rows_in_place, bool keep_rings,
+    int64_t order_block);
 
 // The data gradients of one forward pass, from one call per macrobatch round: staging d_out (at
 // one rank none: read in place), the backward megakernel, the unweighted slot sum (+ shared_dx

@@ -118,6 +118,12 @@ void check_args(const MegaArgs& a) {
                  a.num_ctas, a.num_comm_ctas, a.cluster_ctas);
   MOK_HOST_CHECK(a.num_comm_ctas >= 1, "megakernel: num_comm_ctas=%d must be >= 1",
                  a.num_comm_ctas);
+  MOK_HOST_CHECK(layout::valid_order_block(a.order_block) &&
+                     (!a.backward || a.order_block == layout::kOrderBlockTiles),
+                 "megakernel: order_block=%d must be %d or %d (the backward's %d: "
+                 "MoKConfig.megakernel_order_block sets the forward's)",
+                 a.order_block, layout::kOrderBlockSmall, layout::kOrderBlockTiles,
+                 layout::kOrderBlockTiles);
   MOK_HOST_CHECK(a.num_ctas - a.num_comm_ctas >= 1,
                  "megakernel: num_ctas=%d must exceed num_comm_ctas=%d (>= 1 CTA takes tasks from "
                  "the start)",
@@ -277,6 +283,7 @@ roles::MegaParams device_params(const MegaArgs& a) {
   p.l1_done_word = to_int32(s.l1_done_word(), "l1_done_word");
   p.num_ctas = a.num_ctas;
   p.num_comm_ctas = a.num_comm_ctas;
+  p.order_block = a.order_block;
   p.rows_in_place = a.rows_in_place ? 1 : 0;
   p.rows = static_cast<const __nv_bfloat16*>(a.rows);
   p.stall_minibatch = a.stall_minibatch;

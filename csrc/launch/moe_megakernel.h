@@ -48,6 +48,9 @@ struct MegaArgs {
   int cluster_ctas = 1;                   // CTAs per cluster, 1 or 2 (MoKConfig.
                                           // megakernel_cluster); divides num_ctas and
                                           // num_comm_ctas
+  int order_block = layout::kOrderBlockTiles;  // m-tiles per block of the task order, 8 or 16
+                                          // (MoKConfig.megakernel_order_block; the backward's:
+                                          // 16, whose phase D's padding is sized for it)
 
   // ---- operands (bf16, contiguous)
   const void* w_gate_up = nullptr;        // [E_l, 2I, H], gate/up rows interleaved in blocks of 8

@@ -54,6 +54,9 @@ BWD_WGRADS = ("off", "down", "down_interleaved")
 MEGAKERNEL_CLUSTERS = (1, 2)
 #: How the forward megakernel's L1 tiles get their token rows (MoKConfig.fwd_rows).
 FWD_ROWS = ("auto", "in_place", "pull")
+#: M-tiles per block of the forward megakernel's task order (MoKConfig.megakernel_order_block;
+#: layout::valid_order_block), besides "auto".
+ORDER_BLOCKS = (8, 16)
 #: The fused gate/up form's GEMM steps the expert GEMM engine can run (MoKConfig.expert_gemm):
 #: "l1" L1 + SwiGLU (forward, and the rounds' recompute), "dswiglu" the L2 dgrad + SwiGLU
 #: backward, and the plain GEMMs: "l2" the L2 forward, "dgrad" the dgrads (against W_down without
@@ -85,6 +88,7 @@ KNOB_USERS = {
     "bwd_wgrad": ("cuda/megakernel",),
     "megakernel_cluster": ("cuda/megakernel",),
     "fwd_rows": ("cuda/megakernel",),
+    "megakernel_order_block": ("cuda/megakernel",),
     # the megakernel's backward is stage 1's, which runs the expert GEMM engine
     "expert_gemm": ("cuda/stage1", "cuda/megakernel"),
     "expert_precision": ("reference", "cuda/stage1", "cuda/megakernel"),
@@ -214,6 +218,16 @@ class MoKConfig:
         "in_place where it can run, else pull). Bitwise the same results.",
     )
 
+    megakernel_order_block: int | str = _knob(
+        "auto",
+        "M-tiles per block of the forward megakernel's task order: 8 or 16 (a block's L1 tasks "
+        "run n-tile by n-tile over its m-tiles, then its L2 tasks), or 'auto': the one whose "
+        "wave of L1 tasks reads fewer distinct bytes from HBM for the layer's shape "
+        "(functional/cuda/mega.py's order_block: 8 where one wave covers a block of 8's n-tiles "
+        "and each expert has few m-tiles, as deepseek-v3 at 8192 tokens a rank, whose "
+        "megakernel was 5% faster with 8 on one H100; else 16). Bitwise the same results.",
+    )
+
     chained_launches: bool = _knob(
         False,
         "True: the CUDA backend launches a pass's kernels chained on Hopper (programmatic "
@@ -275,6 +289,12 @@ class MoKConfig:
             raise ValueError(
                 f"MoKConfig.bwd_wgrad={self.bwd_wgrad!r} must be one of {BWD_WGRADS}; 'off' is "
                 "the default"
+            )
+        block = self.megakernel_order_block
+        if block != AUTO and (type(block) is not int or block not in ORDER_BLOCKS):
+            raise ValueError(
+                f"MoKConfig.megakernel_order_block={block!r} must be 'auto' or one of "
+                f"{ORDER_BLOCKS} (m-tiles per block of the forward megakernel's task order)"
             )
         cluster = self.megakernel_cluster
         if type(cluster) is not int or cluster not in MEGAKERNEL_CLUSTERS:

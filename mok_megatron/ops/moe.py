@@ -40,7 +40,7 @@ __all__ = [
     "MEGA_OPS", "moe_mega_plan", "moe_mega_forward", "moe_mega_backward", "mega_plan_fields",
     "mega_forward_fields", "mega_backward_fields",
     "MoeWorkspaceLayout", "moe_workspace_layout", "moe_fp8_packed_row_width", "MegaShape",
-    "moe_mega_shape", "make_comm",
+    "moe_mega_shape", "moe_mega_order_block", "make_comm",
     "comm_field", "comm_fields", "MEGA_ERROR_FIELDS", "MEGA_TRACE_CTA_FIELDS",
     "MEGA_TRACE_TASK_FIELDS", "check_mega_error", "routing_to_topk", "CUDA_OPS", *CUDA_OPS,
 ]  # fmt: skip
@@ -99,6 +99,16 @@ def moe_mega_shape(row_capacity, num_local_experts, hidden, inter, minibatch, ma
         row_capacity, num_local_experts, hidden, inter, minibatch, macrobatch
     )
     return MegaShape(*map(int, values))
+
+
+def moe_mega_order_block(routed_rows, num_local_experts, l1_ntiles, num_ctas) -> int:
+    """The m-tiles per block of the forward megakernel's task order (8 or 16) that
+    ``MoKConfig.megakernel_order_block='auto'`` picks for ``routed_rows`` expected on this rank's
+    ``num_local_experts`` experts, ``l1_ntiles`` n-tiles of 2I and a grid of ``num_ctas``
+    (mok::layout::auto_order_block: the fewer distinct bytes a wave of L1 tasks reads from
+    HBM). Host arithmetic, no GPU."""
+    return int(torch.ops.mok.moe_mega_order_block(routed_rows, num_local_experts, l1_ntiles,
+                                                  num_ctas))  # fmt: skip
 
 
 #: Words of the megakernel's error record (int32 each); mirrors mok::layout::MegaError.
@@ -355,7 +365,8 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
                      num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                      num_comm_sms, num_sms, save, keep_y=True, stall_minibatch=-1,
                      trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
-                     w_down_scales=None, rows_in_place=False, keep_rings=False):  # fmt: skip
+                     w_down_scales=None, rows_in_place=False, keep_rings=False,
+                     order_block=0):  # fmt: skip
     """One forward pass in one op: the plan (unless ``plan``, a ``moe_mega_plan`` dict, is
     given), staging (none at one rank: the megakernel reads x in place), the megakernel, the
     slot-ordered sum at the source. Collective.
@@ -387,13 +398,18 @@ def moe_mega_forward(x, topk, router_weights, w_gate_up, w_down, shared_out, pla
     in (1, 128) blocks in the op and the pass computes stage 1's FP8 forward; ``x_ring`` is then
     [0, H] (the ring holds FP8 rows), and ``act_ring`` [0, I] unless a backward will read it
     (``save`` in one round: its L2 reads act's FP8 copy, the bf16 act is the backward's).
+
+    ``order_block``: the m-tiles per block of the megakernel's task order, 8 or 16, or 0 for the
+    shape's (``moe_mega_order_block`` of the rows this rank's experts are expected to get:
+    ``MoKConfig.megakernel_order_block='auto'``). The outputs are the same bit for bit either
+    way: it orders the tasks, and each tile is one CTA's, K in a fixed order.
     """
     given = [plan[name] for name in mega_plan_fields()] if plan is not None else []
     values = torch.ops.mok.moe_mega_forward(
         x, topk, router_weights, w_gate_up, w_down, shared_out, given, comm, num_experts,
         row_capacity, token_capacity, minibatch, macrobatch, num_comm_sms, num_sms, save,
         keep_y, stall_minibatch, trace, cluster, stall_l2_cta, w_gate_up_scales, w_down_scales,
-        rows_in_place, keep_rings,
+        rows_in_place, keep_rings, order_block,
     )  # fmt: skip
     n = len(mega_forward_fields())
     return dict(zip(mega_forward_fields(), values[:n])), dict(zip(mega_plan_fields(), values[n:]))
@@ -471,7 +487,8 @@ def _mega_forward_fake(x, topk, router_weights, w_gate_up, w_down, shared_out, p
                        num_experts, row_capacity, token_capacity, minibatch, macrobatch,
                        num_comm_sms, num_sms, save, keep_y, stall_minibatch,
                        trace=False, cluster=1, stall_l2_cta=-1, w_gate_up_scales=None,
-                       w_down_scales=None, rows_in_place=False, keep_rings=False):  # fmt: skip
+                       w_down_scales=None, rows_in_place=False, keep_rings=False,
+                       order_block=0):  # fmt: skip
     inter, hidden = w_down.shape[2], x.shape[1]
     shape = moe_mega_shape(row_capacity, w_down.shape[0], hidden, inter, minibatch, macrobatch)
     ring, one = shape.ring_rows, shape.num_rounds == 1

@@ -19,7 +19,7 @@ def test_every_knob_is_documented_and_defaults_validate():
                      "bwd_wgrad", "expert_gemm",
                      "expert_precision", "fp8_backward", "wait_timeout_ms",
                      "bwd_schedule", "megakernel_cluster", "fwd_rows",
-                     "chained_launches"]  # fmt: skip
+                     "megakernel_order_block", "chained_launches"]  # fmt: skip
     for f in dataclasses.fields(MoKConfig):
         assert len(f.metadata["help"]) > 20, f.name
     assert config.bwd_schedule == "macrobatch"
@@ -367,3 +367,16 @@ def test_fwd_rows_is_a_megakernel_knob_and_picks_in_place_only_where_it_runs():
         assert warn_ignored_knobs(MoKConfig(fwd_rows="pull"), "cuda/megakernel") == []
     with pytest.warns(UserWarning, match="fwd_rows=pull has no effect on the cuda/stage1"):
         assert warn_ignored_knobs(MoKConfig(fwd_rows="pull"), "cuda/stage1") == ["fwd_rows"]
+
+
+@pytest.mark.parametrize("value", ["auto", 8, 16])
+def test_megakernel_order_block_takes_auto_8_or_16(value):
+    assert MoKConfig(megakernel_order_block=value).megakernel_order_block == value
+
+
+@pytest.mark.parametrize("value", [4, 32, "8", True, 16.0])
+def test_megakernel_order_block_refuses_other_values(value):
+    with pytest.raises(ValueError) as info:
+        MoKConfig(megakernel_order_block=value)
+    for word in (f"megakernel_order_block={value!r}", "'auto'", "(8, 16)"):
+        assert word in str(info.value)

@@ -143,3 +143,20 @@ def test_forward_in_rounds_keeps_its_rings_only_when_asked(keep_rings):
     assert outs["x_recv"].shape == (tokens, hidden)
     assert outs["act_ring"].shape == (shape.ring_rows, inter)
     assert outs["h_ring"].shape == ((shape.ring_rows if keep_rings else 0), 2 * inter)
+
+
+@pytest.mark.parametrize("tokens", [8192, 16384])
+def test_auto_order_block_takes_8_only_where_a_wave_covers_its_n_tiles(tokens):
+    """layout::auto_order_block (MoKConfig.megakernel_order_block='auto') on the benchmark shapes
+    at one rank and 132 CTAs: 8 for deepseek-v3 (2 or 4 m-tiles an expert, 16 n-tiles: a wave
+    covers a block of 8's L1 tasks, whose A tiles it then reads from HBM once), 16 for
+    qwen3-30b-a3b (a tie) and mixtral-8x7b (16 or 32 m-tiles an expert share each weight tile
+    more in 16); arguments it cannot use raise."""
+    shapes = {"qwen3-30b-a3b": (768, 128, 8, 16), "deepseek-v3": (2048, 256, 8, 8),
+              "mixtral-8x7b": (14336, 8, 2, 16)}  # fmt: skip
+    for name, (inter, experts, topk, block) in shapes.items():
+        got = mops.moe_mega_order_block(tokens * topk, experts, 2 * inter // 256, 132)
+        assert got == block, name
+    assert mops.moe_mega_order_block(0, 4, 1, 1) in (8, 16)  # no rows: still a valid block
+    with pytest.raises(RuntimeError, match="moe_mega_order_block: bad arguments"):
+        mops.moe_mega_order_block(100, 0, 1, 132)

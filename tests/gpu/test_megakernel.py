@@ -324,14 +324,18 @@ def test_bitwise_repeatable_graph_replay_and_no_host_sync(cluster):
 
 
 def test_knob_values_change_the_launch_not_the_result():
-    """fwd_num_comm_sms and minibatch_size reach the launch (a value it cannot take raises
-    there) but not the arithmetic: every setting gives the same bits."""
-    problem = _problem([257], SHAPES["qwen3-30b-a3b"], seed=9)
+    """fwd_num_comm_sms, minibatch_size and megakernel_order_block reach the launch (a value it
+    cannot take raises there) but not the arithmetic: every setting gives the same bits. The
+    m-tiles (1100 tokens to 32 experts, top 8: about 3 an expert, 96 in all) span several
+    blocks of 8 and of 16."""
+    problem = _problem([1100], SHAPES["qwen3-30b-a3b"], seed=9)
     results = []
-    for comm, mini, rows in ((1, 128, "pull"), (8, 256, "pull"), (40, 512, "pull"),
-                             (8, 256, "in_place")):  # fmt: skip
+    for comm, mini, rows, block in ((1, 128, "pull", "auto"), (8, 256, "pull", 8),
+                                    (40, 512, "pull", 16), (8, 256, "in_place", 8),
+                                    (8, 256, "in_place", 16)):  # fmt: skip
         config = F.MoKConfig(cuda_forward="megakernel", fwd_num_comm_sms=comm,
-                             minibatch_size=mini, macrobatch_size=131072, fwd_rows=rows)  # fmt: skip
+                             minibatch_size=mini, macrobatch_size=131072, fwd_rows=rows,
+                             megakernel_order_block=block)  # fmt: skip
         results.append(Run(problem, "cuda", config=config, form="fused_auto")()[1])
     for other in results[1:]:
         assert not _bitwise_equal(results[0], other)
@@ -339,6 +343,11 @@ def test_knob_values_change_the_launch_not_the_result():
     run.ws.buffers.num_sms = MEGA.fwd_num_comm_sms  # a grid of 8 SMs cannot spare 8 for comm
     with pytest.raises(RuntimeError, match=r"fwd_num_comm_sms=8 must be in \[1, 7\]"):
         run()
+    # the op's own check, past MoKConfig's (which refuses 4 first: tests/cpu/test_config.py)
+    config = F.MoKConfig(cuda_forward="megakernel", macrobatch_size=131072)
+    object.__setattr__(config, "megakernel_order_block", 4)
+    with pytest.raises(RuntimeError, match=r"order_block=4 must be 0 \(auto\), 8 or 16"):
+        Run(problem, "cuda", config=config, form="fused")()
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
         stall_minibatch=ws.buffers.stall_minibatch, stall_l2_cta=ws.buffers.stall_l2_cta,
         trace=ws.buffers.trace, cluster=c.megakernel_cluster,
         rows_in_place=rows_in_place(ws, save), keep_rings=keep_rings,
+        order_block=0 if c.megakernel_order_block == "auto" else c.megakernel_order_block,
         **scales,
     )  # fmt: skip
     if ws.buffers.trace:

@@ -37,7 +37,11 @@ namespace mok::layout {
 constexpr int kGroupAlign = 8;   // rows: each expert's padded group starts at a multiple of this
 constexpr int kBlockM = 128;     // rows of one GEMM tile (the minibatch granularity too)
 constexpr int kBlockN = 256;     // columns of one GEMM tile
-constexpr int kOrderBlockTiles = 16;  // m-tiles per block of a round's task order
+// m-tiles per block of a round's task order (roles/megakernel_tasks.cuh, MegaTaskOrder): at
+// most kOrderBlockTiles, which sizes the task records; the forward picks 8 or 16 per pass
+// (MoKConfig.megakernel_order_block), the backward kOrderBlockTiles.
+constexpr int kOrderBlockTiles = 16;
+constexpr int kOrderBlockSmall = 8;
 constexpr int kMaxClusterCtas = 2;    // CTAs per cluster of the megakernels: 1 or 2
 // The down-weight gradient's k-tile (rows of an expert per mainloop stage): each expert's B rows
 // start at a multiple of it, so a last k-tile's rows past the expert are B's zeros.
@@ -47,6 +51,13 @@ constexpr int kWgradRowAlign = 64;
 MOK_HOST_DEVICE constexpr bool valid_cluster_ctas(int64_t ctas) {
   return ctas == 1 || ctas == kMaxClusterCtas;
 }
+
+// NOTE: a block of 8 pads a round's m-tiles to a multiple of 8, never past the multiple of
+// kOrderBlockTiles that max_tasks allows for.
+MOK_HOST_DEVICE constexpr bool valid_order_block(int64_t tiles) {
+  return tiles == kOrderBlockSmall || tiles == kOrderBlockTiles;
+}
+static_assert(kOrderBlockTiles % kOrderBlockSmall == 0, "a block of 8 pads within 16's bound");
 
 // Counter words before the flag arrays.
 constexpr int kEpoch = 0;
@@ -126,6 +137,27 @@ struct MegaShape {
     return l1_done_word() + max_tiles() * l1_ntiles();
   }
 };
+
+// The block MoKConfig.megakernel_order_block='auto' picks for the forward (order_block 0): of 8
+// and 16, the one whose L1 tasks read fewer distinct bytes from HBM, per m-tile, in a model of
+// waves of num_ctas tasks over a block's n-tile-major L1 tasks: a block's A tiles come from HBM
+// once per wave its n-tiles span (ceil(l1_ntiles * block / num_ctas)); an expert's B tiles once
+// per block its m-tiles span, shared by min(block, its m-tiles) of them (B's tile is kBlockN /
+// kBlockM times A's). `routed_rows` / num_local_experts: the rows an expert is expected to get.
+// Ties keep 16. deepseek-v3 at 8192 tokens (2 m-tiles an expert, 16 n-tiles): 17 against 18, so 8;
+// qwen3-30b-a3b ties; mixtral-8x7b (16 m-tiles an expert, 112 n-tiles): 35 against 28, so 16.
+inline int auto_order_block(int64_t routed_rows, int64_t num_local_experts, int64_t l1_ntiles,
+                            int64_t num_ctas) {
+  const double per_expert =
+      static_cast<double>(routed_rows) / static_cast<double>(num_local_experts * kBlockM);
+  const double mtiles = per_expert > 1.0 ? per_expert : 1.0;
+  const auto bytes = [&](int64_t block) {
+    const double waves = static_cast<double>(MegaShape::ceil_div(l1_ntiles * block, num_ctas));
+    const double shared = static_cast<double>(block) < mtiles ? static_cast<double>(block) : mtiles;
+    return waves + static_cast<double>(kBlockN) / kBlockM * static_cast<double>(l1_ntiles) / shared;
+  };
+  return bytes(kOrderBlockSmall) < bytes(kOrderBlockTiles) ? kOrderBlockSmall : kOrderBlockTiles;
+}
 
 // What the backward's down-weight gradient tasks do with a tile (MegaParams::wgrad; the host's
 // MegaArgs::wgrad_mode): nothing (no such tasks), store it as bf16 (a fresh .grad), or add it into

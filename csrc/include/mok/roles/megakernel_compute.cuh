@@ -126,7 +126,8 @@ struct MegaRound {
 template <int kCluster>
 MOK_DEVICE MegaRound make_round(const MegaParams& p, int round) {
   const bool wgrad = kCluster == 1 && p.wgrad != 0;
-  const MegaTaskOrder order(p.tile_count[round], (p.l1_ntiles + kCluster - 1) / kCluster,
+  const MegaTaskOrder order(p.order_block, p.tile_count[round],
+                            (p.l1_ntiles + kCluster - 1) / kCluster,
                             (p.l2_ntiles + kCluster - 1) / kCluster, p.num_ctas / kCluster,
                             wgrad ? p.wgrad_mtiles : 0, p.wgrad_ntiles,
                             wgrad ? p.num_local_experts : 0, p.wgrad_interleave != 0);

@@ -59,6 +59,7 @@ struct MegaParams {
   int l1_done_word;            // counter word of l1_done[0]
   int num_ctas;
   int num_comm_ctas;
+  int order_block;             // m-tiles per block of the task order (layout::valid_order_block)
   int rows_in_place;           // 1: the forward's L1 tasks read their rows from the token rows
                                // (one rank, gemm::load_task_rows) and no CTA pulls
   const __nv_bfloat16* rows;   // rows in place: the token rows [T, H] (x, or this rank's tokens
@@ -140,20 +141,24 @@ struct MegaTask {
   bool wgrad = false;
 };
 
-using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
-
 // The task order of one round, the same for every CTA. The m-tiles are taken in blocks of
-// kOrderBlockTiles consecutive ones (the last block padded with m-tiles past the round's, whose
-// tasks are skipped); a block's L1 tasks (or L2 tasks) run n-tile-major: (n 0, m 0..15),
-// (n 1, m 0..15), ... With nb blocks and lag L (in blocks):
+// `block` consecutive ones (MegaParams::order_block, 8 or 16; the last block padded with m-tiles
+// past the round's, whose tasks are skipped); a block's L1 tasks (or L2 tasks) run
+// n-tile-major: (n 0, m 0..block-1), (n 1, m 0..block-1), ... With nb blocks and lag L (in
+// blocks):
 //   A: the L1 tasks of blocks 0..L-1;
 //   B: for j = 0..nb-L-1: the L1 tasks of block L+j, then the L2 tasks of block j;
 //   C: the L2 tasks of blocks nb-L..nb-1.
 // NOTE: why blocks, n-tile-major: about one wave of tasks runs at a time, and what a wave reads
 // from HBM is its distinct A and B tiles. One m-tile's n-tiles in a wave (the order without
 // blocks) read each weight tile for one m-tile only: the expert's whole weight is streamed again
-// for every 128 rows (mixtral-8x7b: 224 MB per wave of L1 tasks, HBM-bound). A block's 16 m-tiles
-// share each weight tile of a wave, and its A tiles stay in L2 across its n-tiles.
+// for every 128 rows (mixtral-8x7b: 224 MB per wave of L1 tasks, HBM-bound). A block's m-tiles
+// share each weight tile of a wave, and its A tiles stay in L2 across its n-tiles. Which block
+// reads less from HBM depends on the shape (MoKConfig.megakernel_order_block's 'auto',
+// functional/cuda/mega.py's order_block): where one wave covers all of a block of 8's n-tiles
+// (deepseek-v3 at 8192 tokens: 16 n-tiles, 2 m-tiles an expert) its A tiles are read from HBM
+// once, where a block of 16 needs two waves and the 235 MB of weights the first streams evict
+// them; with many m-tiles an expert (mixtral-8x7b) 16 shares each weight tile more.
 // CTAs take tasks in this order, one ticket at a time (next_ticket): whichever CTA is free takes
 // the next task, so tasks of unequal length (L1 and L2 differ in K) do not pile up behind one CTA
 // as a static round-robin share does (scripts/megakernel_schedule_sim.py models both).
@@ -161,7 +166,8 @@ using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 // all L1 tasks of block j), and every ticket is taken by a resident CTA that runs its tickets in
 // increasing order, so the earliest unfinished task can always run: no deadlock. Which CTA runs
 // a task does not change its result (one CTA computes a whole tile, K in a fixed order).
-// L = min(nb, max(1, ceil(G / (16 n1)))) keeps about one wave of L1 tasks ahead of the L2 tasks.
+// L = min(nb, max(1, ceil(G / (block n1)))) keeps about one wave of L1 tasks ahead of the L2
+// tasks.
 // In clusters of C CTAs the order is over clusters: n1, n2 count n-tiles in groups of C (a task's
 // n is the group, the cluster's CTA of rank c runs n-tile C n + c) and G counts clusters.
 // D (the backward with MegaParams::wgrad): the down-weight gradient tasks, expert by expert, each
@@ -178,6 +184,7 @@ using layout::kOrderBlockTiles;  // m-tiles per block of the task order (below)
 // main_grad; its case is deepseek-v3, whose down-weight gradient into main_grad moves about 30 GB
 // beside 12 ms of data-gradient work (MoKConfig.bwd_wgrad="down_interleaved" keeps it to time).
 struct MegaTaskOrder {
+  int block;  // m-tiles per block
   int num_mtiles;
   int n1;
   int n2;
@@ -188,11 +195,12 @@ struct MegaTaskOrder {
   int wg_tasks;
   int wg_chunk;       // interleaved: D's tasks after each step of phase B (0: all of D after C)
 
-  MOK_DEVICE MegaTaskOrder(int num_mtiles_, int n1_, int n2_, int num_ctas, int wg_mtiles = 0,
-                           int wg_ntiles = 0, int wg_experts_ = 0, bool wg_interleave = false)
-      : num_mtiles(num_mtiles_), n1(n1_), n2(n2_), wg_experts(wg_experts_) {
-    num_blocks = (num_mtiles + kOrderBlockTiles - 1) / kOrderBlockTiles;
-    const int block_l1 = kOrderBlockTiles * n1;
+  MOK_DEVICE MegaTaskOrder(int block_, int num_mtiles_, int n1_, int n2_, int num_ctas,
+                           int wg_mtiles = 0, int wg_ntiles = 0, int wg_experts_ = 0,
+                           bool wg_interleave = false)
+      : block(block_), num_mtiles(num_mtiles_), n1(n1_), n2(n2_), wg_experts(wg_experts_) {
+    num_blocks = (num_mtiles + block - 1) / block;
+    const int block_l1 = block * n1;
     lag = min(num_blocks, max(1, (num_ctas + block_l1 - 1) / block_l1));
     wg_per_expert = wg_mtiles * wg_ntiles;
     wg_tasks = wg_per_expert * wg_experts;
@@ -203,12 +211,12 @@ struct MegaTaskOrder {
   // Tickets of the round, padding tasks included.
   MOK_DEVICE int num_tasks() const {
     const int d = wg_chunk > 0 ? wg_chunk * (num_blocks - lag) : wg_tasks;
-    return num_blocks * kOrderBlockTiles * (n1 + n2) + d;
+    return num_blocks * block * (n1 + n2) + d;
   }
 
   // Task i (n-tile-major) of block b's L1 or L2 tasks.
-  MOK_DEVICE static MegaTask in_block(bool l2, int b, int i) {
-    return {l2, b * kOrderBlockTiles + i % kOrderBlockTiles, i / kOrderBlockTiles};
+  MOK_DEVICE MegaTask in_block(bool l2, int b, int i) const {
+    return {l2, b * block + i % block, i / block};
   }
 
   // Task d of phase D (d >= wg_tasks: a padding task).
@@ -217,7 +225,7 @@ struct MegaTaskOrder {
   }
 
   MOK_DEVICE MegaTask decode(int t) const {
-    const int l1_block = kOrderBlockTiles * n1, l2_block = kOrderBlockTiles * n2;
+    const int l1_block = block * n1, l2_block = block * n2;
     const int phase_a = lag * l1_block;
     if (t < phase_a) return in_block(false, t / l1_block, t % l1_block);
     const int u = t - phase_a;
