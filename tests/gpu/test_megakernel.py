@@ -323,7 +323,7 @@ def test_bitwise_repeatable_graph_replay_and_no_host_sync(cluster):
     _no_sync_check(run)
 
 
-def test_knob_values_change_the_launch_not_the_result():
+def test_knob_values_change_the_launch_not_the_result(monkeypatch):
     """fwd_num_comm_sms, minibatch_size and megakernel_order_block reach the launch (a value it
     cannot take raises there) but not the arithmetic: every setting gives the same bits. The
     m-tiles (1100 tokens to 32 experts, top 8: about 3 an expert, 96 in all) span several
@@ -343,11 +343,14 @@ def test_knob_values_change_the_launch_not_the_result():
     run.ws.buffers.num_sms = MEGA.fwd_num_comm_sms  # a grid of 8 SMs cannot spare 8 for comm
     with pytest.raises(RuntimeError, match=r"fwd_num_comm_sms=8 must be in \[1, 7\]"):
         run()
-    # the op's own check, past MoKConfig's (which refuses 4 first: tests/cpu/test_config.py)
-    config = F.MoKConfig(cuda_forward="megakernel", macrobatch_size=131072)
-    object.__setattr__(config, "megakernel_order_block", 4)
+    # the op's own check, past MoKConfig's (which refuses 4 first, and again wherever the
+    # config is replaced: tests/cpu/test_config.py): 4 given to the op's call itself
+    from mok_megatron.ops import moe as mops
+
+    op = mops.moe_mega_forward
+    monkeypatch.setattr(mops, "moe_mega_forward", lambda *a, **k: op(*a, **{**k, "order_block": 4}))
     with pytest.raises(RuntimeError, match=r"order_block=4 must be 0 \(auto\), 8 or 16"):
-        Run(problem, "cuda", config=config, form="fused")()
+        Run(problem, "cuda", config=MEGA, form="fused")()
 
 
 @pytest.mark.parametrize(
