@@ -130,6 +130,19 @@ for r in "${records[@]}"; do args+=("$R/$r"); done
 for ((i = 0; i < ${#compares[@]}; i += 2)); do
   args+=(--compare "$R/${compares[i]}" "$R/${compares[i + 1]}")
 done
+# session 45's same-call A/B on one H100: main's build first (the tables' baseline), then the
+# builds with the patches docs/results/exp_*_62c71f9 / 54353b1 / 686e1b8
+args+=(--trace-ab)
+for b in 62c71f9 62c71f9-exp-evictb 62c71f9-exp-evictout 62c71f9-exp-both 62c71f9-exp-block8; do
+  for r in 1 2; do
+    args+=("$R/megakernel_trace_h100_${b}_ab_$r.json" "$R/megakernel_trace_h100_${b}_ab_${r}_fp8.json")
+  done
+done
+for b in 62c71f9 62c71f9-exp-block8; do
+  for r in 1 2; do
+    args+=("$R/megakernel_trace_h100_${b}_ab16k_$r.json" "$R/megakernel_trace_h100_${b}_ab16k_${r}_fp8.json")
+  done
+done
 args+=(--trace)
 for t in "${traces[@]}"; do args+=("$R/$t"); done
 args+=(--ncu)

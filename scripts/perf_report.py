@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 
 HEADER = """# Performance
 
@@ -889,6 +891,54 @@ def _trace_clock_cell(case) -> str:
     return f"{case['sm_ghz']:.2f}" if case.get("sm_ghz") else "-"
 
 
+#: A same-call A/B's trace record: megakernel_trace_<gpu>_<build>_<tag>_<round>[_fp8].json
+#: (scripts/device_run.sh STEPS=trace_ab, and runs named like it).
+TRACE_AB_NAME = re.compile(r"megakernel_trace_(h100|h200)_(.+)_(\w+?)_(\d+)(_fp8)?\.json$")
+
+
+def trace_ab_rows(paths):
+    """Builds of one tree timed against each other in one call (STEPS=trace_ab): per GPU, shape,
+    tokens and precision, each build's traced span in every round (alternated), its median over
+    the rounds against the first build's (the records' order), and its median L1 / L2 k-tile."""
+    groups: dict = {}
+    for path in paths:
+        m = TRACE_AB_NAME.search(os.path.basename(path))
+        if m is None:
+            raise SystemExit(f"perf_report --trace-ab: {path} is not named as a trace A/B record")
+        gpu, build, tag = m.group(1), m.group(2), m.group(3)
+        for case in json.load(open(path))["cases"]:
+            key = (gpu, tag, case["shape"], case["tokens_per_rank"], case["expert_precision"])
+            entry = groups.setdefault(key, {}).setdefault(build, {"span": [], "l1": [], "l2": []})
+            entry["span"].append(case["span_us"])
+            entry["l1"].append(case["mainloop"]["l1"]["median_ns_per_ktile"])
+            entry["l2"].append(case["mainloop"]["l2"]["median_ns_per_ktile"])
+    for (gpu, tag, shape, tokens, precision), builds in groups.items():
+        base = None
+        for build, e in builds.items():
+            span = statistics.median(e["span"])
+            base = span if base is None else base
+            yield (
+                f"| {gpu} | {tag} | {shape} | {tokens} | {precision} | `{build}` | "
+                f"{', '.join(f'{s:.0f}' for s in e['span'])} | {span / base:.3f} | "
+                f"{statistics.median(e['l1']):.0f} / {statistics.median(e['l2']):.0f} |"
+            )
+
+
+TRACE_AB_HEAD = (
+    "## Builds against each other on the megakernels' timelines (same call)\n\n"
+    "From the records named in the rows' build column (`megakernel_trace_<gpu>_<build>_<tag>_"
+    "<round>[_fp8].json`, written by `scripts/megakernel_trace.py` in one device call, the "
+    "builds alternated round by round: `scripts/device_run.sh STEPS=trace_ab`): the traced "
+    "span of each build in each round (the median of its traced passes), the median over the "
+    "rounds against the first build's, and the median L1 / L2 k-tile. A build `<commit>` is "
+    "that commit's; `<commit>-exp-<name>` is it with the patch `docs/results/exp_*` names "
+    "(docs/perf_notes.md says which).\n\n"
+    "| GPU | call | shape | tokens/rank | precision | build | span us (rounds) | span / first "
+    "build's | L1 / L2 ns per k-tile |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
+
+
 def trace_tables(path):
     """scripts/megakernel_trace.py: the megakernel's own timeline, every CTA's time split into
     categories, and the mainloop's time per k-tile."""
@@ -1054,6 +1104,13 @@ def main(argv=None) -> None:
     p.add_argument("--padding", default=None, help="a scripts/tile_padding.py JSON")
     p.add_argument("--wgrad", default=None, help="a scripts/wgrad_traffic.py JSON")
     p.add_argument(
+        "--trace-ab",
+        nargs="+",
+        default=(),
+        help="megakernel_trace.py JSONs of builds timed against each other in one call "
+        "(megakernel_trace_<gpu>_<build>_<tag>_<round>[_fp8].json), one table",
+    )
+    p.add_argument(
         "--trace",
         nargs="+",
         default=(),
@@ -1154,6 +1211,8 @@ def main(argv=None) -> None:
         stream = list(weight_stream_table(args.wgrad))
         if stream:
             parts += ["", *stream]
+    if args.trace_ab:
+        parts += ["", TRACE_AB_HEAD, *trace_ab_rows(args.trace_ab)]
     for path in args.trace:
         parts += ["", *trace_tables(path)]
     if args.ncu:

@@ -1110,3 +1110,33 @@ def test_tile_padding_costs_and_the_swapped_tail(tmp_path):
     del deepseek["tail_efficiency"]
     path.write_text(json.dumps(record))
     assert list(perf_report.padding_table(str(path)))[2].endswith("| tile efficiency |")
+
+
+def test_trace_ab_rows_put_each_build_against_the_first(tmp_path):
+    """perf_report --trace-ab: records named megakernel_trace_<gpu>_<build>_<tag>_<round>[_fp8]
+    group by GPU, call tag, shape, tokens and precision; each build's spans in file order, its
+    median over the rounds against the first build's, its median k-tiles; a record named
+    otherwise is refused by name."""
+    perf_report = _script("perf_report")
+
+    def record(name, span, precision="bf16"):
+        case = {"shape": "s", "tokens_per_rank": 8192, "expert_precision": precision,
+                "span_us": span, "mainloop": {"l1": {"median_ns_per_ktile": span / 10},
+                                              "l2": {"median_ns_per_ktile": span / 20}}}  # fmt: skip
+        path = tmp_path / name
+        path.write_text(json.dumps({"cases": [case]}))
+        return str(path)
+
+    paths = [record("megakernel_trace_h100_abc_ab_1.json", 100.0),
+             record("megakernel_trace_h100_abc_ab_2.json", 102.0),
+             record("megakernel_trace_h100_abc-exp-x_ab_1.json", 90.0),
+             record("megakernel_trace_h100_abc-exp-x_ab_2.json", 91.0),
+             record("megakernel_trace_h100_abc-exp-x_ab_1_fp8.json", 50.0, "fp8_blockwise")]  # fmt: skip
+    rows = list(perf_report.trace_ab_rows(paths))
+    assert rows == [
+        "| h100 | ab | s | 8192 | bf16 | `abc` | 100, 102 | 1.000 | 10 / 5 |",
+        "| h100 | ab | s | 8192 | bf16 | `abc-exp-x` | 90, 91 | 0.896 | 9 / 5 |",
+        "| h100 | ab | s | 8192 | fp8_blockwise | `abc-exp-x` | 50 | 1.000 | 5 / 2 |",
+    ]
+    with pytest.raises(SystemExit, match="not named as a trace A/B record"):
+        list(perf_report.trace_ab_rows([record("megakernel_trace_h100_abc_block_auto.json", 1.0)]))
