@@ -50,6 +50,12 @@
 #               TRACE_AB_FP8 (default deepseek-v3; empty: none) at 8192 tokens, into
 #               megakernel_trace_<gpu>_<build>_ab_<round>[_fp8].json; for kernel changes whose
 #               outputs are bitwise unchanged (the session 44 notes' cache hints)
+#   order_block the forward's task order in blocks of 16 and of 8 m-tiles (MoKConfig.
+#               megakernel_order_block) on the megakernels' timelines, one build (not in the default
+#               steps): ORDER_BLOCK_ROUNDS rounds (default 2) of megakernel_trace.py --keep on the
+#               three shapes and --fp8 on deepseek-v3 with --order-block 16, then 8, at 8192 and
+#               16384 tokens, into megakernel_trace_<gpu>_<commit>-block<B>_ab[16k]_<round>[_fp8]
+#               .json (perf_report --trace-ab's names; the records in one tarball)
 # Everything lands in $OUT. Env: MOK_COMMIT (commit id: the device copy has no .git),
 # BENCH_EP2_ARGS / BENCH_EP1_ARGS / PROFILE_ARGS / FP8_BENCH_ARGS (extra arguments),
 # BENCH_TIMEOUT_S (per bench run), STEPS (default "tests bench_ep2 bench_ep1 profile" on 2+
@@ -184,12 +190,13 @@ if step wgrad_cluster2; then
     grep -E "speedup|Error" "$OUT/bench_wgrad_cluster2_$mode.log" | tail -3
   done
 fi
-# megakernel_trace.py at 8192 tokens into $OUT/NAME.json (its log NAME.log), the spans echoed:
+# megakernel_trace.py at $TOKENS (default 8192) tokens into $OUT/NAME.json (its log NAME.log),
+# the spans echoed:
 #   trace NAME SHAPES [megakernel_trace.py arguments...]
 trace() {
   local name=$1 shapes=$2; shift 2
   timeout "${BENCH_TIMEOUT_S:-240}" python3 scripts/megakernel_trace.py --shapes "$shapes" \
-    --tokens 8192 "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    --tokens "${TOKENS:-8192}" "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "[device_run] $name exit $?"
   grep -E "span|Error" "$OUT/$name.log" | sed -e 's/; first L1 ready.*//' | tail -3
 }
@@ -215,6 +222,22 @@ if step trace_ab; then
   done
   # one file for all of them (at most 8 files come back)
   (cd "$OUT" && tar czf "megakernel_trace_${gpu}_ab.tar.gz" --remove-files ./megakernel_trace_*_ab_*.json)
+fi
+if step order_block; then
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
+  build=${MOK_COMMIT:?order_block needs MOK_COMMIT: the records name the build}
+  build=${build:0:7}
+  for tokens in 8192 16384; do
+    tag=ab; [[ $tokens == 16384 ]] && tag=ab16k
+    for round in $(seq 1 "${ORDER_BLOCK_ROUNDS:-2}"); do
+      for block in 16 8; do
+        name="megakernel_trace_${gpu}_${build}-block${block}_${tag}_$round"
+        TOKENS=$tokens trace "$name" qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 --keep --order-block $block
+        TOKENS=$tokens trace "${name}_fp8" deepseek-v3 --fp8 --order-block $block
+      done
+    done
+  done
+  (cd "$OUT" && tar czf "megakernel_trace_${gpu}_order_block.tar.gz" --remove-files ./megakernel_trace_*-block*_ab*.json)
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv
 # At most 8 files come back from a device run: keep the JSON records loose, pack the logs.
