@@ -61,8 +61,8 @@ std::vector<at::Tensor> moe_mega_plan(const at::Tensor& topk, const at::Tensor& 
 // rows themselves and no CTA pulls; x_ring is then [0, H]. `keep_rings` (bf16, `save` with
 // several macrobatch rounds): act_ring and h_ring are kept as well, holding the last round that
 // has rows (the backward in rounds takes it first, without recomputing it). `order_block`: the
-// m-tiles per block of the megakernel's task order, 8 or 16 (MoKConfig.megakernel_order_block,
-// resolved by functional/cuda/mega.py's order_block). Collective.
+// m-tiles per block of the megakernel's task order, 8 or 16, or 0 for the shape's
+// (MoKConfig.megakernel_order_block='auto': layout::auto_order_block). Collective.
 std::vector<at::Tensor> moe_mega_forward(
     const at::Tensor& x, const at::Tensor& topk, const at::Tensor& router_weights,
     const at::Tensor& w_gate_up, const at::Tensor& w_down,

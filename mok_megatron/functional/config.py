@@ -223,8 +223,9 @@ class MoKConfig:
         "M-tiles per block of the forward megakernel's task order: 8 or 16 (a block's L1 tasks "
         "run n-tile by n-tile over its m-tiles, then its L2 tasks), or 'auto': the one whose "
         "wave of L1 tasks reads fewer distinct bytes from HBM for the layer's shape "
-        "(functional/cuda/mega.py's order_block: 8 where one wave covers a block of 8's n-tiles "
-        "and each expert has few m-tiles, as deepseek-v3 at 8192 tokens a rank, whose "
+        "(layout::auto_order_block, ops.moe.moe_mega_order_block: 8 where one wave covers a "
+        "block of 8's n-tiles and each expert has few m-tiles, as deepseek-v3 at 8192 tokens a "
+        "rank, whose "
         "megakernel was 5% faster with 8 on one H100; else 16). Bitwise the same results.",
     )
 

@@ -155,7 +155,7 @@ struct MegaTask {
 // for every 128 rows (mixtral-8x7b: 224 MB per wave of L1 tasks, HBM-bound). A block's m-tiles
 // share each weight tile of a wave, and its A tiles stay in L2 across its n-tiles. Which block
 // reads less from HBM depends on the shape (MoKConfig.megakernel_order_block's 'auto',
-// functional/cuda/mega.py's order_block): where one wave covers all of a block of 8's n-tiles
+// layout::auto_order_block): where one wave covers all of a block of 8's n-tiles
 // (deepseek-v3 at 8192 tokens: 16 n-tiles, 2 m-tiles an expert) its A tiles are read from HBM
 // once, where a block of 16 needs two waves and the 235 MB of weights the first streams evict
 // them; with many m-tiles an expert (mixtral-8x7b) 16 shares each weight tile more.
