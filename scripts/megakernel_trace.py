@@ -157,6 +157,53 @@ def ktile_times(tasks: list, k_tiles: dict) -> dict:
     return out
 
 
+#: An m-tile's rows by class (tile_classes): all 128, more than one consumer warpgroup's 64 (the
+#: tile runs in full), or at most 64 (its second warpgroup idles: roles/megakernel_gemm.cuh,
+#: consumer_rows_idle).
+TILE_CLASSES = {"full": (TILE_M, TILE_M), "over_half": (TILE_M // 2 + 1, TILE_M - 1),
+                "half": (1, TILE_M // 2)}  # fmt: skip
+
+
+def annotate_rows(tasks: list, tiles: torch.Tensor | None) -> None:
+    """Each GEMM task's m-tile rows (``rows``) from its plan's tiles ([R, max_tiles, 4] int32:
+    expert, row_begin, row_end, reserved; CudaBuffers.last_tiles); nothing where there are none."""
+    if tiles is None:
+        return
+    table = tiles.reshape(tiles.shape[0], -1, 4).cpu().tolist()
+    for t in tasks:
+        if not t.get("wgrad"):
+            _, begin, end, _ = table[t["round"]][t["tile"]]
+            t["rows"] = end - begin
+
+
+def tile_classes(tasks: list, k_tiles: dict) -> dict | None:
+    """Each GEMM's tasks by their m-tile's rows (TILE_CLASSES): how many, their rows, their
+    mainloop nanoseconds summed (from when the inputs were ready) and that sum's share of the
+    GEMM's, and the median per k-tile of those whose inputs were ready when taken (as
+    ktile_times). What an expert's last partial m-tile costs against a full one: the ceiling of
+    a cheaper tail tile. None where the tasks have no rows (annotate_rows)."""
+    if not any("rows" in t for t in tasks):
+        return None
+    out = {}
+    for gemm in ("l1", "l2"):
+        mine = [t for t in tasks if kind(t) == gemm]
+        total = sum(t["mma_end"] - max(t["got"], t["ready"]) for t in mine)
+        out[gemm] = {}
+        for name, (lo, hi) in TILE_CLASSES.items():
+            group = [t for t in mine if lo <= t["rows"] <= hi]
+            ns = sum(t["mma_end"] - max(t["got"], t["ready"]) for t in group)
+            per = [(t["mma_end"] - t["got"]) / k_tiles[gemm] for t in group
+                   if t["ready"] <= t["got"]]  # fmt: skip
+            out[gemm][name] = {
+                "tasks": len(group),
+                "rows": sum(t["rows"] for t in group),
+                "mainloop_ns": ns,
+                "mainloop_share": ns / total if total else None,
+                "median_ns_per_ktile": statistics.median(per) if per else None,
+            }
+    return out
+
+
 def gap_stats(tasks: list) -> dict:
     """The consumers' time between one task's epilogue end and the next task's start on the same
     CTA (most of ``wait``), by the next task's GEMM: how many gaps, their sum over all CTAs (ns),
@@ -217,6 +264,7 @@ def summarise(ctas, tasks, k1, k2) -> dict:
         },
         "first_l1_ready_us": (first_l1 - t0) / 1e3,
         "mainloop": ktile_times(tasks, k_tiles),
+        "tile_classes": tile_classes(tasks, k_tiles),
         "gaps": gap_stats(tasks),
         "epilogue_median_ns": {
             g: statistics.median([t["epi_end"] - t["mma_end"] for t in tasks if kind(t) == g])
@@ -304,6 +352,7 @@ def trace_case(name, args, rank) -> dict:
                     "launch each; trace a one-round pass (raise macrobatch_size)"
                 )
             ctas, tasks = decode(*trace)
+            annotate_rows(tasks, ws.buffers.last_tiles)
             passes.append(summarise(ctas, tasks, *ks))
             layer.zero_grad(set_to_none=True)
         ws.buffers.trace = False
@@ -344,6 +393,11 @@ def main(argv=None) -> None:
               f"{case['epilogue_median_ns']} (L1 split {case['l1_epilogue_split_ns']}); SM GHz "
               f"{case['sm_ghz']}; first L1 ready {case['first_l1_ready_us']:.1f} us; "
               f"gaps before {case['gaps']}", flush=True)  # fmt: skip
+        for gemm, classes in (case["tile_classes"] or {}).items():
+            print(f"  {gemm} by m-tile rows: " + "; ".join(
+                f"{c} {v['tasks']} tasks {v['rows']} rows, mainloop share "
+                f"{v['mainloop_share'] or 0:.3f}, ns/k-tile {v['median_ns_per_ktile']}"
+                for c, v in classes.items()), flush=True)  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {args.out}")

@@ -1140,3 +1140,37 @@ def test_trace_ab_rows_put_each_build_against_the_first(tmp_path):
     ]
     with pytest.raises(SystemExit, match="not named as a trace A/B record"):
         list(perf_report.trace_ab_rows([record("megakernel_trace_h100_abc_block_auto.json", 1.0)]))
+
+
+def test_trace_tile_classes_split_tasks_by_their_m_tiles_rows():
+    """megakernel_trace: each task's rows come from the plan's tiles by (round, tile), and the
+    tile classes split each GEMM's tasks into full (128 rows), over half (65-127) and half (at
+    most 64): counts, rows, mainloop time from ready (or got, if later) and its share, and the
+    median per k-tile of the tasks whose inputs were ready when taken; no tiles, no classes."""
+    megakernel_trace = _script("megakernel_trace")
+
+    def task(rnd, tile, l2, got, ready, mma_end):
+        return {"round": rnd, "tile": tile, "l2": l2, "wgrad": False, "cta": 0, "take": 0,
+                "got": got, "ready": ready, "mma_end": mma_end, "epi_end": mma_end + 1}  # fmt: skip
+
+    # two rounds of three m-tiles each: (expert, row_begin, row_end, reserved)
+    tiles = torch.tensor([[[0, 0, 128, 0], [0, 128, 228, 0], [1, 232, 272, 0]],
+                          [[0, 0, 128, 0], [1, 128, 192, 0], [2, 192, 200, 0]]],
+                         dtype=torch.int32)  # fmt: skip
+    tasks = [task(0, 0, False, 0, 0, 40), task(0, 1, False, 0, 0, 36), task(0, 2, False, 0, 5, 25),
+             task(1, 1, False, 10, 0, 30), task(1, 2, True, 0, 0, 8), task(1, 0, True, 0, 0, 16)]  # fmt: skip
+    megakernel_trace.annotate_rows(tasks, tiles)
+    assert [t["rows"] for t in tasks] == [128, 100, 40, 64, 8, 128]
+    classes = megakernel_trace.tile_classes(tasks, {"l1": 4, "l2": 2})
+    l1, l2 = classes["l1"], classes["l2"]
+    assert l1["full"] == {"tasks": 1, "rows": 128, "mainloop_ns": 40,
+                          "mainloop_share": 40 / 116, "median_ns_per_ktile": 10.0}  # fmt: skip
+    assert l1["over_half"]["tasks"] == 1 and l1["over_half"]["median_ns_per_ktile"] == 9.0
+    # the half tiles: ready 5 after got 0 (20 ns of mainloop, no k-tile median) and one taken
+    # when ready (20 ns, 5 per k-tile)
+    assert l1["half"] == {"tasks": 2, "rows": 104, "mainloop_ns": 40,
+                          "mainloop_share": 40 / 116, "median_ns_per_ktile": 5.0}  # fmt: skip
+    assert l2["half"]["mainloop_share"] == 8 / 24 and l2["over_half"]["tasks"] == 0
+    assert l2["over_half"]["median_ns_per_ktile"] is None
+    bare = [{k: v for k, v in t.items() if k != "rows"} for t in tasks]
+    assert megakernel_trace.tile_classes(bare, {"l1": 4, "l2": 2}) is None

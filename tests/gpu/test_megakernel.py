@@ -360,8 +360,8 @@ def test_knob_values_change_the_launch_not_the_result(monkeypatch):
 )
 def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config):
     """The timeline (diagnostics, scripts/megakernel_trace.py): with the trace on, the pass gives
-    the same bits; every CTA and every (round, m-tile, n-tile) task of the plan is recorded
-    once; each record's stamps are in the order the kernel reaches them, and an L2 task's inputs
+    the same bits; the plan's m-tiles are kept beside it and hold every routed row once; every
+    CTA and every (round, m-tile, n-tile) task of the plan is recorded once; each record's stamps are in the order the kernel reaches them, and an L2 task's inputs
     were ready only after all of its m-tile's L1 mainloops had ended. In clusters of two
     (MoKConfig.megakernel_cluster=2) the CTA of rank c in its cluster records slots 2 ticket + c:
     the clusters ran."""
@@ -397,6 +397,13 @@ def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config
         assert (c["barrier_ns"] == 0).all()
     # every task of the plan once: (l2, m-tile, n-tile) per round from the plan's tile counts
     tile_count = sched.device_plan["tile_count"].cpu().tolist()
+    # the plan's m-tiles kept beside the timeline (megakernel_trace.py's rows per task): every
+    # m-tile of a round has 1..128 rows, and they hold every routed row once (one rank)
+    tiles = run.ws.buffers.last_tiles
+    assert torch.equal(tiles, sched.device_plan["tiles"])
+    tile_rows = torch.cat([tiles[r, :m, 2] - tiles[r, :m, 1] for r, m in enumerate(tile_count)])
+    assert ((tile_rows >= 1) & (tile_rows <= 128)).all()
+    assert int(tile_rows.sum()) == int((run.topk >= 0).sum())
     words = dict(zip(MEGA_TRACE_TASK_FIELDS, tasks.cpu().permute(2, 0, 1)))
     for r, mtiles in enumerate(tile_count):
         ran = words["cta"][r] > 0

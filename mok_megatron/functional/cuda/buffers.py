@@ -48,6 +48,10 @@ class CudaBuffers:
     trace: bool = False
     last_trace: Any = None
     last_backward_trace: Any = None
+    # and the traced forward's m-tiles (its plan's ``tiles``: [R, max_tiles, 4] int32, each
+    # expert, row_begin, row_end, reserved; layout/mega.cuh MegaTile), which the task records
+    # name by index; a backward runs on its forward's
+    last_tiles: Any = None
 
     def region(self, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat typed view of one layout region of this rank's copy."""

@@ -201,6 +201,7 @@ def forward(ws, sched: MoKSchedule, x, router_weights, shared, routed, save: boo
     )  # fmt: skip
     if ws.buffers.trace:
         ws.buffers.last_trace = (outs["trace_ctas"], outs["trace_tasks"])
+        ws.buffers.last_tiles = plan["tiles"]
     if pending:
         _fill(ws, sched, plan)
     return outs["out"], _context(ws, sched, plan, outs, save, shared_gu, shared_a)
