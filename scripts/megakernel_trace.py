@@ -166,7 +166,9 @@ TILE_CLASSES = {"full": (TILE_M, TILE_M), "over_half": (TILE_M // 2 + 1, TILE_M 
 
 def annotate_rows(tasks: list, tiles: torch.Tensor | None) -> None:
     """Each GEMM task's m-tile rows (``rows``) from its plan's tiles ([R, max_tiles, 4] int32:
-    expert, row_begin, row_end, reserved; CudaBuffers.last_tiles); nothing where there are none."""
+    expert, row_begin, row_end, reserved; CudaBuffers.last_tiles): the expert's rows padded to
+    GROUP_ALIGN (functional/cuda/plan.py), as the tile computes them; nothing where there are
+    none."""
     if tiles is None:
         return
     table = tiles.reshape(tiles.shape[0], -1, 4).cpu().tolist()

@@ -55,7 +55,7 @@ from test_cuda_backend import (
 
 from mok_megatron import functional as F
 from mok_megatron.functional.cuda.mega import rows_in_place, unavailable_here
-from mok_megatron.functional.cuda.plan import make_rounds, padded_plan
+from mok_megatron.functional.cuda.plan import GROUP_ALIGN, make_rounds, padded_plan
 from mok_megatron.functional.schedule import MoKSchedule
 from mok_megatron.functional.workspace import MoKCapacityError
 from mok_megatron.ops import deinterleave_gate_up
@@ -398,12 +398,15 @@ def test_trace_records_every_task_in_dependency_order_and_changes_nothing(config
     # every task of the plan once: (l2, m-tile, n-tile) per round from the plan's tile counts
     tile_count = sched.device_plan["tile_count"].cpu().tolist()
     # the plan's m-tiles kept beside the timeline (megakernel_trace.py's rows per task): every
-    # m-tile of a round has 1..128 rows, and they hold every routed row once (one rank)
+    # m-tile of a round has 1..128 rows, and they hold every expert's rows padded to
+    # GROUP_ALIGN once (one rank)
     tiles = run.ws.buffers.last_tiles
     assert torch.equal(tiles, sched.device_plan["tiles"])
     tile_rows = torch.cat([tiles[r, :m, 2] - tiles[r, :m, 1] for r, m in enumerate(tile_count)])
     assert ((tile_rows >= 1) & (tile_rows <= 128)).all()
-    assert int(tile_rows.sum()) == int((run.topk >= 0).sum())
+    counts = torch.bincount(run.topk[run.topk >= 0])
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    assert int(tile_rows.sum()) == int(padded.sum())
     words = dict(zip(MEGA_TRACE_TASK_FIELDS, tasks.cpu().permute(2, 0, 1)))
     for r, mtiles in enumerate(tile_count):
         ran = words["cta"][r] > 0
