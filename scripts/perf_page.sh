@@ -143,6 +143,11 @@ for b in 62c71f9 62c71f9-exp-block8; do
     args+=("$R/megakernel_trace_h100_${b}_ab16k_$r.json" "$R/megakernel_trace_h100_${b}_ab16k_${r}_fp8.json")
   done
 done
+# session 46's same-call A/B on one H100 (the forward split by m-tile rows): main's build, then
+# it with the swapped tail tile (docs/results/exp_tail_swap_035726b.patch)
+for b in 4de199e 4de199e-exp-tailswap; do
+  for r in 1 2; do args+=("$R/megakernel_trace_h100_${b}_tiles_$r.json"); done
+done
 args+=(--trace)
 for t in "${traces[@]}"; do args+=("$R/$t"); done
 args+=(--ncu)

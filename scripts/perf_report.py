@@ -924,6 +924,53 @@ def trace_ab_rows(paths):
             )
 
 
+def tile_class_rows(paths):
+    """The trace A/B records' m-tiles by their rows (megakernel_trace.py's tile_classes, where a
+    record has them): per GPU, call, shape, build and GEMM, each class's tasks, its share of the
+    routed tiles' rows and of the GEMM's mainloop time, and its median k-tile, medians over the
+    rounds."""
+    groups: dict = {}
+    for path in paths:
+        m = TRACE_AB_NAME.search(os.path.basename(path))
+        gpu, build, tag = m.group(1), m.group(2), m.group(3)
+        for case in json.load(open(path))["cases"]:
+            classes = case.get("tile_classes")
+            if not classes:
+                continue
+            key = (gpu, tag, case["shape"], case["tokens_per_rank"], case["expert_precision"])
+            for gemm, by_class in classes.items():
+                rows = sum(c["rows"] for c in by_class.values())
+                for name, c in by_class.items():
+                    entry = groups.setdefault((*key, build, gemm, name), [])
+                    entry.append((c["tasks"], c["rows"] / rows if rows else 0.0,
+                                  c["mainloop_share"], c["median_ns_per_ktile"]))  # fmt: skip
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    for (gpu, tag, shape, tokens, precision, build, gemm, name), entries in groups.items():
+        tasks, rows, share, ns = (med(v) for v in zip(*entries))
+        yield (
+            f"| {gpu} | {tag} | {shape} | {tokens} | {precision} | `{build}` | {gemm} | {name} | "
+            f"{tasks:.0f} | {rows:.3f} | {share:.3f} | {'-' if ns is None else f'{ns:.0f}'} |"
+        )
+
+
+TILE_CLASS_HEAD = (
+    "## The m-tiles by their rows, on the megakernels' timelines\n\n"
+    "From the same-call records above that split their tasks by their m-tile's rows "
+    "(`megakernel_trace.py`'s `tile_classes`; rows padded to 8 as the plan's tiles hold them): "
+    "full tiles (128 rows), tiles of 65-127 rows, and tiles of at most 64, whose second consumer "
+    "warpgroup idles. Per class: tasks, its share of the GEMM's tile rows and of its mainloop "
+    "time (from when each task's inputs were ready), and the median k-tile of the tasks whose "
+    "inputs were ready when taken; medians over the rounds.\n\n"
+    "| GPU | call | shape | tokens/rank | precision | build | GEMM | m-tile rows | tasks | rows "
+    "share | mainloop share | ns per k-tile |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
 TRACE_AB_HEAD = (
     "## Builds against each other on the megakernels' timelines (same call)\n\n"
     "From the records named in the rows' build column (`megakernel_trace_<gpu>_<build>_<tag>_"
@@ -1213,6 +1260,9 @@ def main(argv=None) -> None:
             parts += ["", *stream]
     if args.trace_ab:
         parts += ["", TRACE_AB_HEAD, *trace_ab_rows(args.trace_ab)]
+        classes = list(tile_class_rows(args.trace_ab))
+        if classes:
+            parts += ["", TILE_CLASS_HEAD, *classes]
     for path in args.trace:
         parts += ["", *trace_tables(path)]
     if args.ncu:

@@ -1142,6 +1142,37 @@ def test_trace_ab_rows_put_each_build_against_the_first(tmp_path):
         list(perf_report.trace_ab_rows([record("megakernel_trace_h100_abc_block_auto.json", 1.0)]))
 
 
+def test_tile_class_rows_take_medians_over_rounds_and_skip_records_without_classes(tmp_path):
+    """perf_report --trace-ab's second table: records with megakernel_trace's tile_classes give
+    one row per build, GEMM and class (tasks, share of the GEMM's tile rows, mainloop share,
+    k-tile), medians over the rounds; records without them give none."""
+    perf_report = _script("perf_report")
+
+    def record(name, half_ns, classes=True):
+        def gemm(ns):
+            return {"full": {"tasks": 4, "rows": 512, "mainloop_share": 0.8,
+                             "median_ns_per_ktile": 700.0},
+                    "half": {"tasks": 2, "rows": 64, "mainloop_share": 0.2,
+                             "median_ns_per_ktile": ns}}  # fmt: skip
+
+        case = {"shape": "s", "tokens_per_rank": 8192, "expert_precision": "bf16",
+                "tile_classes": {"l1": gemm(half_ns), "l2": gemm(None)} if classes else None}  # fmt: skip
+        path = tmp_path / name
+        path.write_text(json.dumps({"cases": [case]}))
+        return str(path)
+
+    paths = [record("megakernel_trace_h100_abc_tiles_1.json", 600.0),
+             record("megakernel_trace_h100_abc_tiles_2.json", 640.0),
+             record("megakernel_trace_h100_abc_ab_1.json", 1.0, classes=False)]  # fmt: skip
+    rows = list(perf_report.tile_class_rows(paths))
+    assert rows == [
+        "| h100 | tiles | s | 8192 | bf16 | `abc` | l1 | full | 4 | 0.889 | 0.800 | 700 |",
+        "| h100 | tiles | s | 8192 | bf16 | `abc` | l1 | half | 2 | 0.111 | 0.200 | 620 |",
+        "| h100 | tiles | s | 8192 | bf16 | `abc` | l2 | full | 4 | 0.889 | 0.800 | 700 |",
+        "| h100 | tiles | s | 8192 | bf16 | `abc` | l2 | half | 2 | 0.111 | 0.200 | - |",
+    ]
+
+
 def test_trace_tile_classes_split_tasks_by_their_m_tiles_rows():
     """megakernel_trace: each task's rows come from the plan's tiles by (round, tile), and the
     tile classes split each GEMM's tasks into full (128 rows), over half (65-127) and half (at
