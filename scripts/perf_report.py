@@ -775,8 +775,11 @@ def padding_table(path):
         "k-tile ran at the floor's rate and nothing else took time. 'with a swapped tail' "
         "(records that have it): the same with each expert's last partial m-tile costing its rows "
         "rounded up to 32, 16 or 8, what a tail tile with the weight as wgmma's A and the rows as "
-        "its B (N in steps of 8) would cost at the same rate; not built. A model, not a "
-        "measurement.\n"
+        "its B (N in steps of 8) would cost at the same rate. A model, not a measurement, and "
+        "its half cost does not hold: on the timelines a tile of at most 64 rows takes about a "
+        "full tile's k-tile time, its loads' (one H100: 'The m-tiles by their rows'), and the "
+        "swapped tail tile, built in session 46 (`exp_tail_swap_035726b.patch`), made the "
+        "forward slower ('Builds against each other').\n"
     )
     tails = record["cases"][0].get("tail_efficiency", {}) if record["cases"] else {}
     yield ("| shape | tokens/rank | routing | routed rows (per set) | computed rows (per set) | "
