@@ -20,7 +20,9 @@ from ``ws.buffers.last_backward_trace``): "l1" is then its first GEMM (the L2 dg
 
 It also reports each GEMM's mainloop time per k-tile (tasks whose inputs were ready before the
 consumers took them), against one k-tile's time at the BF16 ceiling of the floor model
-(timing.H200_CEILINGS, a measured dense-GEMM rate, below the data-sheet peak). JSON record.
+(timing.H200_CEILINGS, a measured dense-GEMM rate, below the data-sheet peak), and the same
+split by the rows of each task's m-tile (``tile_classes``: full, 65-127 rows, at most 64; from
+the plan's tiles, CudaBuffers.last_tiles). JSON record.
 
   python3 scripts/megakernel_trace.py --out docs/results/megakernel_trace_h200_<commit>.json
 """
