@@ -118,6 +118,17 @@ def decode(trace_ctas: torch.Tensor, trace_tasks: torch.Tensor) -> tuple[list, l
     return ctas, tasks
 
 
+def mainloop_ns(task: dict) -> int:
+    """A task's mainloop: from when its consumers held it with its inputs ready to its mma end."""
+    return task["mma_end"] - max(task["got"], task["ready"])
+
+
+def ktiles_ready(tasks: list, k_tiles: int) -> list:
+    """Mainloop nanoseconds per k-tile of the tasks whose inputs were ready when their consumers
+    took them (no stall inside the mainloop)."""
+    return [(t["mma_end"] - t["got"]) / k_tiles for t in tasks if t["ready"] <= t["got"]]
+
+
 def split_time(ctas: list, tasks: list) -> dict:
     """Nanoseconds of every category, summed over CTAs, and the kernel's span."""
     t0 = min(c["start"] for c in ctas)
@@ -137,7 +148,7 @@ def split_time(ctas: list, tasks: list) -> dict:
         for t in mine:
             ready = max(t["got"], t["ready"])
             total["stall"] += ready - t["got"]
-            total["mainloop"] += t["mma_end"] - ready
+            total["mainloop"] += mainloop_ns(t)
             total["epilogue"] += t["epi_end"] - t["mma_end"]
             busy += t["epi_end"] - t["got"]
         total["wait"] += (rec["end"] - rec["start"]) - busy
@@ -150,8 +161,7 @@ def ktile_times(tasks: list, k_tiles: dict) -> dict:
     when their consumers took them (no stall inside the mainloop)."""
     out = {}
     for gemm, l2 in (("l1", False), ("l2", True)):
-        per = [(t["mma_end"] - t["got"]) / k_tiles[gemm] for t in tasks
-               if t["l2"] == l2 and t["ready"] <= t["got"]]  # fmt: skip
+        per = ktiles_ready([t for t in tasks if t["l2"] == l2], k_tiles[gemm])
         out[gemm] = {
             "tasks": len(per),
             "median_ns_per_ktile": statistics.median(per) if per else None,
@@ -191,13 +201,12 @@ def tile_classes(tasks: list, k_tiles: dict) -> dict | None:
     out = {}
     for gemm in ("l1", "l2"):
         mine = [t for t in tasks if kind(t) == gemm]
-        total = sum(t["mma_end"] - max(t["got"], t["ready"]) for t in mine)
+        total = sum(mainloop_ns(t) for t in mine)
         out[gemm] = {}
         for name, (lo, hi) in TILE_CLASSES.items():
             group = [t for t in mine if lo <= t["rows"] <= hi]
-            ns = sum(t["mma_end"] - max(t["got"], t["ready"]) for t in group)
-            per = [(t["mma_end"] - t["got"]) / k_tiles[gemm] for t in group
-                   if t["ready"] <= t["got"]]  # fmt: skip
+            ns = sum(mainloop_ns(t) for t in group)
+            per = ktiles_ready(group, k_tiles[gemm])
             out[gemm][name] = {
                 "tasks": len(group),
                 "rows": sum(t["rows"] for t in group),

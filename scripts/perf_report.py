@@ -899,22 +899,28 @@ def _trace_clock_cell(case) -> str:
 TRACE_AB_NAME = re.compile(r"megakernel_trace_(h100|h200)_(.+)_(\w+?)_(\d+)(_fp8)?\.json$")
 
 
+def trace_ab_cases(paths):
+    """(gpu, build, tag, case) of every case of the trace A/B records (TRACE_AB_NAME), in file
+    order; a record named otherwise is refused by name."""
+    for path in paths:
+        m = TRACE_AB_NAME.search(os.path.basename(path))
+        if m is None:
+            raise SystemExit(f"perf_report --trace-ab: {path} is not named as a trace A/B record")
+        for case in json.load(open(path))["cases"]:
+            yield m.group(1), m.group(2), m.group(3), case
+
+
 def trace_ab_rows(paths):
     """Builds of one tree timed against each other in one call (STEPS=trace_ab): per GPU, shape,
     tokens and precision, each build's traced span in every round (alternated), its median over
     the rounds against the first build's (the records' order), and its median L1 / L2 k-tile."""
     groups: dict = {}
-    for path in paths:
-        m = TRACE_AB_NAME.search(os.path.basename(path))
-        if m is None:
-            raise SystemExit(f"perf_report --trace-ab: {path} is not named as a trace A/B record")
-        gpu, build, tag = m.group(1), m.group(2), m.group(3)
-        for case in json.load(open(path))["cases"]:
-            key = (gpu, tag, case["shape"], case["tokens_per_rank"], case["expert_precision"])
-            entry = groups.setdefault(key, {}).setdefault(build, {"span": [], "l1": [], "l2": []})
-            entry["span"].append(case["span_us"])
-            entry["l1"].append(case["mainloop"]["l1"]["median_ns_per_ktile"])
-            entry["l2"].append(case["mainloop"]["l2"]["median_ns_per_ktile"])
+    for gpu, build, tag, case in trace_ab_cases(paths):
+        key = (gpu, tag, case["shape"], case["tokens_per_rank"], case["expert_precision"])
+        entry = groups.setdefault(key, {}).setdefault(build, {"span": [], "l1": [], "l2": []})
+        entry["span"].append(case["span_us"])
+        entry["l1"].append(case["mainloop"]["l1"]["median_ns_per_ktile"])
+        entry["l2"].append(case["mainloop"]["l2"]["median_ns_per_ktile"])
     for (gpu, tag, shape, tokens, precision), builds in groups.items():
         base = None
         for build, e in builds.items():
@@ -933,20 +939,14 @@ def tile_class_rows(paths):
     routed tiles' rows and of the GEMM's mainloop time, and its median k-tile, medians over the
     rounds."""
     groups: dict = {}
-    for path in paths:
-        m = TRACE_AB_NAME.search(os.path.basename(path))
-        gpu, build, tag = m.group(1), m.group(2), m.group(3)
-        for case in json.load(open(path))["cases"]:
-            classes = case.get("tile_classes")
-            if not classes:
-                continue
-            key = (gpu, tag, case["shape"], case["tokens_per_rank"], case["expert_precision"])
-            for gemm, by_class in classes.items():
-                rows = sum(c["rows"] for c in by_class.values())
-                for name, c in by_class.items():
-                    entry = groups.setdefault((*key, build, gemm, name), [])
-                    entry.append((c["tasks"], c["rows"] / rows if rows else 0.0,
-                                  c["mainloop_share"], c["median_ns_per_ktile"]))  # fmt: skip
+    for gpu, build, tag, case in trace_ab_cases(paths):
+        key = (gpu, tag, case["shape"], case["tokens_per_rank"], case["expert_precision"])
+        for gemm, by_class in (case.get("tile_classes") or {}).items():
+            rows = sum(c["rows"] for c in by_class.values())
+            for name, c in by_class.items():
+                entry = groups.setdefault((*key, build, gemm, name), [])
+                entry.append((c["tasks"], c["rows"] / rows if rows else 0.0,
+                              c["mainloop_share"], c["median_ns_per_ktile"]))  # fmt: skip
 
     def med(values):
         values = [v for v in values if v is not None]
