@@ -148,6 +148,15 @@ done
 for b in 4de199e 4de199e-exp-tailswap; do
   for r in 1 2; do args+=("$R/megakernel_trace_h100_${b}_tiles_$r.json"); done
 done
+# session 47's same-call A/B on one H100 (the weight stream): main's build, then it with the
+# weight tiles prefetched into the L2 4 and 8 k-tiles ahead (docs/results/
+# exp_weight_prefetch{4,8}_95ad45f.patch) and with every task reading expert 0's first two
+# n-tiles, which stay in the L2 (exp_weights_from_l2_fc49499.patch; wrong outputs, timing only)
+for b in 4de199e 4de199e-exp-wpf4 4de199e-exp-wpf8 4de199e-exp-wl2; do
+  for r in 1 2; do
+    args+=("$R/megakernel_trace_h100_${b}_weights_$r.json" "$R/megakernel_trace_h100_${b}_weights_${r}_fp8.json")
+  done
+done
 args+=(--trace)
 for t in "${traces[@]}"; do args+=("$R/$t"); done
 args+=(--ncu)
